@@ -1,0 +1,50 @@
+# Two commands do all the set-up on a fresh machine:
+#   make test   create .venv if missing, install, run every test (unit, notebooks, browser)
+#   make lab    create .venv if missing, install, start JupyterLab on notebooks/
+# GPU users: install the torch build for your CUDA into .venv first (see README);
+# an installed torch is kept.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
+PYTEST_ARGS ?=
+
+.PHONY: test lab browser notebooks clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[lab,test]"
+	@touch $@
+
+# Debian's chromium for the browser test (Playwright drives it; it downloads no browser).
+browser:
+	@if [ ! -x $(CHROMIUM) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium with apt-get"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "could not install chromium: the browser test will be skipped"; \
+	  else echo "no $(CHROMIUM): the browser test will be skipped (apt-get install chromium)"; fi; \
+	fi
+
+# Jupyter, IPython and matplotlib write under $HOME: tests get a throw-away one.
+test: $(STAMP) browser
+	@tmp=$$(mktemp -d); \
+	HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
+	JUPYTER_CONFIG_DIR=$$tmp/jupyter/config JUPYTER_DATA_DIR=$$tmp/jupyter/data \
+	JUPYTER_RUNTIME_DIR=$$tmp/jupyter/runtime MPLBACKEND=Agg \
+	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \
+	rc=$$?; rm -rf $$tmp; exit $$rc
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+# Re-execute the committed notebooks in place (after editing one).
+notebooks: $(STAMP)
+	$(PY) tools/execute_notebooks.py notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) .pytest_cache test-artifacts

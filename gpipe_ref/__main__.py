@@ -1,0 +1,102 @@
+"""Command line: ``python -m gpipe_ref simulate ...`` (more subcommands come with the course)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .schedule import SCHEDULE_NAMES, ScheduleError, make_schedule
+from .simulator import CostModel, bubble_formula, simulate
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _cost(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpipe_ref",
+        description="gpipe_ref: pipeline schedules, simulated and run for real.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sim = commands.add_parser(
+        "simulate",
+        help="simulate a pipeline schedule and print its timeline and bubble",
+        description="Simulate one training step of a pipeline schedule on ideal devices and "
+                    "print a text timeline (one row per device) with the bubble fraction.",
+    )
+    sim.add_argument("--schedule", default="gpipe", choices=SCHEDULE_NAMES,
+                     help="which schedule to build (default: gpipe)")
+    sim.add_argument("--stages", type=_positive_int, default=4,
+                     help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4)")
+    sim.add_argument("--microbatches", type=_positive_int, default=8,
+                     help="micro-batches m per step (default: 8)")
+    sim.add_argument("--stages-per-device", type=_positive_int, default=1,
+                     help="stages per device v, for interleaved_1f1b only (default: 1)")
+    sim.add_argument("--forward", type=_cost, default=1.0, help="cost of a forward (default: 1)")
+    sim.add_argument("--backward-input", type=_cost, default=1.0,
+                     help="cost of the input-gradient half of a backward (default: 1)")
+    sim.add_argument("--backward-weight", type=_cost, default=1.0,
+                     help="cost of the weight-gradient half of a backward (default: 1); "
+                          "a full B costs backward-input + backward-weight")
+    sim.add_argument("--comm", type=_cost, default=0.0,
+                     help="cost added when an activation or gradient crosses devices (default: 0)")
+    sim.add_argument("--width", type=_positive_int, default=160,
+                     help="widest text timeline, in characters (default: 160)")
+    sim.add_argument("--trace", metavar="PATH",
+                     help="also write a Chrome trace JSON (open it in ui.perfetto.dev or chrome://tracing)")
+    sim.add_argument("--show-schedule", action="store_true",
+                     help="also print each device's action list in 1F0 notation")
+    return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.stages_per_device)
+    cost = CostModel(args.forward, args.backward_input, args.backward_weight, args.comm)
+    timeline = simulate(schedule, cost)
+    print(f"schedule {schedule.name}: {schedule.num_stages} stages on {schedule.num_devices} devices, "
+          f"{schedule.num_microbatches} micro-batches")
+    if args.show_schedule:
+        print(schedule.to_text())
+    print(timeline.to_text(max_width=args.width))
+    uniform = (args.forward, args.backward_input, args.backward_weight, args.comm) == (1.0, 1.0, 1.0, 0.0)
+    ratio = (args.backward_input + args.backward_weight) / args.forward if args.forward else float("inf")
+    formula = bubble_formula(schedule.name, schedule.num_devices, schedule.num_microbatches,
+                             schedule.stages_per_device, backward_ratio=ratio)
+    print(f"bubble fraction: {timeline.bubble_fraction:.4f} ({timeline.bubble_fraction:.2%})")
+    print(f"formula:         {formula:.4f}" + ("" if uniform else " (for uniform costs, comm 0)"))
+    print("peak in-flight micro-batches per device: "
+          + ", ".join(str(timeline.peak_in_flight(d)) for d in range(timeline.num_devices)))
+    if args.trace:
+        timeline.to_chrome_trace(args.trace)
+        print(f"wrote Chrome trace to {args.trace}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"simulate": _simulate}[args.command](args)
+    except (ValueError, ScheduleError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

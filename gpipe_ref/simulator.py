@@ -1,0 +1,135 @@
+"""Simulate a schedule on ideal devices with a cost model.
+
+Each device runs its action list in order; an action starts when its device
+is free and the actions it depends on have finished (plus ``comm`` when the
+data crosses devices). This is the discrete-event model behind every bubble
+formula in the course (GPipe, Huang et al. 2019, sec. 2.2; Narayanan et al.
+2021, sec. 2.2).
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from dataclasses import dataclass
+from .schedule import DeadlockReport, Schedule, ScheduleError, _check_structure, _walk
+from .timeline import Event, Timeline
+
+@dataclass(frozen=True)
+class CostModel:
+    """Durations of one action on one micro-batch, in arbitrary units.
+
+    A full backward (B in a schedule without W actions) costs
+    ``backward_input + backward_weight``; with W actions, B costs
+    ``backward_input`` and W ``backward_weight``. ``comm`` is added when an
+    activation or a gradient crosses devices. ``stage_scale[s]`` multiplies
+    every compute cost of stage ``s`` (unbalanced stages).
+    """
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    comm: float = 0.0
+    stage_scale: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight", "comm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.stage_scale is not None:
+            scale = tuple(self.stage_scale)
+            for s, value in enumerate(scale):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                    raise ValueError(f"stage_scale[{s}] must be a number >= 0, got {value!r}")
+            object.__setattr__(self, "stage_scale", scale)
+
+    @property
+    def backward(self) -> float:
+        """Cost of a full backward (input and weight gradients)."""
+        return self.backward_input + self.backward_weight
+
+    def duration(self, op: str, stage: int, split_backward: bool) -> float:
+        """How long ``op`` on ``stage`` takes."""
+        if op == "F":
+            base = self.forward
+        elif op == "B":
+            base = self.backward_input if split_backward else self.backward
+        else:
+            base = self.backward_weight
+        if self.stage_scale is not None:
+            base *= self.stage_scale[stage]
+        return base
+
+
+@contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector: a big schedule creates ~10^5 acyclic
+    objects, and collections triggered by them cost about a third of the run."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def simulate(schedule: Schedule, cost_model: CostModel | None = None) -> Timeline:
+    """Place every action of ``schedule`` on its device's clock.
+
+    The schedule is validated on the way (the rules of :func:`validate`);
+    raises :class:`ScheduleError` for an invalid or deadlocking schedule.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    cost = CostModel() if cost_model is None else cost_model
+    if not isinstance(cost, CostModel):
+        raise TypeError(f"cost_model must be a CostModel, got {type(cost).__name__}")
+    if cost.stage_scale is not None and len(cost.stage_scale) != schedule.num_stages:
+        raise ValueError(
+            f"stage_scale must have one entry per stage ({schedule.num_stages}), "
+            f"got {len(cost.stage_scale)}"
+        )
+    with _gc_paused():
+        return _simulate(schedule, cost)
+
+
+def _simulate(schedule: Schedule, cost: CostModel) -> Timeline:
+    encoded = _check_structure(schedule)
+    p, split = schedule.num_stages, schedule.has_weight_actions
+    durations = [cost.duration(op, s, split) for op in "FBW" for s in range(p)]
+    walk = _walk(schedule, encoded, durations, cost.comm)
+    if isinstance(walk, DeadlockReport):
+        raise ScheduleError(str(walk))
+
+    owner, start, end = schedule.stage_to_device, walk.start, walk.end
+    actions = [encoded.action_of[key] for key in walk.order]
+    versions = schedule.weight_versions if not schedule.flush else None
+    events = list(map(Event._make, (
+        (owner[a.stage], a.stage, a.op, a.microbatch, start[key], end[key],
+         0 if versions is None else versions[a])
+        for a, key in zip(actions, walk.order)
+    )))
+    return Timeline(events, schedule.num_devices, unit="cost")
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:
+    """The closed-form bubble fraction the course states for uniform stages, comm 0.
+
+    ``p`` is the number of devices, ``backward_ratio`` = backward / forward cost.
+      * gpipe, 1f1b, pipedream_async: (p-1)/(m+p-1)  (Huang et al. 2019, sec. 2.2)
+      * zero_bubble_h1 with B = W = ratio/2 and m >= p: (p-1)/(m(1+ratio)+p-1)
+        (Qi et al. 2023, sec. 3; (p-1)/(3m+p-1) when F = B = W)
+      * interleaved_1f1b: (p-1)/(v m + p - 1), i.e. Megatron's bubble-to-ideal
+        ratio (p-1)/(v m) (Narayanan et al. 2021, sec. 2.2) as a fraction
+    """
+    if name in ("gpipe", "1f1b", "pipedream_async"):
+        return (p - 1) / (m + p - 1)
+    if name == "zero_bubble_h1":
+        return (p - 1) / (m * (1 + backward_ratio) + p - 1)
+    if name == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    raise ValueError(f"name must be one of gpipe, 1f1b, pipedream_async, zero_bubble_h1, "
+                     f"interleaved_1f1b, got {name!r}")
+

@@ -1,0 +1,165 @@
+"""Pictures of a Timeline with matplotlib.
+
+Every plot takes a :class:`~gpipe_ref.timeline.Timeline`, simulated or
+measured, so both are drawn the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING
+
+from .timeline import Timeline
+
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
+    from matplotlib.axes import Axes
+
+# Forward: the micro-batch's colour. Backward: the same colour, lighter.
+# W (weight gradient): the same colour, darker. Idle: grey hatching, drawn as
+# one hatched band per device under the bars (hatching thousands of small
+# gaps one by one is what makes matplotlib slow).
+_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4}
+_LABEL_LIMIT = 400  # above this many events, bars are not labelled (too small to read)
+
+
+def _shade(rgb: tuple[float, float, float], amount: float) -> tuple[float, float, float]:
+    """Blend towards white (amount > 0) or black (amount < 0)."""
+    if amount >= 0:
+        return tuple(c + (1.0 - c) * amount for c in rgb)
+    return tuple(c * (1.0 + amount) for c in rgb)
+
+
+def microbatch_color(microbatch: int) -> tuple[float, float, float]:
+    """A stable colour per micro-batch (tab10, cycling)."""
+    from matplotlib import colormaps
+
+    return colormaps["tab10"].colors[microbatch % 10]
+
+
+def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None) -> "Axes":
+    """Draw one row per device: bars coloured by micro-batch, F/B/W told
+    apart by shade and hatching, idle time hatched grey, bubble % in the title."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.45 * timeline.num_devices + 1.2))
+    origin, span = timeline.origin, timeline.makespan
+    height = 0.8
+
+    def box(device: int, start: float, end: float) -> list[tuple[float, float]]:
+        y = device - height / 2
+        return [(start, y), (end, y), (end, y + height), (start, y + height)]
+
+    ax.add_collection(PolyCollection(
+        [box(d, 0.0, span) for d in range(timeline.num_devices)],
+        facecolors="#f2f2f2", edgecolors="#b0b0b0", hatch="////", linewidths=0.0,
+    ))
+    palette = [_shade(microbatch_color(i), 0.0) for i in range(10)]
+    for op in "FBW":
+        events = [e for e in timeline.events if e.op == op]
+        if not events:
+            continue
+        shades = [_shade(c, _LIGHTEN[op]) for c in palette]
+        ax.add_collection(PolyCollection(
+            [box(e.device, e.start - origin, e.end - origin) for e in events],
+            facecolors=[shades[e.microbatch % 10] for e in events],
+            edgecolors="white", linewidths=0.5 if len(timeline.events) <= _LABEL_LIMIT else 0.0,
+        ))
+    if len(timeline.events) <= _LABEL_LIMIT:
+        for e in timeline.events:
+            ax.text((e.start + e.end) / 2 - origin, e.device, f"{e.op}{e.microbatch}",
+                    ha="center", va="center", fontsize=7, color="white" if e.op == "W" else "black",
+                    clip_on=True)
+
+    ax.set_xlim(0, span if span else 1.0)
+    ax.set_ylim(timeline.num_devices - 0.5, -0.5)  # device 0 on top
+    ax.set_yticks(range(timeline.num_devices))
+    ax.set_yticklabels([f"device {d}" for d in range(timeline.num_devices)])
+    ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
+    heading = f"{title} - " if title else ""
+    ax.set_title(f"{heading}bubble {timeline.bubble_fraction:.1%}")
+    ops = sorted({e.op for e in timeline.events}, key="FBW".index)
+    names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)",
+             "W": "weight grad"}
+    grey = (0.45, 0.45, 0.45)
+    handles = [Patch(facecolor=_shade(grey, _LIGHTEN[op]), label=names[op]) for op in ops]
+    handles.append(Patch(facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="////", label="idle (bubble)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+_svg_ids = itertools.count()
+
+
+def _nice_step(span: float, max_ticks: int = 10) -> float:
+    """A 1-2-5 tick step that gives at most ``max_ticks`` ticks over ``span``."""
+    raw = span / max_ticks if span > 0 else 1.0
+    power = 10 ** math.floor(math.log10(raw))
+    return next(k * power for k in (1, 2, 5, 10) if k * power >= raw)
+
+
+def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900) -> str:
+    """The same picture as :func:`plot_timeline` as an SVG string, for widgets:
+    the browser draws it in milliseconds, and hovering a bar shows its action
+    and times."""
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+    left, right, top, row, bottom = 72, 12, 26, 22, 40
+    n = timeline.num_devices
+    height = top + n * row + bottom
+    origin, span = timeline.origin, timeline.makespan or 1.0
+    scale = (width - left - right) / span
+    idle = f"idle{next(_svg_ids)}"
+    hexes = {op: ["#%02x%02x%02x" % tuple(int(255 * c) for c in _shade(microbatch_color(i), _LIGHTEN[op]))
+                  for i in range(10)] for op in "FBW"}
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<defs><pattern id="{idle}" width="6" height="6" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f2f2f2"/>'
+        f'<line x1="0" y1="0" x2="0" y2="6" stroke="#b0b0b0" stroke-width="1.5"/></pattern></defs>',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
+        f'{(title + " - ") if title else ""}bubble {timeline.bubble_fraction:.1%}</text>',
+    ]
+    for d in range(n):
+        y = top + d * row
+        out.append(f'<text x="{left - 6}" y="{y + row / 2 + 4}" text-anchor="end">device {d}</text>')
+        out.append(f'<rect x="{left}" y="{y + 2}" width="{span * scale:.2f}" height="{row - 4}" '
+                   f'fill="url(#{idle})"/>')
+    label = len(timeline.events) <= _LABEL_LIMIT
+    for e in timeline.events:
+        x, w = left + (e.start - origin) * scale, e.duration * scale
+        y = top + e.device * row
+        out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row - 4}" '
+                   f'fill="{hexes[e.op][e.microbatch % 10]}" stroke="white" stroke-width="0.5">'
+                   f'<title>{e.stage}{e.op}{e.microbatch}: {e.start - origin:.4g} to '
+                   f'{e.end - origin:.4g}</title></rect>')
+        if label and w >= 18:
+            color = "white" if e.op == "W" else "black"
+            out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 4}" text-anchor="middle" '
+                       f'font-size="9" fill="{color}" pointer-events="none">{e.op}{e.microbatch}</text>')
+    axis_y = top + n * row
+    step = _nice_step(span)
+    for k in range(int(span / step) + 1):
+        x = left + k * step * scale
+        out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="#444"/>')
+        out.append(f'<text x="{x:.2f}" y="{axis_y + 15}" text-anchor="middle">{k * step:.4g}</text>')
+    unit = "cost units" if timeline.unit == "cost" else "s"
+    legend_x = left
+    ops = sorted({e.op for e in timeline.events}, key="FBW".index)
+    names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)", "W": "weight grad"}
+    for op in ops:
+        grey = "#%02x%02x%02x" % tuple(int(255 * c) for c in _shade((0.45, 0.45, 0.45), _LIGHTEN[op]))
+        out.append(f'<rect x="{legend_x}" y="{axis_y + 24}" width="12" height="10" fill="{grey}"/>'
+                   f'<text x="{legend_x + 16}" y="{axis_y + 33}">{names[op]}</text>')
+        legend_x += 30 + 7 * len(names[op])
+    out.append(f'<rect x="{legend_x}" y="{axis_y + 24}" width="12" height="10" fill="url(#{idle})" '
+               f'stroke="#b0b0b0"/><text x="{legend_x + 16}" y="{axis_y + 33}">idle (bubble)</text>')
+    out.append(f'<text x="{width - right}" y="{axis_y + 33}" text-anchor="end">time ({unit})</text>')
+    out.append("</svg>")
+    return "".join(out)
