@@ -33,7 +33,7 @@ browser:
 # Jupyter, IPython and matplotlib write under $HOME: tests get a throw-away one.
 test: $(STAMP) browser
 	@tmp=$$(mktemp -d); \
-	HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
+	GPIPE_TEST_HOME=$$tmp HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
 	JUPYTER_CONFIG_DIR=$$tmp/jupyter/config JUPYTER_DATA_DIR=$$tmp/jupyter/data \
 	JUPYTER_RUNTIME_DIR=$$tmp/jupyter/runtime MPLBACKEND=Agg \
 	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \

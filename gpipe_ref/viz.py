@@ -163,3 +163,41 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900)
     out.append(f'<text x="{width - right}" y="{axis_y + 33}" text-anchor="end">time ({unit})</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def plot_parallelism_overview(layers: int = 4):
+    """Three ways to share one model between two devices, side by side:
+    data parallel (whole model on each, half the batch each), tensor parallel
+    (every layer split in two), pipeline parallel (consecutive layers per device)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    colors = ("#4c72b0", "#dd8452")  # device 0, device 1
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    titles = ("data parallel:\nwhole model on each device,\nhalf the batch each",
+              "tensor parallel:\nevery layer split across devices,\nwhole batch on each",
+              "pipeline parallel:\nconsecutive layers per device,\nbatch flows through")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, 10)
+        ax.set_ylim(-1.2, layers + 0.3)
+        ax.axis("off")
+    for row in range(layers):  # layer 0 at the bottom, like a forward pass going up
+        y = row + 0.1
+        for dev, x in enumerate((0.6, 5.4)):  # data parallel: a full copy on each device
+            axes[0].add_patch(Rectangle((x, y), 4.0, 0.7, color=colors[dev]))
+            axes[0].text(x + 2.0, y + 0.35, f"layer {row}", ha="center", va="center", color="white", fontsize=8)
+        for dev, x in enumerate((1.0, 5.0)):  # tensor parallel: each layer in two halves
+            axes[1].add_patch(Rectangle((x, y), 4.0, 0.7, color=colors[dev]))
+            axes[1].text(x + 2.0, y + 0.35, f"layer {row}, half {dev}", ha="center", va="center",
+                         color="white", fontsize=8)
+        dev = 0 if row < layers / 2 else 1  # pipeline: bottom half on device 0, top half on device 1
+        axes[2].add_patch(Rectangle((2.5, y), 5.0, 0.7, color=colors[dev]))
+        axes[2].text(5.0, y + 0.35, f"layer {row}", ha="center", va="center", color="white", fontsize=8)
+    for dev, label in enumerate(("device 0", "device 1")):
+        for ax in axes:
+            ax.add_patch(FancyBboxPatch((0.5 + 5.2 * dev, -1.0), 3.8, 0.5, boxstyle="round,pad=0.05",
+                                        color=colors[dev]))
+            ax.text(2.4 + 5.2 * dev, -0.75, label, ha="center", va="center", color="white", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -94,8 +94,8 @@ class BubbleExplorer:
         formula = bubble_formula(name, p, m, v, backward_ratio=r)
         sizes = f"p={p}, m={m}" + (f", v={v}" if name == "interleaved_1f1b" else "")
         caveat = "" if c == 0 else " (the formula ignores comm)"
-        if name == "zero_bubble_h1" and m < p:
-            caveat = " (the formula needs m &ge; p)"
+        if name == "zero_bubble_h1" and (m < p or r > 2):
+            caveat = " (the formula assumes m &ge; p and W &le; F, i.e. r &le; 2: here a lower bound)"
         self.readout.value = (
             f"<b>{sizes}</b> &middot; simulated bubble <b>{self.timeline.bubble_fraction:.2%}</b>"
             f" &middot; formula {_FORMULA_TEXT[name]} = <b>{formula:.2%}</b>{caveat}"

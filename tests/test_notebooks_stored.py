@@ -1,0 +1,46 @@
+"""Notebooks are committed executed (nbval passes never-executed cells silently),
+with a kernelspec, importing gpipe_ref rather than redefining it."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+
+import gpipe_ref
+from conftest import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+COURSE = ["00_welcome", "04_gpipe"]  # grows as the course does
+
+
+def test_course_notebooks_exist():
+    names = {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert set(COURSE) <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_code_cell_is_executed(path):
+    nb = json.loads(path.read_text())
+    assert nb["metadata"].get("kernelspec", {}).get("name"), "no kernelspec: JupyterLab would open it with No Kernel"
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code" or not "".join(cell["source"]).strip():
+            continue
+        assert cell.get("execution_count") is not None, f"cell {index} was never executed"
+        if path.parent.name == "notebooks":
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            assert not errors, f"cell {index} stores an error"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebook_imports_gpipe_ref_and_does_not_redefine_it(path):
+    nb = json.loads(path.read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    code = "\n".join(ln for ln in code.splitlines() if not ln.lstrip().startswith(("%", "!")))
+    tree = ast.parse(code)
+    assert any(isinstance(n, (ast.Import, ast.ImportFrom)) and "gpipe_ref" in ast.unparse(n)
+               for n in ast.walk(tree)), "the notebook does not import gpipe_ref"
+    public = set(gpipe_ref.__all__)
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not defined & public, f"redefines gpipe_ref names: {sorted(defined & public)}"

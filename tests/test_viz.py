@@ -1,0 +1,41 @@
+"""Plots draw what the Timeline says."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from gpipe_ref.schedule import gpipe, zero_bubble_h1  # noqa: E402
+from gpipe_ref.simulator import simulate  # noqa: E402
+from gpipe_ref.viz import plot_timeline, timeline_svg  # noqa: E402
+
+
+def test_plot_timeline_draws_every_event_and_the_bubble(artifacts_dir):
+    timeline = simulate(zero_bubble_h1(4, 8))
+    ax = plot_timeline(timeline, title="zb")
+    assert ax.get_title() == "zb - bubble 11.1%"
+    bars = sum(len(c.get_paths()) for c in ax.collections[1:])
+    assert bars == len(timeline.events)
+    assert ax.collections[0].get_hatch() == "////"  # idle is hatched
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"device {d}" for d in range(4)]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["forward", "backward (input grad)", "weight grad", "idle (bubble)"]
+    ax.figure.savefig(artifacts_dir / "timeline_zb.png")
+
+
+def test_timeline_svg_has_a_tooltip_per_event():
+    timeline = simulate(gpipe(3, 4))
+    svg = timeline_svg(timeline, title="gpipe")
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert svg.count("<title>") == len(timeline.events)
+    assert "gpipe - bubble 33.3%" in svg and "<title>2B3:" in svg
+
+
+def test_plots_reject_non_timelines():
+    with pytest.raises(TypeError, match="timeline must be a Timeline, got list"):
+        plot_timeline([])
+    with pytest.raises(TypeError, match="timeline must be a Timeline, got str"):
+        timeline_svg("x")
