@@ -11,6 +11,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 PYTEST_ARGS ?=
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: test lab browser notebooks clean
 
@@ -40,7 +41,7 @@ test: $(STAMP) browser
 	rc=$$?; rm -rf $$tmp; exit $$rc
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # Re-execute the committed notebooks in place (after editing one).
 notebooks: $(STAMP)
