@@ -36,7 +36,7 @@ test: $(STAMP) browser
 	@tmp=$$(mktemp -d); \
 	GPIPE_TEST_HOME=$$tmp HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
 	JUPYTER_CONFIG_DIR=$$tmp/jupyter/config JUPYTER_DATA_DIR=$$tmp/jupyter/data \
-	JUPYTER_RUNTIME_DIR=$$tmp/jupyter/runtime MPLBACKEND=Agg \
+	JUPYTER_RUNTIME_DIR=$$tmp/jupyter/runtime \
 	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$tmp; exit $$rc
 

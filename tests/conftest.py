@@ -20,7 +20,6 @@ if not os.environ.get("GPIPE_TEST_HOME"):
         IPYTHONDIR=f"{_home}/ipython", JUPYTER_CONFIG_DIR=f"{_home}/jupyter/config",
         JUPYTER_DATA_DIR=f"{_home}/jupyter/data", JUPYTER_RUNTIME_DIR=f"{_home}/jupyter/runtime",
     )
-os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 @pytest.fixture
