@@ -508,7 +508,7 @@ def _walk(
 ) -> _Walk | DeadlockReport:
     """Run every device's list in order, each action once its dependencies ran.
 
-    With ``durations[op * p + stage]`` and ``comm`` it also times each action
+    With ``durations[key]`` (one per action key) and ``comm`` it also times each action
     as the simulator defines: start when the device is free and every
     dependency has ended (+ comm when it crosses devices). One pass, O(actions).
     """
@@ -516,7 +516,7 @@ def _walk(
     pm = p * m
     owner = schedule.stage_to_device
     rows = encoded.rows
-    cost = durations if durations is not None else [1.0] * (3 * p)
+    cost = durations if durations is not None else [1.0] * (3 * pm)
     # comm paid by F(s) receiving from stage s-1, and by B(s) receiving from stage s+1
     recv_fwd = [comm if s > 0 and owner[s - 1] != owner[s] else 0.0 for s in range(p)]
     recv_bwd = [comm if s < p - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(p)]
@@ -562,7 +562,7 @@ def _walk(
                     if ready_time > begin:
                         begin = ready_time
             start[key] = begin
-            t = end[key] = begin + cost[op * p + s]
+            t = end[key] = begin + cost[key]
             record(key)
             c += 1
             woken = waiting[key]

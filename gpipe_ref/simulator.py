@@ -12,7 +12,9 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from .schedule import DeadlockReport, Schedule, ScheduleError, _check_structure, _walk
+from typing import Mapping
+
+from .schedule import Action, DeadlockReport, Schedule, ScheduleError, _check_structure, _walk
 from .timeline import Event, Timeline
 
 @dataclass(frozen=True)
@@ -96,13 +98,35 @@ def simulate(schedule: Schedule, cost_model: CostModel | None = None) -> Timelin
 
 
 def _simulate(schedule: Schedule, cost: CostModel) -> Timeline:
+    p, m, split = schedule.num_stages, schedule.num_microbatches, schedule.has_weight_actions
+    per_key: list[float] = []  # one duration per action key, in key order (op, stage, micro-batch)
+    for op in "FBW":
+        for s in range(p):
+            per_key += [cost.duration(op, s, split)] * m
+    return _place(schedule, _check_structure(schedule), per_key, cost.comm)
+
+
+def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0.0) -> Timeline:
+    """Place actions with *given* durations (say, measured one at a time) on the
+    devices' clocks as parallel devices would run them: the simulator's rule
+    with one duration per action instead of a cost model."""
     encoded = _check_structure(schedule)
-    p, split = schedule.num_stages, schedule.has_weight_actions
-    durations = [cost.duration(op, s, split) for op in "FBW" for s in range(p)]
-    walk = _walk(schedule, encoded, durations, cost.comm)
+    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not comm >= 0:
+        raise ValueError(f"comm must be a number >= 0, got {comm!r}")
+    per_key = [0.0] * (3 * schedule.num_stages * schedule.num_microbatches)
+    for row, acts in zip(encoded.rows, schedule.per_device):
+        for key, a in zip(row, acts):
+            if a not in durations:
+                raise ValueError(f"durations has no entry for action {a}")
+            per_key[key] = float(durations[a])
+    with _gc_paused():
+        return _place(schedule, encoded, per_key, comm)
+
+
+def _place(schedule: Schedule, encoded, per_key: list[float], comm: float) -> Timeline:
+    walk = _walk(schedule, encoded, per_key, comm)
     if isinstance(walk, DeadlockReport):
         raise ScheduleError(str(walk))
-
     owner, start, end = schedule.stage_to_device, walk.start, walk.end
     actions = [encoded.action_of[key] for key in walk.order]
     versions = schedule.weight_versions if not schedule.flush else None
