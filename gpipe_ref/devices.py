@@ -52,3 +52,48 @@ def describe_devices(pipeline_devices: int = 4) -> str:
         lines.append(f"a {pipeline_devices}-stage pipeline runs on {pipeline_devices} simulated devices "
                      f"(real tensors on the {'GPU' if gpus else 'CPU'}, timed per device)")
     return "\n".join(lines)
+
+
+def resolve_devices(devices, count: int) -> list:
+    """The ``count`` torch devices a pipeline runs on.
+
+    ``None``: the first ``count`` CUDA GPUs when there are that many, else
+    ``count`` simulated devices on the CPU. A list of ``"cuda:i"``, ``"cpu"`` or
+    ``torch.device`` is used as given (the first ``count`` entries).
+    """
+    import torch
+
+    if devices is None:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= count:
+            return [torch.device("cuda", i) for i in range(count)]
+        return [torch.device("cpu")] * count
+    if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__len__"):
+        raise TypeError(f"devices must be a list of devices such as ['cuda:0', 'cuda:1'] or ['cpu', 'cpu'], "
+                        f"got {devices!r}")
+    if len(devices) < count:
+        raise ValueError(f"devices must list at least {count} devices for this pipeline "
+                         f"({count} pipeline devices), got {len(devices)}: {list(devices)!r}")
+    resolved = []
+    for d in list(devices)[:count]:
+        try:
+            device = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices entry {d!r} is not a device ('cuda:0', 'cpu', ...): {exc}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"devices entry {d!r} asks for CUDA, but torch sees no GPU here; use 'cpu'")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if device.index >= torch.cuda.device_count():
+                raise ValueError(f"devices entry {d!r}: only {torch.cuda.device_count()} GPUs are visible")
+        elif device.type != "cpu":
+            raise ValueError(f"devices entry {d!r}: only 'cuda' and 'cpu' devices are supported")
+        resolved.append(device)
+    return resolved
+
+
+def describe_placement(devices: list) -> str:
+    """One line: where the pipeline devices are."""
+    if all(d.type == "cpu" for d in devices):
+        return f"{len(devices)} simulated devices on the CPU"
+    return ", ".join(str(d) for d in devices)

@@ -106,7 +106,8 @@ def _simulate(schedule: Schedule, cost: CostModel) -> Timeline:
     return _place(schedule, _check_structure(schedule), per_key, cost.comm)
 
 
-def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0.0) -> Timeline:
+def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0.0, *,
+          unit: str = "s", peak_memory: Mapping[int, int] | None = None) -> Timeline:
     """Place actions with *given* durations (say, measured one at a time) on the
     devices' clocks as parallel devices would run them: the simulator's rule
     with one duration per action instead of a cost model."""
@@ -120,10 +121,11 @@ def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0
                 raise ValueError(f"durations has no entry for action {a}")
             per_key[key] = float(durations[a])
     with _gc_paused():
-        return _place(schedule, encoded, per_key, comm)
+        return _place(schedule, encoded, per_key, comm, unit, peak_memory)
 
 
-def _place(schedule: Schedule, encoded, per_key: list[float], comm: float) -> Timeline:
+def _place(schedule: Schedule, encoded, per_key: list[float], comm: float,
+           unit: str = "cost", peak_memory: Mapping[int, int] | None = None) -> Timeline:
     walk = _walk(schedule, encoded, per_key, comm)
     if isinstance(walk, DeadlockReport):
         raise ScheduleError(str(walk))
@@ -135,7 +137,7 @@ def _place(schedule: Schedule, encoded, per_key: list[float], comm: float) -> Ti
          0 if versions is None else versions[a])
         for a, key in zip(actions, walk.order)
     )))
-    return Timeline(events, schedule.num_devices, unit="cost")
+    return Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 from .schedule import Action
 
@@ -47,10 +47,12 @@ class Timeline:
     """Events of one pipeline step on ``num_devices`` devices.
 
     ``unit`` is ``"s"`` for measured seconds or ``"cost"`` for simulated cost
-    units.
+    units. ``peak_memory`` (device -> bytes of saved activations at the peak)
+    comes with measured runs.
     """
 
-    def __init__(self, events: Iterable[Event], num_devices: int, *, unit: str = "s") -> None:
+    def __init__(self, events: Iterable[Event], num_devices: int, *, unit: str = "s",
+                 peak_memory: Mapping[int, int] | None = None) -> None:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
         if unit not in _US_PER_UNIT:
@@ -58,6 +60,7 @@ class Timeline:
         self.events = list(events)
         self.num_devices = num_devices
         self.unit = unit
+        self.peak_memory: dict[int, int] = dict(peak_memory or {})
         for e in self.events:
             if not 0 <= e.device < num_devices:
                 raise ValueError(f"event {e} is on device {e.device}, but devices are 0..{num_devices - 1}")

@@ -1,0 +1,123 @@
+"""Cut an ``nn.Sequential`` into consecutive stages.
+
+A pipeline runs as fast as its slowest stage, so a good cut minimises the
+largest stage cost (GPipe, Huang et al. 2019, sec. 2.1; torchgpipe's
+balance_by_time, Kim et al. 2020, sec. 3.3). The search here is exact: the
+best contiguous partition, found by binary search over the answer with a
+greedy feasibility check, not a greedy cut.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+def _check_sequential(module: object) -> nn.Sequential:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+    return module
+
+
+def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
+    """Validate ``balance`` (layers per stage) against ``module``."""
+    if isinstance(balance, (str, bytes)) or not hasattr(balance, "__len__") or len(balance) == 0:
+        raise ValueError(f"balance must be a non-empty list of layer counts, got {balance!r}")
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
+        raise ValueError(f"balance must hold integers, got {list(balance)!r}")
+    if any(b < 1 for b in balance):
+        raise ValueError(f"balance must have no stage with fewer than 1 layer, got {list(balance)}")
+    if sum(balance) != len(module):
+        raise ValueError(f"balance must sum to len(module) = {len(module)}, got {list(balance)} "
+                         f"(sum {sum(balance)})")
+    return list(balance)
+
+
+def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Consecutive slices of ``module``, ``balance[i]`` layers in stage ``i``.
+    The stages share the layer objects with ``module``."""
+    _check_sequential(module)
+    balance = check_balance(module, balance)
+    stages, start = [], 0
+    for count in balance:
+        stages.append(module[start:start + count])
+        start += count
+    return stages
+
+
+def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
+    """The contiguous split of ``costs`` into ``partitions`` non-empty parts that
+    minimises the largest part's sum; returns the part sizes."""
+    n = len(costs)
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= n:
+        raise ValueError(f"partitions must be an integer from 1 to the number of layers {n}, got {partitions!r}")
+    if any(c < 0 for c in costs):
+        raise ValueError(f"costs must be >= 0, got {list(costs)}")
+
+    def cut(limit: float) -> list[int] | None:
+        """Greedy: fill each part up to ``limit``, leaving a layer for each part still to come."""
+        sizes, current, count = [], 0.0, 0
+        for i, c in enumerate(costs):
+            remaining_layers = n - i
+            remaining_parts = partitions - len(sizes)
+            if count and (current + c > limit or remaining_layers < remaining_parts):
+                sizes.append(count)
+                current, count = 0.0, 0
+            current += c
+            count += 1
+            if current > limit:
+                return None
+        sizes.append(count)
+        return sizes if len(sizes) <= partitions else None
+
+    # The optimum is the sum of some contiguous run: search those candidate values.
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(candidates[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    sizes = cut(candidates[lo])
+    # Split the largest parts further until there are exactly `partitions` non-empty parts.
+    while len(sizes) < partitions:
+        k = max((i for i in range(len(sizes)) if sizes[i] > 1), key=lambda i: sizes[i])
+        sizes[k:k + 1] = [sizes[k] - 1, 1]
+    return sizes
+
+
+def balance_by_params(module: nn.Sequential, partitions: int) -> list[int]:
+    """Balance by parameter count (a proxy for memory)."""
+    _check_sequential(module)
+    costs = [float(sum(p.numel() for p in layer.parameters())) for layer in module]
+    return partition_costs(costs, partitions)
+
+
+def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int, repeats: int = 3) -> list[int]:
+    """Balance by measured forward + backward time per layer (median of ``repeats``) on ``sample``."""
+    _check_sequential(module)
+    if not isinstance(sample, torch.Tensor):
+        raise TypeError(f"sample must be a tensor, got {type(sample).__name__}")
+    costs = []
+    x = sample
+    for layer in module:
+        times = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            began = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            times.append(time.perf_counter() - began)
+        costs.append(sorted(times)[len(times) // 2])
+        x = out.detach()
+    return partition_costs(costs, partitions)

@@ -1,0 +1,419 @@
+"""GPipe: one model, cut into stages, run by a pipeline schedule on several devices.
+
+GPipe (Huang et al. 2019) splits an ``nn.Sequential`` into consecutive stages
+(sec. 2.1), cuts each mini-batch into micro-batches (sec. 2.2), and runs the
+micro-batches through the stages so that the devices work at the same time.
+Gradients of all micro-batches add up and the optimizer steps once per
+mini-batch, so training is the same as on one device. Re-materialization
+(sec. 2.3) keeps only each stage's input per micro-batch and recomputes the
+rest in the backward pass.
+
+Any flush :class:`~gpipe_ref.schedule.Schedule` runs here (GPipe's
+fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
+
+* ``executor="threads"``: one worker thread per device, each running its
+  action list in order and waiting for the actions it depends on. On GPUs the
+  devices really work in parallel.
+* ``executor="simulated"``: the actions run one at a time on the CPU in a
+  dependency-respecting order; each is timed, and the measured durations are
+  placed on per-device clocks as parallel devices would run them (the
+  simulator's rule, :func:`gpipe_ref.simulator.place`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .devices import describe_placement, resolve_devices
+from .memory import ActivationMeter
+from .microbatch import Batch, batch_size, gather, scatter
+from .partition import balance_by_params, check_balance, split
+from .schedule import Action, Schedule, execution_order, make_schedule, validate
+from .simulator import place
+from .timeline import Event, Timeline
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+EXECUTORS = ("auto", "threads", "simulated")
+
+
+@dataclass
+class _MicroState:
+    """What one stage keeps for one micro-batch between its F and its B (and W)."""
+
+    inputs: torch.Tensor | None = None  # the stage input (a leaf, so its grad is the input gradient)
+    chain: list[torch.Tensor] = field(default_factory=list)  # outputs of each layer (+ the loss, last stage)
+    token: object = None  # the meter's count of the held input
+    rng_state: tuple | None = None  # to replay dropout identically when recomputing
+    output: torch.Tensor | None = None  # sent to the next stage (detached)
+    input_grad: torch.Tensor | None = None  # sent to the previous stage
+    chain_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # for W: grad of each layer output
+
+
+class GPipe(nn.Module):
+    """Pipeline-parallel wrapper around an ``nn.Sequential`` (API as torchgpipe).
+
+    Args:
+        module: the model, an ``nn.Sequential``.
+        balance: layers per stage, e.g. ``[2, 2]``; ``None`` balances by
+            parameter count over ``len(devices) * stages_per_device`` stages.
+        devices: one per pipeline device; ``None`` picks CUDA GPUs when there
+            are enough, else simulated CPU devices.
+        chunks: micro-batches per mini-batch (``m``).
+        checkpoint: "always", "except_last" (all micro-batches but the last) or
+            "never": which micro-batches re-materialize their activations.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", or a
+            flush :class:`Schedule` for ``len(balance)`` stages and ``chunks``
+            micro-batches.
+        stages_per_device: stages on each device (interleaved schedules).
+        executor: "threads", "simulated", or "auto" (threads on GPUs,
+            simulated on the CPU).
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        devices: Sequence | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        schedule: str | Schedule = "gpipe",
+        stages_per_device: int = 1,
+        executor: str = "auto",
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        if isinstance(stages_per_device, bool) or not isinstance(stages_per_device, int) or stages_per_device < 1:
+            raise ValueError(f"stages_per_device must be an integer >= 1, got {stages_per_device!r}")
+        if balance is None:
+            if devices is None:
+                raise ValueError("balance must be given (layers per stage, e.g. [2, 2]) when devices is None")
+            balance = balance_by_params(module, len(devices) * stages_per_device)
+        balance = check_balance(module, balance)
+        self.schedule = self._build_schedule(schedule, len(balance), chunks, stages_per_device)
+        self.chunks = self.schedule.num_microbatches
+        self.checkpoint = checkpoint
+        self.balance = balance
+        self.module = module
+        self.devices = resolve_devices(devices, self.schedule.num_devices)
+        self.executor = executor if executor != "auto" else (
+            "threads" if any(d.type == "cuda" for d in self.devices) else "simulated")
+        self._stages = split(module, balance)  # not registered: they share layers with self.module
+        for s, stage in enumerate(self._stages):
+            stage.to(self.stage_device(s))
+        self.timeline: Timeline | None = None
+
+    @staticmethod
+    def _build_schedule(schedule, num_stages: int, chunks: int, stages_per_device: int) -> Schedule:
+        if isinstance(schedule, Schedule):
+            validate(schedule)
+            if schedule.num_stages != num_stages:
+                raise ValueError(f"schedule has {schedule.num_stages} stages but balance has {num_stages}")
+            if chunks not in (1, schedule.num_microbatches):
+                raise ValueError(f"chunks={chunks} but the schedule runs {schedule.num_microbatches} micro-batches")
+            if not schedule.flush:
+                raise ValueError(f"schedule {schedule.name!r} updates asynchronously (flush=False); GPipe runs "
+                                 f"flush schedules only (see gpipe_ref.staleness for PipeDream)")
+            return schedule
+        if not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a schedule name or a Schedule, got {type(schedule).__name__}")
+        if schedule == "pipedream_async":
+            raise ValueError("schedule must be a flush schedule ('gpipe', '1f1b', 'interleaved_1f1b', "
+                             "'zero_bubble_h1'); 'pipedream_async' runs in gpipe_ref.staleness")
+        if num_stages % stages_per_device:
+            raise ValueError(f"balance has {num_stages} stages, not a multiple of "
+                             f"stages_per_device={stages_per_device}")
+        num_devices = num_stages // stages_per_device
+        try:
+            return make_schedule(schedule, num_devices, chunks, stages_per_device)
+        except ValueError as exc:
+            raise ValueError(f"chunks={chunks}, schedule={schedule!r}: {exc}") from None
+
+    # -- placement ------------------------------------------------------------------
+    def stage_device(self, stage: int) -> torch.device:
+        return self.devices[self.schedule.stage_to_device[stage]]
+
+    def extra_repr(self) -> str:
+        return (f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+                f"schedule={self.schedule.name!r}, executor={self.executor!r}, "
+                f"devices: {describe_placement(self.devices)}")
+
+    def to(self, *args, **kwargs):
+        raise TypeError("GPipe places its stages itself: pass devices=[...] to GPipe(...) instead of .to()")
+
+    def cuda(self, *args, **kwargs):
+        raise TypeError("GPipe places its stages itself: pass devices=['cuda:0', ...] instead of .cuda()")
+
+    def cpu(self):
+        raise TypeError("GPipe places its stages itself: pass devices=['cpu', ...] instead of .cpu()")
+
+    # -- forward only -----------------------------------------------------------------
+    def forward(self, inputs: Batch) -> Batch:
+        """The pipelined forward pass: micro-batched, differentiable end to end."""
+        size = batch_size(inputs, "inputs")
+        if self.chunks > size:
+            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
+        outputs = []
+        for x in scatter(inputs, self.chunks):
+            for s, stage in enumerate(self._stages):
+                x = stage(_to(x, self.stage_device(s)))
+            outputs.append(x)
+        return gather(outputs)
+
+    # -- one training step --------------------------------------------------------------
+    def step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str = "mean") -> torch.Tensor:
+        """Run every F/B/W action of the schedule on ``inputs`` and accumulate
+        gradients into the parameters (call your optimizer afterwards).
+
+        ``loss_fn(output, target)`` is applied per micro-batch. With
+        ``reduction="mean"`` (a mean-reduced loss) micro-batch ``i`` of size
+        ``n_i`` is weighted ``n_i / N``, so the returned loss and the gradients
+        equal ``loss_fn(module(inputs), targets).backward()``; with "sum" the
+        weights are 1.
+        """
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        size = batch_size(inputs, "inputs")
+        if batch_size(targets, "targets") != size:
+            raise ValueError(f"targets must have the batch size of inputs ({size}), "
+                             f"got {batch_size(targets, 'targets')}")
+        if self.chunks > size:
+            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
+        run = _StepRun(self, scatter(inputs, self.chunks), scatter(targets, self.chunks), loss_fn, reduction, size)
+        if self.executor == "threads":
+            run.run_threads()
+        else:
+            run.run_one_at_a_time()
+        self.timeline = run.timeline
+        return run.total_loss()
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, tuple):
+        return tuple(t.to(device) for t in batch)
+    return batch.to(device)
+
+
+def _receive(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A stage's input: a fresh leaf on its device, so autograd stops at the stage boundary."""
+    x = tensor.detach().to(device)
+    return x.requires_grad_(x.is_floating_point())
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
+class _StepRun:
+    """The tensors and clocks of one ``GPipe.step``; each method runs one action."""
+
+    def __init__(self, pipe: GPipe, inputs: list, targets: list, loss_fn, reduction: str, size: int) -> None:
+        self.pipe = pipe
+        self.schedule = pipe.schedule
+        self.split_backward = self.schedule.has_weight_actions
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        self.weights = [(batch_size(x) / size) if reduction == "mean" else 1.0 for x in inputs]
+        self.state: dict[tuple[int, int], _MicroState] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.meters = [ActivationMeter(p for s, stage in enumerate(pipe._stages)
+                                       if self.schedule.stage_to_device[s] == d for p in stage.parameters())
+                       for d in range(self.schedule.num_devices)]
+        self.lock = threading.Lock()
+        self.timeline: Timeline | None = None
+
+    # -- the three actions ---------------------------------------------------------------
+    def _checkpointed(self, microbatch: int) -> bool:
+        mode = self.pipe.checkpoint
+        return mode == "always" or (mode == "except_last" and microbatch < self.schedule.num_microbatches - 1)
+
+    def _run_stage(self, stage: int, microbatch: int, x, st: _MicroState) -> None:
+        """Forward through the stage's layers, keeping each layer's output (and the loss)."""
+        chain = []
+        for layer in self.pipe._stages[stage]:
+            x = layer(x)
+            chain.append(x)
+        if stage == self.schedule.num_stages - 1:
+            target = _to(self.targets[microbatch], self.pipe.stage_device(stage))
+            chain.append(self.loss_fn(x, target) * self.weights[microbatch])
+        st.chain = chain
+
+    def forward(self, stage: int, microbatch: int) -> None:
+        device = self.pipe.stage_device(stage)
+        meter = self.meters[self.schedule.stage_to_device[stage]]
+        if stage == 0:
+            x = _to(self.inputs[microbatch], device)
+        else:
+            sender = self.state[(stage - 1, microbatch)]
+            x, sender.output = _receive(sender.output, device), None
+        st = self.state.setdefault((stage, microbatch), _MicroState())
+        st.inputs, st.token = x, meter.hold(x) if isinstance(x, torch.Tensor) else None
+        if self._checkpointed(microbatch):
+            st.rng_state = _rng_state(device)
+            with torch.no_grad():
+                self._run_stage(stage, microbatch, x, st)
+        else:
+            with meter.recording():
+                self._run_stage(stage, microbatch, x, st)
+        out = st.chain[-1]
+        if stage == self.schedule.num_stages - 1:
+            with self.lock:
+                self.losses[microbatch] = out.detach()
+        else:
+            st.output = out.detach()
+        if self._checkpointed(microbatch):
+            st.chain = []  # re-materialization: keep only the input
+
+    def backward(self, stage: int, microbatch: int) -> None:
+        """B: the full backward, or only the input gradients when W actions follow."""
+        st = self.state[(stage, microbatch)]
+        meter = self.meters[self.schedule.stage_to_device[stage]]
+        last = stage == self.schedule.num_stages - 1
+        if self._checkpointed(microbatch):  # recompute the stage with autograd on
+            device = self.pipe.stage_device(stage)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), meter.recording():
+                _set_rng_state(device, st.rng_state)
+                self._run_stage(stage, microbatch, st.inputs, st)
+        root = st.chain[-1]
+        if last:
+            grad = None
+        else:
+            receiver = self.state[(stage + 1, microbatch)]
+            grad, receiver.input_grad = receiver.input_grad.to(root.device), None
+        if not self.split_backward:
+            leaves = list(self.pipe._stages[stage].parameters())
+            wants_input = stage > 0 and st.inputs.requires_grad
+            if wants_input:
+                leaves.append(st.inputs)
+            if leaves and root.requires_grad:
+                torch.autograd.backward(root, grad, inputs=leaves)
+            st.input_grad = st.inputs.grad if wants_input else None
+            self._release(stage, microbatch)
+            return
+        # Split backward (zero bubble): gradients of the stage input and of each
+        # parameterised layer's output now; the weight gradients wait for W.
+        layers = list(self.pipe._stages[stage])
+        param_layers = [j for j, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
+        wanted = [j for j in param_layers if st.chain[j] is not root]
+        targets = ([st.inputs] if stage > 0 else []) + [st.chain[j] for j in wanted]
+        grads = (torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)
+                 if targets and root.requires_grad else [None] * len(targets))
+        if stage > 0:
+            st.input_grad, grads = grads[0], grads[1:]
+        st.chain_grads = dict(zip(wanted, grads))
+        if param_layers and param_layers[-1] == len(layers) - 1 and not last:
+            st.chain_grads[len(layers) - 1] = grad  # the stage output's gradient came from the next stage
+
+    def weight(self, stage: int, microbatch: int) -> None:
+        """W: each layer's weight gradients from its output's gradient (kept by B)."""
+        st = self.state[(stage, microbatch)]
+        for j, layer in enumerate(self.pipe._stages[stage]):
+            params = [p for p in layer.parameters() if p.requires_grad]
+            g = st.chain_grads.get(j)
+            if not params or g is None:
+                continue
+            for p, pg in zip(params, torch.autograd.grad(st.chain[j], params, g, allow_unused=True)):
+                if pg is not None:
+                    _accumulate(p, pg)
+        self._release(stage, microbatch)
+
+    def _release(self, stage: int, microbatch: int) -> None:
+        """Drop what the micro-batch kept on this stage (activations, graph, held input)."""
+        st = self.state[(stage, microbatch)]
+        st.chain, st.chain_grads, st.token, st.rng_state, st.inputs = [], {}, None, None, None
+
+    def run(self, action: Action) -> None:
+        {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action.stage, action.microbatch)
+
+    def total_loss(self) -> torch.Tensor:
+        return sum(self.losses[i].to(self.losses[0].device) for i in range(len(self.losses)))
+
+    # -- executors ----------------------------------------------------------------------
+    def _sync(self, action: Action) -> None:
+        device = self.pipe.stage_device(action.stage)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run_one_at_a_time(self) -> None:
+        """Simulated devices: run in a valid global order, time each action, place on device clocks."""
+        durations = {}
+        for _, action in execution_order(self.schedule):
+            began = time.perf_counter()
+            self.run(action)
+            self._sync(action)
+            durations[action] = time.perf_counter() - began
+        self.timeline = place(self.schedule, durations, unit="s",
+                              peak_memory={d: meter.peak for d, meter in enumerate(self.meters)})
+
+    def run_threads(self, timeout: float = 600.0) -> None:
+        """One worker thread per device, each running its list and waiting for dependencies."""
+        from .schedule import dependencies
+
+        done = {a: threading.Event() for _, a in self.schedule.actions()}
+        abort = threading.Event()
+        errors: list[tuple[int, Action, BaseException, str]] = []
+        events: list[Event] = []
+        origin = time.perf_counter()
+        deadline = origin + timeout
+
+        def worker(device: int) -> None:
+            action = None
+            try:
+                for action in self.schedule.per_device[device]:
+                    for dep in dependencies(action, self.schedule.num_stages):
+                        while not done[dep].wait(0.05):
+                            if abort.is_set():
+                                return
+                            if time.perf_counter() > deadline:
+                                raise TimeoutError(f"waited over {timeout} s for {dep}")
+                    began = time.perf_counter()
+                    self.run(action)
+                    self._sync(action)
+                    ended = time.perf_counter()
+                    with self.lock:
+                        events.append(Event(device, action.stage, action.op, action.microbatch,
+                                            began - origin, ended - origin, 0))
+                    done[action].set()
+            except BaseException as exc:  # reported by the main thread, naming the device
+                errors.append((device, action, exc, traceback.format_exc()))
+                abort.set()
+
+        threads = [threading.Thread(target=worker, args=(d,), name=f"gpipe-device-{d}", daemon=True)
+                   for d in range(self.schedule.num_devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.perf_counter()) + 1.0)
+        if errors:
+            device, action, exc, trace = errors[0]
+            raise RuntimeError(f"device {device} failed while running {action}: {exc!r}\n{trace}") from exc
+        if any(t.is_alive() for t in threads):
+            abort.set()
+            raise TimeoutError(f"the pipeline step did not finish within {timeout} s")
+        self.timeline = Timeline(events, self.schedule.num_devices, unit="s",
+                                 peak_memory={d: meter.peak for d, meter in enumerate(self.meters)})
