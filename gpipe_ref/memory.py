@@ -4,7 +4,11 @@ Autograd saves tensors during the forward pass (a Linear's input, a ReLU's
 output, ...) and frees them when the backward has used them. A
 ``torch.autograd.graph.saved_tensors_hooks`` pair sees every such tensor; the
 meter counts the bytes of each distinct storage while any saved reference to
-it is alive. Parameters are not activations and are not counted. This is the
+it is alive: a tensor is known by its start address and byte size, so a
+tensor saved twice counts once, while two micro-batches cut from one batch
+(views of one storage) count separately. Parameters (and views of them, such
+as the transposed weight a Linear saves) are not activations and are not
+counted. This is the
 quantity GPipe's re-materialization trades for compute (Huang et al. 2019,
 sec. 2.3: O(N x L) activations without it, O(N + L/K x N/M) with it).
 """
@@ -40,8 +44,8 @@ class ActivationMeter:
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
         self._ignore = {t.untyped_storage().data_ptr() for t in ignore}
-        self._refs: dict[int, int] = {}  # storage pointer -> live references
-        self._bytes: dict[int, int] = {}  # storage pointer -> bytes
+        self._refs: dict[tuple[int, int], int] = {}  # (address, bytes) -> live references
+        self._bytes: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self.live = 0
         self.peak = 0
@@ -49,22 +53,22 @@ class ActivationMeter:
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def _acquire(self, tensor: torch.Tensor) -> int | None:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._ignore or storage.nbytes() == 0:
+    def _acquire(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or tensor.untyped_storage().data_ptr() in self._ignore:
             return None
+        key = (tensor.data_ptr(), nbytes)
         with self._lock:
             if key in self._refs:
                 self._refs[key] += 1
             else:
                 self._refs[key] = 1
-                self._bytes[key] = storage.nbytes()
-                self.live += storage.nbytes()
+                self._bytes[key] = nbytes
+                self.live += nbytes
                 self.peak = max(self.peak, self.live)
         return key
 
-    def _release(self, key: int | None) -> None:
+    def _release(self, key: tuple[int, int] | None) -> None:
         if key is None:
             return
         with self._lock:
@@ -86,7 +90,9 @@ class ActivationMeter:
         """Count every tensor autograd saves inside the block until it is freed."""
 
         def pack(tensor: torch.Tensor):
-            return _Saved(tensor, self, self._acquire(tensor))
+            # detach(): a node that saves its own output would otherwise hold the
+            # output, whose grad_fn is the node: a cycle that outlives the graph.
+            return _Saved(tensor.detach(), self, self._acquire(tensor))
 
         def unpack(saved: _Saved) -> torch.Tensor:
             return saved.tensor
