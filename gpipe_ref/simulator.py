@@ -160,3 +160,26 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float 
     raise ValueError(f"name must be one of gpipe, 1f1b, pipedream_async, zero_bubble_h1, "
                      f"interleaved_1f1b, got {name!r}")
 
+
+
+def calibrate(timeline: Timeline, num_stages: int | None = None) -> CostModel:
+    """A CostModel fitted to a measured run: mean F, B and W durations, and a
+    per-stage multiplier for stages that are slower or faster than average.
+    Without W actions the measured B is split evenly into its two halves."""
+    events = timeline.events
+    if not events:
+        raise ValueError("timeline must hold events to calibrate from, got an empty timeline")
+    stages = num_stages if num_stages is not None else max(e.stage for e in events) + 1
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    f = mean([e.duration for e in events if e.op == "F"])
+    b = mean([e.duration for e in events if e.op == "B"])
+    has_w = any(e.op == "W" for e in events)
+    w = mean([e.duration for e in events if e.op == "W"]) if has_w else b / 2
+    b_input = b if has_w else b / 2
+    per_stage = [sum(e.duration for e in events if e.stage == s) for s in range(stages)]
+    average = mean(per_stage)
+    scale = tuple(x / average for x in per_stage) if average else None
+    return CostModel(forward=f, backward_input=b_input, backward_weight=w, stage_scale=scale)

@@ -1,0 +1,333 @@
+"""GPipe executor: gradients equal the single-device model's, memory matches theory,
+the measured timeline is a valid run, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_ref.pipeline import GPipe, _StepRun
+from gpipe_ref.schedule import Action, execution_order, gpipe, one_f_one_b
+from gpipe_ref.simulator import calibrate, simulate
+from gpipe_ref.microbatch import scatter
+
+torch.set_num_threads(1)
+WIDTH = 8
+LAYER_KINDS = ("linear", "relu", "gelu", "layernorm", "linear")
+
+
+def random_model(seed: int, layers: int, width: int = WIDTH) -> nn.Sequential:
+    """A residual-free Sequential of Linear / ReLU / GELU / LayerNorm, the same for the same seed."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    make = {"linear": lambda: nn.Linear(width, width), "relu": nn.ReLU, "gelu": nn.GELU,
+            "layernorm": lambda: nn.LayerNorm(width)}
+    return nn.Sequential(nn.Linear(width, width), *[make[rng.choice(LAYER_KINDS)]() for _ in range(layers - 1)])
+
+
+def random_case(rng: random.Random):
+    schedule = rng.choice(["gpipe", "1f1b", "zero_bubble_h1", "interleaved_1f1b"])
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    layers = rng.randint(2 * v, 8)
+    stages = v * rng.randint(1, layers // v)
+    cuts = sorted(rng.sample(range(1, layers), stages - 1))
+    bounds = [0, *cuts, layers]
+    balance = [bounds[i + 1] - bounds[i] for i in range(stages)]
+    batch = rng.randint(stages // v, 11)
+    devices = stages // v
+    if schedule == "interleaved_1f1b":
+        chunks = devices * rng.randint(1, max(1, batch // devices))
+    else:
+        chunks = rng.randint(1, batch)
+    return dict(schedule=schedule, v=v, layers=layers, balance=balance, batch=batch, chunks=chunks,
+                checkpoint=rng.choice(["always", "except_last", "never"]),
+                executor=rng.choice(["threads", "simulated"]))
+
+
+def max_gradient_difference(case: dict, seed: int) -> float:
+    reference = random_model(seed, case["layers"])
+    model = random_model(seed, case["layers"])
+    torch.manual_seed(seed + 1)
+    x, y = torch.randn(case["batch"], WIDTH), torch.randn(case["batch"], WIDTH)
+    loss_fn = nn.MSELoss()
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    pipe = GPipe(model, case["balance"], chunks=case["chunks"], checkpoint=case["checkpoint"],
+                 schedule=case["schedule"], stages_per_device=case["v"], executor=case["executor"])
+    loss = pipe.step(x, y, loss_fn)
+    diffs = [abs(loss.item() - expected.item())]
+    for a, b in zip(reference.parameters(), pipe.parameters(), strict=True):
+        assert b.grad is not None
+        diffs.append((a.grad - b.grad).abs().max().item())
+    return max(diffs)
+
+
+def test_gradients_equal_single_device_over_random_cases(record_property):
+    """Random Sequentials, balances, chunks (uneven splits included), checkpoint
+    modes, all four flush schedules and both executors."""
+    rng = random.Random(2024)
+    worst, seen = 0.0, set()
+    for seed in range(160):
+        case = random_case(rng)
+        seen.add((case["schedule"], case["checkpoint"], case["executor"]))
+        diff = max_gradient_difference(case, seed)
+        assert diff <= 1e-5, (case, diff)
+        worst = max(worst, diff)
+    record_property("worst_gradient_difference", worst)
+    print(f"worst |grad - reference| over 160 random cases: {worst:.3g}")
+    assert len(seen) >= 20  # the sweep really covers schedules x checkpoint modes x executors
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("executor", ["threads", "simulated"])
+def test_uneven_microbatches(schedule, checkpoint, executor):
+    case = dict(schedule=schedule, v=1, layers=6, balance=[2, 2, 2], batch=10, chunks=4,
+                checkpoint=checkpoint, executor=executor)  # micro-batches of 3, 3, 2, 2
+    assert max_gradient_difference(case, seed=7) <= 1e-5
+
+
+def test_interleaved_and_sum_reduction():
+    reference, model = random_model(3, 8), random_model(3, 8)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    loss_fn = nn.MSELoss(reduction="sum")
+    loss_fn(reference(x), y).backward()
+    pipe = GPipe(model, [2, 2, 2, 2], chunks=4, schedule="interleaved_1f1b", stages_per_device=2)
+    assert pipe.schedule.stage_to_device == (0, 1, 0, 1)
+    pipe.step(x, y, loss_fn, reduction="sum")
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_tuple_inputs_and_a_custom_schedule():
+    class Pair(nn.Module):  # takes (x, scale) and returns a tensor
+        def forward(self, batch):
+            x, scale = batch
+            return x * scale
+
+    reference = nn.Sequential(Pair(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = nn.Sequential(Pair(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model.load_state_dict(reference.state_dict())
+    x, scale, y = torch.randn(6, 4), torch.rand(6, 1), torch.randn(6, 2)
+    nn.MSELoss()(reference((x, scale)), y).backward()
+    schedule = one_f_one_b(2, 3)
+    pipe = GPipe(model, [2, 2], schedule=schedule)
+    pipe.step((x, scale), y, nn.MSELoss())
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_zero_bubble_really_splits_the_backward():
+    """After every B and before any W, no weight has a gradient yet, but the
+    input gradients have flowed all the way back; the Ws then complete them."""
+    reference, model = random_model(5, 6), random_model(5, 6)
+    x, y = torch.randn(6, WIDTH), torch.randn(6, WIDTH)
+    nn.MSELoss()(reference(x), y).backward()
+    pipe = GPipe(model, [2, 2, 2], chunks=3, schedule="zero_bubble_h1", checkpoint="never")
+    run = _StepRun(pipe, scatter(x, 3), scatter(y, 3), nn.MSELoss(), "mean", 6)
+    order = [a for _, a in execution_order(pipe.schedule)]
+    for action in [a for a in order if a.op != "W"]:
+        run.run(action)
+    assert all(p.grad is None for p in pipe.parameters())
+    # every stage's B computed its layers' output gradients, kept for W
+    assert all(run.state[(s, i)].chain_grads for s in range(3) for i in range(3))
+    for action in [a for a in order if a.op == "W"]:
+        run.run(action)
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint,forwards_per_layer", [("never", 4), ("except_last", 7), ("always", 8)])
+def test_rematerialization_recomputes_the_checkpointed_forwards(checkpoint, forwards_per_layer):
+    model = random_model(1, 4)
+    calls = []
+    model[1].register_forward_hook(lambda *_: calls.append(1))
+    pipe = GPipe(model, [2, 2], chunks=4, checkpoint=checkpoint)
+    pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), nn.MSELoss())
+    assert len(calls) == forwards_per_layer  # m forwards + one recomputation per checkpointed micro-batch
+
+
+def test_rematerialization_matches_torch_utils_checkpoint():
+    """Our hand-written re-materialization gives what torch.utils.checkpoint gives."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    reference, model = random_model(4, 6), random_model(4, 6)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    stages = [reference[0:3], reference[3:6]]
+    loss = 0
+    for xi, yi in zip(x.chunk(4), y.chunk(4)):
+        h = xi
+        for stage in stages:
+            h = torch_checkpoint(stage, h, use_reentrant=False)
+        loss = loss + nn.MSELoss()(h, yi) / 4
+    loss.backward()
+    GPipe(model, [3, 3], chunks=4, checkpoint="always").step(x, y, nn.MSELoss())
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_forward_is_micro_batched_and_differentiable():
+    reference, model = random_model(2, 6), random_model(2, 6)
+    x = torch.randn(7, WIDTH)
+    pipe = GPipe(model, [3, 3], chunks=3)
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    reference(x).sum().backward()
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_parameters_in_sequential_order():
+    model = random_model(0, 6)
+    pipe = GPipe(model, [1, 2, 3], chunks=2)
+    assert [id(p) for p in pipe.parameters()] == [id(p) for p in model.parameters()]
+    assert "balance=[1, 2, 3]" in repr(pipe) and "simulated devices on the CPU" in repr(pipe)
+
+
+# -- memory ------------------------------------------------------------------------------
+HIDDEN, PAIRS, MICRO = 64, 2, 4  # each stage: PAIRS x (Linear, ReLU); micro-batches of MICRO rows
+
+
+def _memory_run(schedule: str, checkpoint: str, p: int = 4, m: int = 8):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(p * PAIRS) for layer in (nn.Linear(HIDDEN, HIDDEN), nn.ReLU())])
+    pipe = GPipe(model, [2 * PAIRS] * p, chunks=m, checkpoint=checkpoint, schedule=schedule)
+    pipe.step(torch.randn(m * MICRO, HIDDEN), torch.randn(m * MICRO, HIDDEN), nn.MSELoss())
+    return pipe.timeline.peak_memory
+
+
+def _theory(schedule: str, checkpoint: str, p: int, m: int, d: int) -> int:
+    """Saved bytes per stage and micro-batch: a Linear saves its input, a ReLU its output,
+    so PAIRS + 1 activations of MICRO x HIDDEN floats; the last stage's MSE also saves
+    its target. "never" holds k micro-batches; "always" holds k stage inputs plus one
+    micro-batch's internals while it is recomputed. Zero bubble keeps a recomputed
+    micro-batch's graph from its B to its W, and device d runs W(j) after B(j+d):
+    d+1 recomputed micro-batches are alive at once."""
+    one = MICRO * HIDDEN * 4
+    per_microbatch = (PAIRS + 1) * one + (one if d == p - 1 else 0)
+    held = {"gpipe": m, "1f1b": min(m, p - d), "zero_bubble_h1": min(m, p)}[schedule]
+    if checkpoint == "never":
+        return held * per_microbatch
+    recomputed_alive = min(d + 1, m) if schedule == "zero_bubble_h1" else 1
+    return held * one + recomputed_alive * (per_microbatch - one)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_activation_memory_matches_theory(schedule, checkpoint, record_property):
+    p, m = 4, 8
+    peaks = _memory_run(schedule, checkpoint, p, m)
+    ratios = [peaks[d] / _theory(schedule, checkpoint, p, m, d) for d in range(p)]
+    record_property("measured_over_theory", ratios)
+    assert all(abs(r - 1) <= 0.05 for r in ratios), ratios
+
+
+def test_except_last_sits_between_always_and_never():
+    never, last, always = (_memory_run("gpipe", c) for c in ("never", "except_last", "always"))
+    assert all(always[d] < last[d] < never[d] for d in range(4))
+
+
+# -- the measured timeline -------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1", "interleaved_1f1b"])
+@pytest.mark.parametrize("executor", ["threads", "simulated"])
+def test_measured_timeline_is_a_valid_run(schedule, executor):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    pipe = GPipe(random_model(0, 8), [2, 2, 2, 2], chunks=4, schedule=schedule, stages_per_device=v,
+                 executor=executor)
+    pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), nn.MSELoss())
+    timeline = pipe.timeline
+    assert timeline.unit == "s" and len(timeline) == sum(len(a) for a in pipe.schedule.per_device)
+    end = {e.action: e.end for e in timeline.events}
+    for d in range(timeline.num_devices):
+        assert [e.action for e in timeline.on_device(d)] == list(pipe.schedule.per_device[d])
+        mine = timeline.on_device(d)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(mine, mine[1:]))
+    for e in timeline.events:
+        s, i = e.stage, e.microbatch
+        deps = {"F": [Action("F", s - 1, i)] if s else [],
+                "B": [Action("F", s, i)] + ([Action("B", s + 1, i)] if s < pipe.schedule.num_stages - 1 else []),
+                "W": [Action("B", s, i)]}[e.op]
+        assert all(e.start >= end[dep] - 1e-9 for dep in deps)
+    assert set(timeline.peak_memory) == set(range(timeline.num_devices))
+
+
+def test_simulated_devices_makespan_close_to_calibrated_simulation(record_property):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(256, 256), nn.ReLU())])
+    pipe = GPipe(model, [4, 4, 4, 4], chunks=8, schedule="1f1b", checkpoint="never", executor="simulated")
+    x, y = torch.randn(128, 256), torch.randn(128, 256)
+    ratios = []
+    for _ in range(3):
+        pipe.step(x, y, nn.MSELoss())
+        predicted = simulate(pipe.schedule, calibrate(pipe.timeline, pipe.schedule.num_stages))
+        ratios.append(pipe.timeline.makespan / predicted.makespan)
+    ratio = sorted(ratios)[1]
+    record_property("measured_over_calibrated_makespan", ratio)
+    # Both place the same measured work by the same rule; they differ only by the spread
+    # of durations around their means (first-touch allocations, cache effects).
+    assert 0.7 <= ratio <= 1.4, ratios
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("make,error,message", [
+    (lambda m: GPipe(nn.Linear(2, 2), [1]), TypeError, "module must be an nn.Sequential, got Linear"),
+    (lambda m: GPipe(m, [2, 2]), ValueError, r"balance must sum to len\(module\) = 6, got \[2, 2\]"),
+    (lambda m: GPipe(m, [3, 0, 3]), ValueError, "balance must have no stage with fewer than 1 layer"),
+    (lambda m: GPipe(m, [3, 3], devices=["cpu"]), ValueError, "devices must list at least 2 devices"),
+    (lambda m: GPipe(m, [3, 3], chunks=0), ValueError, "chunks must be an integer >= 1, got 0"),
+    (lambda m: GPipe(m, [3, 3], checkpoint="sometimes"), ValueError, "checkpoint must be one of"),
+    (lambda m: GPipe(m, [3, 3], schedule="gpipee"), ValueError, "schedule must be one of"),
+    (lambda m: GPipe(m, [3, 3], schedule=gpipe(3, 2)), ValueError, "schedule has 3 stages but balance has 2"),
+    (lambda m: GPipe(m, [3, 3], schedule="pipedream_async"), ValueError, "must be a flush schedule"),
+    (lambda m: GPipe(m, [3, 3], executor="gpu"), ValueError, "executor must be one of"),
+    (lambda m: GPipe(m, [2, 2, 1, 1], chunks=3, schedule="interleaved_1f1b", stages_per_device=2),
+     ValueError, "chunks=3, schedule='interleaved_1f1b': num_microbatches must be a multiple of num_devices=2"),
+    (lambda m: GPipe(m, None), ValueError, "balance must be given"),
+    (lambda m: GPipe(m, [3, 3], devices="cpu"), TypeError, "devices must be a list of devices"),
+    (lambda m: GPipe(m, [3, 3], devices=["tpu", "cpu"]), ValueError, "devices entry 'tpu' is not a device"),
+])
+def test_bad_constructor_input(make, error, message):
+    with pytest.raises(error, match=message):
+        make(random_model(0, 6))
+
+
+def test_cuda_devices_without_a_gpu_are_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="devices entry 'cuda:0' asks for CUDA, but torch sees no GPU"):
+        GPipe(random_model(0, 6), [3, 3], devices=["cuda:0", "cuda:1"])
+
+
+def test_bad_step_input():
+    pipe = GPipe(random_model(0, 6), [3, 3], chunks=4)
+    loss = nn.MSELoss()
+    with pytest.raises(ValueError, match="chunks=4 is larger than the batch size 3"):
+        pipe.step(torch.randn(3, WIDTH), torch.randn(3, WIDTH), loss)
+    with pytest.raises(TypeError, match="inputs must be a tensor or a tuple of tensors, got list"):
+        pipe.step([torch.randn(4, WIDTH)], torch.randn(4, WIDTH), loss)
+    with pytest.raises(ValueError, match=r"targets must have the batch size of inputs \(8\), got 6"):
+        pipe.step(torch.randn(8, WIDTH), torch.randn(6, WIDTH), loss)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), loss, reduction="avg")
+    with pytest.raises(TypeError, match="GPipe places its stages itself: pass devices"):
+        pipe.to("cpu")
+    with pytest.raises(TypeError, match="pass devices=\\['cuda:0', ...\\] instead of .cuda\\(\\)"):
+        pipe.cuda()
+
+
+def test_a_failing_stage_is_named_with_its_device():
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom in stage 1")
+
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), Broken(), nn.Linear(WIDTH, WIDTH))
+    for executor in ("threads", "simulated"):
+        pipe = GPipe(model, [2, 2], chunks=2, executor=executor)
+        with pytest.raises(RuntimeError, match="boom in stage 1") as info:
+            pipe.step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), nn.MSELoss())
+        if executor == "threads":
+            assert "device 1 failed while running 1F0" in str(info.value)
