@@ -74,7 +74,8 @@ def test_split_and_balance_by_params():
     model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 100), nn.ReLU(), nn.Linear(100, 10))
     stages = split(model, [2, 3])
     assert [len(s) for s in stages] == [2, 3] and stages[1][0] is model[2]
-    assert balance_by_params(model, 2) == [3, 2]  # 110 + 1100 vs 1010: keep the two big layers apart
+    # parameters per layer: 110, 0, 1100, 0, 1010: the two big layers must go to different stages
+    assert balance_by_params(model, 2) in ([3, 2], [4, 1])
     with pytest.raises(ValueError, match="partitions must be an integer from 1 to the number of layers 5, got 6"):
         balance_by_params(model, 6)
     with pytest.raises(TypeError, match="module must be an nn.Sequential, got Linear"):
