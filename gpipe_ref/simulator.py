@@ -25,7 +25,8 @@ class CostModel:
     ``backward_input + backward_weight``; with W actions, B costs
     ``backward_input`` and W ``backward_weight``. ``comm`` is added when an
     activation or a gradient crosses devices. ``stage_scale[s]`` multiplies
-    every compute cost of stage ``s`` (unbalanced stages).
+    every compute cost of stage ``s`` (unbalanced stages). ``unit`` is "cost"
+    for abstract units or "s" for a model calibrated in seconds.
     """
 
     forward: float = 1.0
@@ -33,6 +34,7 @@ class CostModel:
     backward_weight: float = 1.0
     comm: float = 0.0
     stage_scale: tuple[float, ...] | None = None
+    unit: str = "cost"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight", "comm"):
@@ -45,6 +47,8 @@ class CostModel:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                     raise ValueError(f"stage_scale[{s}] must be a number >= 0, got {value!r}")
             object.__setattr__(self, "stage_scale", scale)
+        if self.unit not in ("cost", "s"):
+            raise ValueError(f"unit must be 'cost' or 's', got {self.unit!r}")
 
     @property
     def backward(self) -> float:
@@ -103,7 +107,7 @@ def _simulate(schedule: Schedule, cost: CostModel) -> Timeline:
     for op in "FBW":
         for s in range(p):
             per_key += [cost.duration(op, s, split)] * m
-    return _place(schedule, _check_structure(schedule), per_key, cost.comm)
+    return _place(schedule, _check_structure(schedule), per_key, cost.comm, cost.unit)
 
 
 def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0.0, *,
@@ -182,4 +186,4 @@ def calibrate(timeline: Timeline, num_stages: int | None = None) -> CostModel:
     per_stage = [sum(e.duration for e in events if e.stage == s) for s in range(stages)]
     average = mean(per_stage)
     scale = tuple(x / average for x in per_stage) if average else None
-    return CostModel(forward=f, backward_input=b_input, backward_weight=w, stage_scale=scale)
+    return CostModel(forward=f, backward_input=b_input, backward_weight=w, stage_scale=scale, unit=timeline.unit)

@@ -201,3 +201,24 @@ def plot_parallelism_overview(layers: int = 4):
             ax.text(2.4 + 5.2 * dev, -0.75, label, ha="center", va="center", color="white", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None) -> "Axes":
+    """Activation sets held per device over time (``Timeline.in_flight``), one step line per device."""
+    import matplotlib.pyplot as plt
+
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3))
+    origin = timeline.origin
+    for d in range(timeline.num_devices):
+        curve = timeline.in_flight(d)
+        times = [0.0] + [t - origin for t, _ in curve] + [timeline.makespan]
+        counts = [0] + [c for _, c in curve] + [curve[-1][1] if curve else 0]
+        ax.step(times, counts, where="post", label=f"device {d} (peak {timeline.peak_in_flight(d)})")
+    ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
+    ax.set_ylabel("micro-batches held")
+    ax.set_title(title or "activations held per device")
+    ax.legend(fontsize=8, loc="upper right")
+    return ax
