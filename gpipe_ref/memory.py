@@ -7,8 +7,8 @@ meter counts the bytes of each distinct storage while any saved reference to
 it is alive: a tensor is known by its start address and byte size, so a
 tensor saved twice counts once, while two micro-batches cut from one batch
 (views of one storage) count separately. Parameters (and views of them, such
-as the transposed weight a Linear saves) are not activations and are not
-counted. This is the
+as the transposed weight a Linear saves, which starts at the same address) are
+not activations and are not counted. This is the
 quantity GPipe's re-materialization trades for compute (Huang et al. 2019,
 sec. 2.3: O(N x L) activations without it, O(N + L/K x N/M) with it).
 """
@@ -43,7 +43,7 @@ class ActivationMeter:
     """
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
-        self._ignore = {t.untyped_storage().data_ptr() for t in ignore}
+        self._ignore = {t.data_ptr() for t in ignore}  # views such as weight.t() share the address
         self._refs: dict[tuple[int, int], int] = {}  # (address, bytes) -> live references
         self._bytes: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
@@ -54,10 +54,10 @@ class ActivationMeter:
         self.peak = self.live
 
     def _acquire(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0 or tensor.untyped_storage().data_ptr() in self._ignore:
+        nbytes, address = tensor.nbytes, tensor.data_ptr()
+        if nbytes == 0 or address in self._ignore:
             return None
-        key = (tensor.data_ptr(), nbytes)
+        key = (address, nbytes)
         with self._lock:
             if key in self._refs:
                 self._refs[key] += 1

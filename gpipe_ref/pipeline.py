@@ -22,6 +22,7 @@ fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
@@ -74,6 +75,8 @@ class GPipe(nn.Module):
         stages_per_device: stages on each device (interleaved schedules).
         executor: "threads", "simulated", or "auto" (threads on GPUs,
             simulated on the CPU).
+        track_memory: count saved activations per device (``timeline.peak_memory``);
+            the Python hooks cost a few percent of a small model's step.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class GPipe(nn.Module):
         schedule: str | Schedule = "gpipe",
         stages_per_device: int = 1,
         executor: str = "auto",
+        track_memory: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -115,6 +119,7 @@ class GPipe(nn.Module):
         self._stages = split(module, balance)  # not registered: they share layers with self.module
         for s, stage in enumerate(self._stages):
             stage.to(self.stage_device(s))
+        self.track_memory = bool(track_memory)
         self.timeline: Timeline | None = None
 
     @staticmethod
@@ -240,12 +245,16 @@ class _StepRun:
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.weights = [(batch_size(x) / size) if reduction == "mean" else 1.0 for x in inputs]
         self.state: dict[tuple[int, int], _MicroState] = {}
+        self.params = [[p for p in stage.parameters() if p.requires_grad] for stage in pipe._stages]
         self.losses: dict[int, torch.Tensor] = {}
         self.meters = [ActivationMeter(p for s, stage in enumerate(pipe._stages)
                                        if self.schedule.stage_to_device[s] == d for p in stage.parameters())
                        for d in range(self.schedule.num_devices)]
         self.lock = threading.Lock()
         self.timeline: Timeline | None = None
+
+    def _recording(self, meter: ActivationMeter):
+        return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
 
     # -- the three actions ---------------------------------------------------------------
     def _checkpointed(self, microbatch: int) -> bool:
@@ -272,13 +281,14 @@ class _StepRun:
             sender = self.state[(stage - 1, microbatch)]
             x, sender.output = _receive(sender.output, device), None
         st = self.state.setdefault((stage, microbatch), _MicroState())
-        st.inputs, st.token = x, meter.hold(x) if isinstance(x, torch.Tensor) else None
+        st.inputs = x
+        st.token = meter.hold(x) if self.pipe.track_memory and isinstance(x, torch.Tensor) else None
         if self._checkpointed(microbatch):
             st.rng_state = _rng_state(device)
             with torch.no_grad():
                 self._run_stage(stage, microbatch, x, st)
         else:
-            with meter.recording():
+            with self._recording(meter):
                 self._run_stage(stage, microbatch, x, st)
         out = st.chain[-1]
         if stage == self.schedule.num_stages - 1:
@@ -296,7 +306,7 @@ class _StepRun:
         last = stage == self.schedule.num_stages - 1
         if self._checkpointed(microbatch):  # recompute the stage with autograd on
             device = self.pipe.stage_device(stage)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), meter.recording():
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._recording(meter):
                 _set_rng_state(device, st.rng_state)
                 self._run_stage(stage, microbatch, st.inputs, st)
         root = st.chain[-1]
@@ -306,7 +316,7 @@ class _StepRun:
             receiver = self.state[(stage + 1, microbatch)]
             grad, receiver.input_grad = receiver.input_grad.to(root.device), None
         if not self.split_backward:
-            leaves = list(self.pipe._stages[stage].parameters())
+            leaves = list(self.params[stage])
             wants_input = stage > 0 and st.inputs.requires_grad
             if wants_input:
                 leaves.append(st.inputs)
@@ -367,8 +377,7 @@ class _StepRun:
             self.run(action)
             self._sync(action)
             durations[action] = time.perf_counter() - began
-        self.timeline = place(self.schedule, durations, unit="s",
-                              peak_memory={d: meter.peak for d, meter in enumerate(self.meters)})
+        self.timeline = place(self.schedule, durations, unit="s", peak_memory=self._peaks())
 
     def run_threads(self, timeout: float = 600.0) -> None:
         """One worker thread per device, each running its list and waiting for dependencies."""
@@ -415,5 +424,7 @@ class _StepRun:
         if any(t.is_alive() for t in threads):
             abort.set()
             raise TimeoutError(f"the pipeline step did not finish within {timeout} s")
-        self.timeline = Timeline(events, self.schedule.num_devices, unit="s",
-                                 peak_memory={d: meter.peak for d, meter in enumerate(self.meters)})
+        self.timeline = Timeline(events, self.schedule.num_devices, unit="s", peak_memory=self._peaks())
+
+    def _peaks(self) -> dict[int, int]:
+        return {d: m.peak for d, m in enumerate(self.meters)} if self.pipe.track_memory else {}

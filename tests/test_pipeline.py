@@ -183,6 +183,17 @@ def test_forward_is_micro_batched_and_differentiable():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
 
 
+def test_memory_tracking_can_be_turned_off():
+    reference, model = random_model(6, 6), random_model(6, 6)
+    x, y = torch.randn(6, WIDTH), torch.randn(6, WIDTH)
+    nn.MSELoss()(reference(x), y).backward()
+    pipe = GPipe(model, [3, 3], chunks=3, track_memory=False)
+    pipe.step(x, y, nn.MSELoss())
+    assert pipe.timeline.peak_memory == {}
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_parameters_in_sequential_order():
     model = random_model(0, 6)
     pipe = GPipe(model, [1, 2, 3], chunks=2)
