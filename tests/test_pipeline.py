@@ -308,6 +308,14 @@ def test_bad_constructor_input(make, error, message):
         make(random_model(0, 6))
 
 
+def test_an_invalid_schedule_object_is_refused():
+    from gpipe_ref.schedule import Schedule, ScheduleError
+
+    deadlock = Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0")
+    with pytest.raises(ScheduleError, match="deadlock, cycle: device 0 waits at 0B0 for 1B0"):
+        GPipe(random_model(0, 6), [3, 3], schedule=deadlock)
+
+
 def test_cuda_devices_without_a_gpu_are_refused():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
