@@ -1,0 +1,199 @@
+"""Data parallelism: every rank holds the whole model and a slice of the batch.
+
+Two versions, in the order the course teaches them:
+
+* :func:`naive_data_parallel_step`: the "master GPU" method of
+  ``torch.nn.DataParallel``: rank 0 scatters the batch, gathers the outputs,
+  computes the loss, sends back output gradients, collects the weight
+  gradients, steps the optimizer and broadcasts the new weights. Every byte
+  goes through rank 0: that is its bottleneck.
+* :class:`DataParallel`: what ``DistributedDataParallel`` does (Li et al.
+  2020, "PyTorch Distributed", sec. 3.2): every rank computes its own loss;
+  during the backward pass, gradients are packed into buckets and each full
+  bucket is all-reduced asynchronously while the backward goes on (overlap),
+  then averaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> dict:
+    """One step of master-GPU data parallelism; ``inputs``/``targets`` matter on rank 0 only.
+
+    Returns, on every rank, the bytes this rank sent and received; rank 0 also gets the loss.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    traffic = {"sent": 0, "received": 0}
+
+    def count(tensor: torch.Tensor, direction: str) -> None:
+        traffic[direction] += tensor.numel() * tensor.element_size()
+
+    # 1. scatter the batch (rank 0 -> all), sizes first so uneven splits work
+    if rank == 0:
+        x_parts = list(torch.tensor_split(inputs, world))
+        sizes = torch.tensor([len(p) for p in x_parts])
+        feature_shape = torch.tensor(list(inputs.shape[1:]))
+    else:
+        sizes, feature_shape = torch.empty(world, dtype=torch.long), None
+    dist.broadcast(sizes, 0)
+    dims = torch.tensor([0 if feature_shape is None else len(feature_shape)])
+    dist.broadcast(dims, 0)
+    if feature_shape is None:
+        feature_shape = torch.empty(int(dims), dtype=torch.long)
+    dist.broadcast(feature_shape, 0)
+    local = torch.empty(int(sizes[rank]), *feature_shape.tolist())
+    dist.scatter(local, x_parts if rank == 0 else None, src=0)
+    if rank == 0:
+        traffic["sent"] += sum(p.numel() * p.element_size() for p in x_parts[1:])
+    else:
+        count(local, "received")
+
+    # 2. forward on each rank, gather the outputs on rank 0
+    local = local.requires_grad_(False)
+    output = model(local)
+    gathered = [torch.empty(int(sizes[r]), *output.shape[1:]) for r in range(world)] if rank == 0 else None
+    dist.gather(output.detach().contiguous(), gathered, dst=0)
+    if rank == 0:
+        traffic["received"] += sum(g.numel() * g.element_size() for g in gathered[1:])
+    else:
+        count(output, "sent")
+
+    # 3. rank 0 computes the loss on all outputs and sends each rank its output gradient
+    grad_parts = None
+    if rank == 0:
+        everything = torch.cat(gathered).requires_grad_(True)
+        loss = loss_fn(everything, targets)
+        loss.backward()
+        grad_parts = list(torch.tensor_split(everything.grad, world))
+        traffic["sent"] += sum(g.numel() * g.element_size() for g in grad_parts[1:])
+    grad_output = torch.empty_like(output)
+    dist.scatter(grad_output, grad_parts, src=0)
+    if rank != 0:
+        count(grad_output, "received")
+
+    # 4. backward on each rank; sum the weight gradients on rank 0
+    optimizer.zero_grad(set_to_none=False)
+    output.backward(grad_output)
+    for p in model.parameters():
+        dist.reduce(p.grad, dst=0)
+        if rank == 0:
+            traffic["received"] += (world - 1) * p.grad.numel() * p.grad.element_size()
+        else:
+            count(p.grad, "sent")
+
+    # 5. rank 0 steps; everyone receives the new weights
+    if rank == 0:
+        optimizer.step()
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+        if rank == 0:
+            traffic["sent"] += (world - 1) * p.numel() * p.element_size()
+        else:
+            count(p.data, "received")
+    result = dict(traffic)
+    if rank == 0:
+        result["loss"] = loss.item()
+    return result
+
+
+class DataParallel(nn.Module):
+    """DDP-style data parallelism with bucketed, overlapped gradient all-reduce.
+
+    Wrap a model on every rank; call ``loss.backward()`` as usual. Each
+    parameter's gradient is ready once ``register_post_accumulate_grad_hook``
+    fires (the hook receives the parameter, not the gradient). Parameters are
+    put in buckets of about ``bucket_cap_mb`` in reverse order, the order their
+    gradients appear in the backward pass; a full bucket is flattened and
+    all-reduced asynchronously while the backward continues. At the end of the
+    backward every bucket is waited for and the average copied back.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        params = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():  # every replica starts from rank 0's weights
+            for p in module.parameters():
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        self.buckets = assign_buckets([p.numel() * p.element_size() for p in params], bucket_cap_mb)
+        self._params = params
+        self._bucket_of = {id(params[i]): b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._sync = True
+        self._pending: list[int] = []
+        self._works: list = []
+        self._callback_queued = False
+        self.events: list[tuple[str, int, float, float]] = []  # ("ready"/"allreduce", bucket, start, end)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def forward(self, *args, **kwargs):
+        self._pending = [len(bucket) for bucket in self.buckets]
+        self._works, self.events, self._callback_queued = [], [], False
+        self._t0 = time.perf_counter()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no all-reduce) inside the block, as DDP's ``no_sync``."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:  # run _finish once, when the whole backward is done
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        b = self._bucket_of[id(param)]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:  # the bucket is full: start its all-reduce now, overlapping the backward
+            flat = torch.cat([self._params[i].grad.reshape(-1) for i in self.buckets[b]])
+            start = time.perf_counter() - self._t0
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._works.append((b, flat, work, start))
+
+    def _finish(self) -> None:
+        for b, flat, work, start in self._works:
+            work.wait()
+            self.events.append(("allreduce", b, start, time.perf_counter() - self._t0))
+            flat /= self.world_size
+            offset = 0
+            for i in self.buckets[b]:
+                grad = self._params[i].grad
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._works, self._callback_queued = [], False
+
+
+def assign_buckets(sizes_in_bytes: list[int], bucket_cap_mb: float) -> list[list[int]]:
+    """Group parameter indices into buckets of at most ``bucket_cap_mb`` (a bigger
+    parameter gets a bucket of its own), filled in reverse parameter order."""
+    cap = bucket_cap_mb * 2 ** 20
+    buckets, current, filled = [], [], 0
+    for i in reversed(range(len(sizes_in_bytes))):
+        if current and filled + sizes_in_bytes[i] > cap:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes_in_bytes[i]
+    if current:
+        buckets.append(current)
+    return buckets
