@@ -26,3 +26,33 @@ def regression_data(samples: int = 256, width: int = 64, *, seed: int = 0) -> tu
     a = torch.randn(width, width, generator=generator) / width ** 0.5
     b = torch.randn(width, width, generator=generator) / width ** 0.5
     return x, torch.tanh(x @ a) @ b
+
+
+class SelfAttention(nn.Module):
+    """Plain multi-head self-attention (no mask, no dropout): the dense reference
+    for ``ParallelSelfAttention``. Input and output: (batch, tokens, embed_dim)."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim must be divisible by num_heads={num_heads}, got {embed_dim}")
+        self.num_heads, self.head_dim = num_heads, embed_dim // num_heads
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.out = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(attend(self.qkv(x), self.num_heads, self.head_dim))
+
+
+def attend(qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Scaled dot-product attention over ``heads`` heads packed as [q | k | v] in the last dim."""
+    b, t, _ = qkv.shape
+    q, k, v = (z.reshape(b, t, heads, head_dim).transpose(1, 2) for z in qkv.split(heads * head_dim, dim=-1))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(b, t, heads * head_dim)
+
+
+def mlp_block(width: int, hidden: int | None = None) -> nn.Sequential:
+    """A transformer-style MLP block: Linear(width, hidden) -> GELU -> Linear(hidden, width)."""
+    hidden = hidden or 4 * width
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
