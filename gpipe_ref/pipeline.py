@@ -257,6 +257,24 @@ class _StepRun:
         return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
 
     # -- the three actions ---------------------------------------------------------------
+    # -- stage boundaries: in one process, activations and gradients are handed over in memory;
+    # across processes (distributed.pipeline_parallel) these four send and receive them.
+    def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
+        sender = self.state[(stage - 1, microbatch)]
+        output, sender.output = sender.output, None
+        return output
+
+    def send_activation(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
+        self.state[(stage, microbatch)].output = output
+
+    def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
+        receiver = self.state[(stage + 1, microbatch)]
+        grad, receiver.input_grad = receiver.input_grad, None
+        return grad
+
+    def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
+        self.state[(stage, microbatch)].input_grad = grad
+
     def _checkpointed(self, microbatch: int) -> bool:
         mode = self.pipe.checkpoint
         return mode == "always" or (mode == "except_last" and microbatch < self.schedule.num_microbatches - 1)
@@ -278,8 +296,7 @@ class _StepRun:
         if stage == 0:
             x = _to(self.inputs[microbatch], device)
         else:
-            sender = self.state[(stage - 1, microbatch)]
-            x, sender.output = _receive(sender.output, device), None
+            x = _receive(self.receive_activation(stage, microbatch), device)
         st = self.state.setdefault((stage, microbatch), _MicroState())
         st.inputs = x
         st.token = meter.hold(x) if self.pipe.track_memory and isinstance(x, torch.Tensor) else None
@@ -295,7 +312,7 @@ class _StepRun:
             with self.lock:
                 self.losses[microbatch] = out.detach()
         else:
-            st.output = out.detach()
+            self.send_activation(stage, microbatch, out.detach())
         if self._checkpointed(microbatch):
             st.chain = []  # re-materialization: keep only the input
 
@@ -310,11 +327,7 @@ class _StepRun:
                 _set_rng_state(device, st.rng_state)
                 self._run_stage(stage, microbatch, st.inputs, st)
         root = st.chain[-1]
-        if last:
-            grad = None
-        else:
-            receiver = self.state[(stage + 1, microbatch)]
-            grad, receiver.input_grad = receiver.input_grad.to(root.device), None
+        grad = None if last else self.receive_gradient(stage, microbatch).to(root.device)
         if not self.split_backward:
             leaves = list(self.params[stage])
             wants_input = stage > 0 and st.inputs.requires_grad
@@ -322,7 +335,8 @@ class _StepRun:
                 leaves.append(st.inputs)
             if leaves and root.requires_grad:
                 torch.autograd.backward(root, grad, inputs=leaves)
-            st.input_grad = st.inputs.grad if wants_input else None
+            if stage > 0:
+                self.send_gradient(stage, microbatch, st.inputs.grad)
             self._release(stage, microbatch)
             return
         # Split backward (zero bubble): gradients of the stage input and of each
@@ -334,7 +348,8 @@ class _StepRun:
         grads = (torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)
                  if targets and root.requires_grad else [None] * len(targets))
         if stage > 0:
-            st.input_grad, grads = grads[0], grads[1:]
+            self.send_gradient(stage, microbatch, grads[0])
+            grads = grads[1:]
         st.chain_grads = dict(zip(wanted, grads))
         if param_layers and param_layers[-1] == len(layers) - 1 and not last:
             st.chain_grads[len(layers) - 1] = grad  # the stage output's gradient came from the next stage
