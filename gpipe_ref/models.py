@@ -22,9 +22,9 @@ def mlp(width: int = 64, depth: int = 8, *, seed: int = 0, activation: type[nn.M
 def regression_data(samples: int = 256, width: int = 64, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of a smooth synthetic regression task: ``y = tanh(x A) B``."""
     generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(width, width, generator=generator) / width ** 0.5  # the task first, so that
+    b = torch.randn(width, width, generator=generator) / width ** 0.5  # more samples extend the same data
     x = torch.randn(samples, width, generator=generator)
-    a = torch.randn(width, width, generator=generator) / width ** 0.5
-    b = torch.randn(width, width, generator=generator) / width ** 0.5
     return x, torch.tanh(x @ a) @ b
 
 
@@ -56,3 +56,14 @@ def mlp_block(width: int, hidden: int | None = None) -> nn.Sequential:
     """A transformer-style MLP block: Linear(width, hidden) -> GELU -> Linear(hidden, width)."""
     hidden = hidden or 4 * width
     return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+
+class Residual(nn.Module):
+    """``x + inner(x)``: lets a deep stack of blocks train (He et al. 2016)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)

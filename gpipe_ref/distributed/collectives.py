@@ -23,6 +23,19 @@ def ring_chunk_to_send(rank: int, step: int, world_size: int, phase: str) -> int
     raise ValueError(f"phase must be 'reduce_scatter' or 'all_gather', got {phase!r}")
 
 
+def check_same_shape(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank, naming the shapes, if the ranks' tensors differ (instead of hanging)."""
+    n = dist.get_world_size(group)
+    mine = torch.zeros(9, dtype=torch.long)
+    mine[0] = tensor.dim()
+    mine[1:1 + min(tensor.dim(), 8)] = torch.tensor(tensor.shape[:8], dtype=torch.long)
+    everyone = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(everyone, mine, group=group)
+    shapes = [tuple(t[1:1 + int(t[0])].tolist()) for t in everyone]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"tensor must have the same shape on every rank, got {shapes} (by rank)")
+
+
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
     """Sum ``tensor`` over the ranks of ``group`` in place, by send/recv around a ring.
 
@@ -35,6 +48,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if n == 1:
         return 0
     rank = dist.get_rank(group)
+    check_same_shape(tensor, group)
     right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
     left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
     flat = tensor.data.view(-1) if tensor.is_contiguous() else tensor.data.reshape(-1).clone()

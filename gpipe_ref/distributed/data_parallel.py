@@ -127,6 +127,12 @@ class DataParallel(nn.Module):
         self.group = group
         self.world_size = dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad]
+        shapes = [tuple(p.shape) for p in module.parameters()]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, shapes, group=group)
+        if any(other != shapes for other in everyone):
+            raise ValueError("module must have the same parameter shapes on every rank; got "
+                             + "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone)))
         with torch.no_grad():  # every replica starts from rank 0's weights
             for p in module.parameters():
                 dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
