@@ -46,12 +46,14 @@ class PipelineParallel(GPipe):
                  checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int = 1,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
         size = dist.get_world_size(group)
+        wanted = (schedule.num_devices if isinstance(schedule, Schedule)
+                  else len(balance) // max(1, stages_per_device) if hasattr(balance, "__len__") else size)
+        if wanted != size:
+            raise ValueError(f"schedule has {wanted} devices but the pipeline group has {size} ranks; "
+                             f"they must be equal (one rank per pipeline device)")
         devices = [device or _default_device()] * size
         super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                          stages_per_device=stages_per_device, executor="threads", track_memory=True)
-        if self.schedule.num_devices != size:
-            raise ValueError(f"schedule has {self.schedule.num_devices} devices but the pipeline group has "
-                             f"{size} ranks; they must be equal")
         self.group = group
         self.rank = dist.get_rank(group)
 
