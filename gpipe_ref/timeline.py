@@ -24,7 +24,11 @@ _US_PER_UNIT = {"s": 1e6, "cost": 1e3}
 
 
 class Event(NamedTuple):
-    """One action as it ran (or would run) on one device."""
+    """One action as it ran (or would run) on one device.
+
+    ``op`` is "F", "B" or "W" for pipeline actions; "C" marks communication
+    (an all-reduce of gradient bucket ``stage``, say) drawn on its own track.
+    """
 
     device: int
     stage: int
@@ -41,6 +45,11 @@ class Event(NamedTuple):
     @property
     def action(self) -> Action:
         return Action(self.op, self.stage, self.microbatch)
+
+    @property
+    def label(self) -> str:
+        """``1F0`` notation (stage, op, micro-batch), also for communication events."""
+        return f"{self.stage}{self.op}{self.microbatch}"
 
 
 class Timeline:
@@ -125,7 +134,7 @@ class Timeline:
             key = (e.stage, e.microbatch)
             if e.op == "F":
                 held_from[key] = e.end
-            else:
+            elif e.op in ("B", "W"):
                 released_at[key] = max(released_at.get(key, e.end), e.end)
         changes = [(t, +1) for t in held_from.values()]
         changes += [(t, -1) for key, t in released_at.items() if key in held_from]
@@ -156,7 +165,7 @@ class Timeline:
         origin, span = self.origin, self.makespan
         shortest = min((e.duration for e in self.events if e.duration > 0), default=span or 1.0)
         cells = max(1, round(span / shortest)) if span else 1
-        label_width = max(len(str(e.action)) for e in self.events) + 1
+        label_width = max(len(e.label) for e in self.events) + 1
         if cells * label_width > max_width:
             cells = max(1, max_width // label_width)
         quantum = span / cells if span else 1.0
@@ -167,7 +176,7 @@ class Timeline:
                 first = int(round((e.start - origin) / quantum))
                 last = max(first + 1, int(round((e.end - origin) / quantum)))
                 for c in range(first, min(last, cells)):
-                    grid[c] = str(e.action).ljust(label_width - 1)
+                    grid[c] = e.label.ljust(label_width - 1)
             rows.append(f"device {d} |" + " ".join(grid) + "|")
         header = (f"makespan {span:.4g} {self.unit}, bubble {self.bubble_fraction:.2%}, "
                   f"one cell = {quantum:.4g} {self.unit}")
@@ -185,7 +194,7 @@ class Timeline:
             trace.append({"ph": "M", "pid": 0, "tid": d, "name": "thread_sort_index", "args": {"sort_index": d}})
         for e in self.events:
             trace.append({
-                "name": str(e.action), "cat": e.op, "ph": "X", "pid": 0, "tid": e.device,
+                "name": e.label, "cat": e.op, "ph": "X", "pid": 0, "tid": e.device,
                 "ts": (e.start - origin) * scale, "dur": e.duration * scale,
                 "args": {"stage": e.stage, "op": e.op, "microbatch": e.microbatch,
                          "weight_version": e.weight_version},

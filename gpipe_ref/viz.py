@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the p
 # W (weight gradient): the same colour, darker. Idle: grey hatching, drawn as
 # one hatched band per device under the bars (hatching thousands of small
 # gaps one by one is what makes matplotlib slow).
-_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4}
+_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4, "C": 0.25}
 _LABEL_LIMIT = 400  # above this many events, bars are not labelled (too small to read)
 
 
@@ -37,9 +37,12 @@ def microbatch_color(microbatch: int) -> tuple[float, float, float]:
     return colormaps["tab10"].colors[microbatch % 10]
 
 
-def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None) -> "Axes":
+def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,
+                  rows: list[str] | None = None, bubble: bool = True) -> "Axes":
     """Draw one row per device: bars coloured by micro-batch, F/B/W told
-    apart by shade and hatching, idle time hatched grey, bubble % in the title."""
+    apart by shade and hatching, idle time hatched grey, bubble % in the title.
+    ``rows`` renames the rows (default "device d"); ``bubble=False`` leaves the
+    bubble out of the title (for timelines whose rows are not pipeline devices)."""
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
@@ -60,7 +63,7 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
         facecolors="#f2f2f2", edgecolors="#b0b0b0", hatch="////", linewidths=0.0,
     ))
     palette = [_shade(microbatch_color(i), 0.0) for i in range(10)]
-    for op in "FBW":
+    for op in "FBWC":
         events = [e for e in timeline.events if e.op == op]
         if not events:
             continue
@@ -79,13 +82,16 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
     ax.set_xlim(0, span if span else 1.0)
     ax.set_ylim(timeline.num_devices - 0.5, -0.5)  # device 0 on top
     ax.set_yticks(range(timeline.num_devices))
-    ax.set_yticklabels([f"device {d}" for d in range(timeline.num_devices)])
+    ax.set_yticklabels(rows or [f"device {d}" for d in range(timeline.num_devices)])
     ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
-    heading = f"{title} - " if title else ""
-    ax.set_title(f"{heading}bubble {timeline.bubble_fraction:.1%}")
-    ops = sorted({e.op for e in timeline.events}, key="FBW".index)
+    if bubble:
+        ax.set_title(f"{title} - bubble {timeline.bubble_fraction:.1%}" if title else
+                     f"bubble {timeline.bubble_fraction:.1%}")
+    else:
+        ax.set_title(title or "")
+    ops = sorted({e.op for e in timeline.events}, key="FBWC".index)
     names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)",
-             "W": "weight grad"}
+             "W": "weight grad", "C": "communication"}
     grey = (0.45, 0.45, 0.45)
     handles = [Patch(facecolor=_shade(grey, _LIGHTEN[op]), label=names[op]) for op in ops]
     handles.append(Patch(facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="////", label="idle (bubble)"))
@@ -116,7 +122,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900)
     scale = (width - left - right) / span
     idle = f"idle{next(_svg_ids)}"
     hexes = {op: ["#%02x%02x%02x" % tuple(int(255 * c) for c in _shade(microbatch_color(i), _LIGHTEN[op]))
-                  for i in range(10)] for op in "FBW"}
+                  for i in range(10)] for op in "FBWC"}
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',
@@ -137,7 +143,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900)
         y = top + e.device * row
         out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row - 4}" '
                    f'fill="{hexes[e.op][e.microbatch % 10]}" stroke="white" stroke-width="0.5">'
-                   f'<title>{e.stage}{e.op}{e.microbatch}: {e.start - origin:.4g} to '
+                   f'<title>{e.label}: {e.start - origin:.4g} to '
                    f'{e.end - origin:.4g}</title></rect>')
         if label and w >= 18:
             color = "white" if e.op == "W" else "black"
@@ -151,8 +157,9 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900)
         out.append(f'<text x="{x:.2f}" y="{axis_y + 15}" text-anchor="middle">{k * step:.4g}</text>')
     unit = "cost units" if timeline.unit == "cost" else "s"
     legend_x = left
-    ops = sorted({e.op for e in timeline.events}, key="FBW".index)
-    names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)", "W": "weight grad"}
+    ops = sorted({e.op for e in timeline.events}, key="FBWC".index)
+    names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)", "W": "weight grad",
+             "C": "communication"}
     for op in ops:
         grey = "#%02x%02x%02x" % tuple(int(255 * c) for c in _shade((0.45, 0.45, 0.45), _LIGHTEN[op]))
         out.append(f'<rect x="{legend_x}" y="{axis_y + 24}" width="12" height="10" fill="{grey}"/>'

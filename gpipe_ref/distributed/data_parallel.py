@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..timeline import Event, Timeline
+
 
 def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targets: torch.Tensor | None,
                              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> dict:
@@ -143,15 +145,17 @@ class DataParallel(nn.Module):
         self._pending: list[int] = []
         self._works: list = []
         self._callback_queued = False
-        self.events: list[tuple[str, int, float, float]] = []  # ("ready"/"allreduce", bucket, start, end)
+        self.timeline: Timeline | None = None  # of the last step: compute on track 0, all-reduces on track 1
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args, **kwargs):
         self._pending = [len(bucket) for bucket in self.buckets]
-        self._works, self.events, self._callback_queued = [], [], False
+        self._works, self._callback_queued, self._done = [], False, {}
         self._t0 = time.perf_counter()
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        self._forward_end = time.perf_counter() - self._t0
+        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -174,12 +178,18 @@ class DataParallel(nn.Module):
             flat = torch.cat([self._params[i].grad.reshape(-1) for i in self.buckets[b]])
             start = time.perf_counter() - self._t0
             work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work.get_future().add_done_callback(lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
             self._works.append((b, flat, work, start))
 
     def _finish(self) -> None:
-        for b, flat, work, start in self._works:
+        backward_end = time.perf_counter() - self._t0
+        events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
+        link_free = 0.0  # the process group runs its all-reduces one after another
+        for b, flat, work, ready in self._works:
             work.wait()
-            self.events.append(("allreduce", b, start, time.perf_counter() - self._t0))
+            done = self._done.get(b, time.perf_counter() - self._t0)
+            events.append(Event(1, b, "C", b, min(max(ready, link_free), done), done))
+            link_free = done
             flat /= self.world_size
             offset = 0
             for i in self.buckets[b]:
@@ -187,6 +197,7 @@ class DataParallel(nn.Module):
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._works, self._callback_queued = [], False
+        self.timeline = Timeline(events, 2, unit="s")
 
 
 def assign_buckets(sizes_in_bytes: list[int], bucket_cap_mb: float) -> list[list[int]]:
