@@ -229,3 +229,45 @@ def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | No
     ax.set_title(title or "activations held per device")
     ax.legend(fontsize=8, loc="upper right")
     return ax
+
+
+def plot_linear_splits():
+    """A Linear y = x W^T split two ways across two devices: by output columns
+    (each device computes a slice of y; concatenate) and by input rows (each
+    device computes a partial y from its slice of x; sum)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    colors = ("#4c72b0", "#dd8452")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    for ax, title in zip(axes, ("column-parallel: split W's outputs\ny = [x W0 | x W1]  (concatenate)",
+                                "row-parallel: split W's inputs\ny = x0 W0 + x1 W1  (sum: all-reduce)")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, 12)
+        ax.set_ylim(0, 5)
+        ax.axis("off")
+    # column split: x whole, W^T cut vertically, y cut vertically
+    a = axes[0]
+    a.add_patch(Rectangle((0.3, 1.5), 2.0, 2.0, color="#999999"))
+    a.text(1.3, 2.5, "x", ha="center", va="center", color="white")
+    for d in range(2):
+        a.add_patch(Rectangle((3.2 + 1.2 * d, 1.0), 1.2, 3.0, color=colors[d]))
+        a.text(3.8 + 1.2 * d, 2.5, f"W{d}", ha="center", va="center", color="white")
+        a.add_patch(Rectangle((7.5 + 1.2 * d, 1.5), 1.2, 2.0, color=colors[d]))
+        a.text(8.1 + 1.2 * d, 2.5, f"y{d}", ha="center", va="center", color="white")
+    a.text(2.75, 2.5, "x", ha="center", va="center")
+    a.text(6.5, 2.5, "=", ha="center", va="center", fontsize=14)
+    # row split: x cut vertically, W^T cut horizontally, partial ys summed
+    b = axes[1]
+    for d in range(2):
+        b.add_patch(Rectangle((0.3 + 1.0 * d, 1.5), 1.0, 2.0, color=colors[d]))
+        b.text(0.8 + 1.0 * d, 2.5, f"x{d}", ha="center", va="center", color="white")
+        b.add_patch(Rectangle((3.2, 2.5 - 1.5 * d), 2.4, 1.5, color=colors[d]))
+        b.text(4.4, 3.25 - 1.5 * d, f"W{d}", ha="center", va="center", color="white")
+        b.add_patch(Rectangle((7.2 + 2.3 * d, 1.5), 2.0, 2.0, color=colors[d], alpha=0.85))
+        b.text(8.2 + 2.3 * d, 2.5, f"x{d} W{d}", ha="center", va="center", color="white", fontsize=9)
+    b.text(2.75, 2.5, "x", ha="center", va="center")
+    b.text(6.4, 2.5, "=", ha="center", va="center", fontsize=14)
+    b.text(9.35, 2.5, "+", ha="center", va="center", fontsize=14)
+    fig.tight_layout()
+    return fig
