@@ -190,6 +190,17 @@ class GPipe(nn.Module):
         equal ``loss_fn(module(inputs), targets).backward()``; with "sum" the
         weights are 1.
         """
+        run = _StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
+        if self.executor == "threads":
+            run.run_threads()
+        else:
+            run.run_one_at_a_time()
+        self.timeline = run.timeline
+        return run.total_loss()
+
+
+    def _prepare_step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str) -> tuple:
+        """Check a step's arguments; return (micro-batch inputs, targets, loss_fn, reduction, batch size)."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         if not callable(loss_fn):
@@ -200,13 +211,7 @@ class GPipe(nn.Module):
                              f"got {batch_size(targets, 'targets')}")
         if self.chunks > size:
             raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
-        run = _StepRun(self, scatter(inputs, self.chunks), scatter(targets, self.chunks), loss_fn, reduction, size)
-        if self.executor == "threads":
-            run.run_threads()
-        else:
-            run.run_one_at_a_time()
-        self.timeline = run.timeline
-        return run.total_loss()
+        return scatter(inputs, self.chunks), scatter(targets, self.chunks), loss_fn, reduction, size
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:

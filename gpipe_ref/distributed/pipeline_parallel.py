@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..microbatch import Batch, batch_size, scatter
+from ..microbatch import Batch
 from ..pipeline import GPipe, _StepRun
 from ..schedule import Schedule
 from ..timeline import Event, Timeline
@@ -69,16 +69,7 @@ class PipelineParallel(GPipe):
         """Run this rank's actions; returns the mini-batch loss on every rank (summed over micro-batches
         on the last stage's rank and broadcast). ``inputs`` matter on the rank of stage 0,
         ``targets`` on the rank of the last stage; passing the full batch everywhere is simplest."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        size = batch_size(inputs, "inputs")
-        if batch_size(targets, "targets") != size:
-            raise ValueError(f"targets must have the batch size of inputs ({size}), "
-                             f"got {batch_size(targets, 'targets')}")
-        if self.chunks > size:
-            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
-        run = _RankStepRun(self, scatter(inputs, self.chunks), scatter(targets, self.chunks), loss_fn,
-                           reduction, size)
+        run = _RankStepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
         run.run_rank()
         self.timeline = run.timeline
         last_rank = self.schedule.stage_to_device[-1]
