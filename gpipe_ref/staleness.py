@@ -1,0 +1,249 @@
+"""PipeDream's asynchronous pipeline: weight versions, stashing and staleness.
+
+GPipe and 1F1B-with-flush update the weights once per mini-batch, after every
+micro-batch's backward: every micro-batch sees the same weights. PipeDream
+(Narayanan et al. 2019, sec. 3) never flushes: each stage updates its weights
+after each of its backward passes, so a micro-batch's forward and backward
+on a stage can see different weight versions.
+
+* **Weight stashing** (sec. 3.3): a stage keeps the weights each in-flight
+  micro-batch used in its forward and computes that micro-batch's backward
+  with them; the gradient is then applied to the newest weights. Stage ``s``
+  (0-based) of ``p`` holds at most ``p - s`` versions.
+* Without stashing the backward uses whatever weights are current: the
+  gradient mixes versions (the inconsistency the paper warns about).
+* **Vertical sync** (sec. 3.3): every stage uses, for a micro-batch, the
+  version stage 0 used for it, so all stages agree.
+
+The trainer here keeps each stage's weights as plain tensors and runs the
+stage with ``torch.func.functional_call``, so an update makes a new version
+and older ones stay intact for stashing at no copying cost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .partition import check_balance, split
+from .schedule import Action, Schedule, execution_order, gpipe, one_f_one_b, pipedream_async
+from .simulator import CostModel, place, simulate
+from .timeline import Timeline
+
+
+@dataclass
+class StepRecord:
+    """What one run of a schedule did."""
+
+    losses: dict[int, float]  # micro-batch -> loss seen at its forward
+    versions: dict[tuple[int, int], tuple[int, int, int]]  # (stage, mb) -> (forward version, backward version, staleness)
+    stash_peak: list[int]  # per stage: most distinct weight versions held at once for in-flight micro-batches
+    timeline: Timeline  # measured durations placed on device clocks; events carry their weight version
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # with record_grads
+    used_weights: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+class StagedTrainer:
+    """A model cut into stages, each with its own weights, versions and SGD updates."""
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int], lr: float, *,
+                 weight_stashing: bool = True, vertical_sync: bool = False) -> None:
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+            raise ValueError(f"lr must be a number > 0, got {lr!r}")
+        self.stages = split(module, check_balance(module, balance))
+        self.lr = float(lr)
+        self.weight_stashing, self.vertical_sync = bool(weight_stashing), bool(vertical_sync)
+        # version k of stage s: a dict name -> tensor; updates build new tensors, old versions stay valid
+        self.history = [{0: {n: p.detach().clone() for n, p in stage.named_parameters()}} for stage in self.stages]
+        self.version = [0] * len(self.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def weights(self, stage: int) -> dict[str, torch.Tensor]:
+        return self.history[stage][self.version[stage]]
+
+    def _update(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
+        current = self.weights(stage)
+        self.version[stage] += 1
+        self.history[stage][self.version[stage]] = {n: current[n] - self.lr * grads[n] for n in current}
+
+    def _forward(self, stage: int, weights: dict, x: torch.Tensor, target, loss_fn, scale: float):
+        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+        out = functional_call(self.stages[stage], leaves, (x,))
+        if stage == self.num_stages - 1:
+            out = loss_fn(out, target) * scale
+        return leaves, out
+
+    def run(self, schedule: Schedule, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+            loss_fn: Callable, *, record_grads: bool = False) -> StepRecord:
+        """Run every action of ``schedule`` on these micro-batches, one at a time in a valid order.
+
+        A flush schedule accumulates the micro-batch gradients (weighted by size) and
+        updates each stage once at the end; an asynchronous one updates a stage after
+        each of its backward actions.
+        """
+        p, m = schedule.num_stages, schedule.num_microbatches
+        if p != self.num_stages:
+            raise ValueError(f"schedule has {p} stages but the model has {self.num_stages}")
+        if len(inputs) != m or len(targets) != m:
+            raise ValueError(f"inputs and targets must hold {m} micro-batches (the schedule's), "
+                             f"got {len(inputs)} and {len(targets)}")
+        if schedule.has_weight_actions:
+            raise ValueError("schedules with W actions are not supported here; use gpipe, 1f1b or pipedream_async")
+        total = sum(len(x) for x in inputs)
+        scale = [len(x) / total if schedule.flush else 1.0 for x in inputs]
+        kept: dict[tuple[int, int], tuple] = {}
+        sent: dict[tuple[int, int], torch.Tensor] = {}  # activations and gradients between stages
+        accumulated: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
+        stage0_version: dict[int, int] = {}
+        in_flight: list[dict[int, int]] = [{} for _ in range(p)]  # stage -> {mb: version held}
+        awaiting: list[dict[int, int]] = [{} for _ in range(p)]  # vertical sync: versions stage 0 handed out
+        record = StepRecord({}, {}, [0] * p, None)
+        durations: dict[Action, float] = {}
+        versions_used: dict[Action, int] = {}
+
+        for _, action in execution_order(schedule):
+            s, i = action.stage, action.microbatch
+            began = time.perf_counter()
+            last = s == p - 1
+            if action.op == "F":
+                version = stage0_version[i] if (self.vertical_sync and s > 0) else self.version[s]
+                if s == 0:
+                    stage0_version[i] = version
+                    if self.vertical_sync:
+                        for later in range(1, p):
+                            awaiting[later][i] = version
+                awaiting[s].pop(i, None)
+                weights = self.history[s][version]
+                x = inputs[i] if s == 0 else sent.pop(("act", s - 1, i)).detach().requires_grad_()
+                leaves, out = self._forward(s, weights, x, targets[i] if last else None, loss_fn, scale[i])
+                if last:
+                    record.losses[i] = out.item() / scale[i]
+                else:
+                    sent[("act", s, i)] = out.detach()
+                kept[(s, i)] = (x, leaves, out, version)
+                in_flight[s][i] = version
+                record.stash_peak[s] = max(record.stash_peak[s], len(set(in_flight[s].values())))
+                versions_used[action] = version
+                if record_grads:
+                    record.used_weights[(s, i)] = weights
+            else:  # B
+                x, leaves, out, forward_version = kept.pop((s, i))
+                backward_version = forward_version
+                if not (schedule.flush or self.weight_stashing or self.vertical_sync):
+                    backward_version = self.version[s]  # no stash: the backward sees today's weights
+                    leaves, out = self._forward(s, self.weights(s), x, targets[i] if last else None, loss_fn,
+                                                scale[i])
+                grad_out = None if last else sent.pop(("grad", s + 1, i))
+                wrt = ([x] if s > 0 else []) + list(leaves.values())
+                grads = torch.autograd.grad(out, wrt, grad_out)
+                if s > 0:
+                    sent[("grad", s, i)], grads = grads[0], grads[1:]
+                named = dict(zip(leaves, grads))
+                if record_grads:
+                    record.grads[(s, i)] = list(grads)
+                if schedule.flush:
+                    for n, g in named.items():
+                        accumulated[s][n] = accumulated[s][n] + g if n in accumulated[s] else g
+                    staleness = 0
+                else:
+                    staleness = self.version[s] - forward_version
+                    self._update(s, named)
+                del in_flight[s][i]
+                record.versions[(s, i)] = (forward_version, backward_version, staleness)
+                versions_used[action] = backward_version
+                self._forget_old_versions(s, in_flight[s], awaiting[s])
+            durations[action] = time.perf_counter() - began
+        if schedule.flush:
+            for s in range(p):
+                self._update(s, accumulated[s])
+                self._forget_old_versions(s, in_flight[s], awaiting[s])
+        timeline = place(schedule, durations, unit="s")
+        timeline.events = [e._replace(weight_version=versions_used[e.action]) for e in timeline.events]
+        record.timeline = timeline
+        return record
+
+    def _forget_old_versions(self, stage: int, in_flight: dict[int, int], awaiting: dict[int, int]) -> None:
+        """Drop versions no in-flight or announced micro-batch still needs. Under vertical
+        sync a future micro-batch may ask for stage 0's current version, so keep that too."""
+        future = [self.version[0]] if self.vertical_sync else []
+        oldest = min([self.version[stage], *in_flight.values(), *awaiting.values(), *future])
+        for v in [v for v in self.history[stage] if v < oldest]:
+            del self.history[stage][v]
+
+
+# -- the comparison ------------------------------------------------------------------------------
+VARIANTS = ("gpipe", "1f1b", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync")
+
+
+def default_model(width: int = 16, hidden: int = 64, seed: int = 0) -> nn.Sequential:
+    """An 8-layer tanh MLP, cut into 4 stages of 2 layers by the experiments."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, width), nn.Identity())
+
+
+def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: int = 40, microbatch_size: int = 8,
+                lr: float = 0.05, seed: int = 0, cost: CostModel | None = None) -> dict:
+    """Train ``default_model`` on the seeded regression task with one variant; the same
+    data order for every variant. Returns losses per micro-batch (vs samples) and the
+    simulated time at which each loss was seen."""
+    from .models import regression_data
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    model = default_model(seed=seed)
+    if len(model) % stages:
+        raise ValueError(f"stages must divide the model's {len(model)} layers, got {stages}")
+    balance = [len(model) // stages] * stages
+    trainer = StagedTrainer(model, balance, lr, weight_stashing=variant != "pipedream_no_stash",
+                            vertical_sync=variant == "pipedream_vertical_sync")
+    total = steps * microbatches
+    x, y = regression_data(total * microbatch_size, 16, seed=seed + 1)
+    xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
+    cost = cost or CostModel()
+    loss_fn = nn.MSELoss()
+    losses, times = [], []
+    if variant in ("gpipe", "1f1b"):
+        schedule = (gpipe if variant == "gpipe" else one_f_one_b)(stages, microbatches)
+        step_time = simulate(schedule, cost).makespan
+        last_forward_end = {e.microbatch: e.end for e in simulate(schedule, cost).events
+                            if e.op == "F" and e.stage == stages - 1}
+        for k in range(steps):
+            chunk = slice(k * microbatches, (k + 1) * microbatches)
+            record = trainer.run(schedule, xs[chunk], ys[chunk], loss_fn)
+            losses += [record.losses[i] for i in range(microbatches)]
+            times += [k * step_time + last_forward_end[i] for i in range(microbatches)]
+    else:
+        schedule = pipedream_async(stages, total)
+        record = trainer.run(schedule, xs, ys, loss_fn)
+        losses = [record.losses[i] for i in range(total)]
+        seen = {e.microbatch: e.end for e in simulate(schedule, cost).events if e.op == "F" and e.stage == stages - 1}
+        times = [seen[i] for i in range(total)]
+    return {"variant": variant, "lr": lr, "samples": [(i + 1) * microbatch_size for i in range(total)],
+            "losses": losses, "times": times}
+
+
+def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_sync: bool = False,
+                  seed: int = 0) -> StepRecord:
+    """Run ``schedule`` once on the default model with random data; its record holds the
+    (forward version, backward version, staleness) of every (stage, micro-batch)."""
+    torch.manual_seed(seed)
+    model = default_model(seed=seed)
+    stages = schedule.num_stages
+    if len(model) % stages:
+        raise ValueError(f"the schedule's stages must divide the model's {len(model)} layers, got {stages}")
+    trainer = StagedTrainer(model, [len(model) // stages] * stages, 0.05, weight_stashing=weight_stashing,
+                            vertical_sync=vertical_sync)
+    xs = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
+    ys = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
+    return trainer.run(schedule, xs, ys, nn.MSELoss())
