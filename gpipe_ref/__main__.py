@@ -88,7 +88,50 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trace", metavar="PATH", help="write the last step's timeline as a Chrome trace")
     train.add_argument("--reference", action="store_true",
                        help="also train in one process and print the largest loss difference")
+    stale = commands.add_parser(
+        "staleness",
+        help="compare GPipe, 1F1B and asynchronous PipeDream (with and without weight stashing) on a real task",
+        description="Train the same model on the same seeded data with GPipe, 1F1B (both synchronous) and "
+                    "PipeDream's asynchronous 1F1B (weight stashing, no stashing, vertical sync) at several "
+                    "learning rates; print final losses and the version table.",
+    )
+    stale.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages, 1, 2, 4 or 8 (default: 4)")
+    stale.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per step (default: 8)")
+    stale.add_argument("--steps", type=_positive_int, default=40, help="steps of m micro-batches (default: 40)")
+    stale.add_argument("--lr", type=_cost, nargs="+", default=[0.05, 0.2, 0.5],
+                       help="learning rates to sweep (default: 0.05 0.2 0.5)")
+    stale.add_argument("--json", metavar="PATH", help="write every loss curve and the version table as JSON")
     return parser
+
+
+def _staleness(args: argparse.Namespace) -> int:
+    import json
+
+    from .schedule import pipedream_async
+    from .staleness import VARIANTS, convergence, version_table
+
+    results = []
+    print(f"final loss (mean of the last {args.microbatches} micro-batches), {args.stages} stages, "
+          f"{args.steps} x {args.microbatches} micro-batches")
+    print(f"{'variant':26}" + "".join(f"{'lr ' + str(lr):>12}" for lr in args.lr))
+    for variant in VARIANTS:
+        row = []
+        for lr in args.lr:
+            result = convergence(variant, stages=args.stages, microbatches=args.microbatches, steps=args.steps, lr=lr)
+            results.append(result)
+            row.append(sum(result["losses"][-args.microbatches:]) / args.microbatches)
+        print(f"{variant:26}" + "".join(f"{v:>12.4g}" for v in row))
+    record = version_table(pipedream_async(args.stages, args.microbatches))
+    print("\nPipeDream with weight stashing: (forward version, backward version, staleness) per micro-batch")
+    for s in range(args.stages):
+        print(f"stage {s}: " + " ".join(str(record.versions[(s, i)]) for i in range(args.microbatches))
+              + f"   versions held: {record.stash_peak[s]} (bound {args.stages - s})")
+    if args.json:
+        table = {f"{s},{i}": list(v) for (s, i), v in record.versions.items()}
+        with open(args.json, "w") as f:
+            json.dump({"runs": results, "version_table": table, "stash_peak": record.stash_peak}, f)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -136,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"simulate": _simulate, "train": _train}[args.command](args)
+        return {"simulate": _simulate, "train": _train, "staleness": _staleness}[args.command](args)
     except (ValueError, ScheduleError) as exc:
         parser.exit(2, f"error: {exc}\n")
 

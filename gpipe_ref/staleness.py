@@ -42,7 +42,7 @@ class StepRecord:
 
     losses: dict[int, float]  # micro-batch -> loss seen at its forward
     versions: dict[tuple[int, int], tuple[int, int, int]]  # (stage, mb) -> (forward version, backward version, staleness)
-    stash_peak: list[int]  # per stage: most distinct weight versions held at once for in-flight micro-batches
+    stash_peak: list[int]  # per stage: most weight versions held at once (stashed for in-flight micro-batches)
     timeline: Timeline  # measured durations placed on device clocks; events carry their weight version
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # with record_grads
     used_weights: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -132,7 +132,9 @@ class StagedTrainer:
                     sent[("act", s, i)] = out.detach()
                 kept[(s, i)] = (x, leaves, out, version)
                 in_flight[s][i] = version
-                record.stash_peak[s] = max(record.stash_peak[s], len(set(in_flight[s].values())))
+                stashing = self.weight_stashing or self.vertical_sync
+                held = len(set(in_flight[s].values())) if stashing else 1  # without a stash only today's weights
+                record.stash_peak[s] = max(record.stash_peak[s], held)
                 versions_used[action] = version
                 if record_grads:
                     record.used_weights[(s, i)] = weights

@@ -109,10 +109,12 @@ def _nice_step(span: float, max_ticks: int = 10) -> float:
     return next(k * power for k in (1, 2, 5, 10) if k * power >= raw)
 
 
-def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900) -> str:
+def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900, color_by: str = "microbatch") -> str:
     """The same picture as :func:`plot_timeline` as an SVG string, for widgets:
     the browser draws it in milliseconds, and hovering a bar shows its action
-    and times."""
+    and times. ``color_by="version"`` colours bars by their weight version."""
+    if color_by not in ("microbatch", "version"):
+        raise ValueError(f"color_by must be 'microbatch' or 'version', got {color_by!r}")
     if not isinstance(timeline, Timeline):
         raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
     left, right, top, row, bottom = 72, 12, 26, 22, 40
@@ -141,14 +143,16 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900)
     for e in timeline.events:
         x, w = left + (e.start - origin) * scale, e.duration * scale
         y = top + e.device * row
+        key = e.microbatch if color_by == "microbatch" else (e.weight_version or 0)
         out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row - 4}" '
-                   f'fill="{hexes[e.op][e.microbatch % 10]}" stroke="white" stroke-width="0.5">'
-                   f'<title>{e.label}: {e.start - origin:.4g} to '
+                   f'fill="{hexes[e.op][key % 10]}" stroke="white" stroke-width="0.5">'
+                   f'<title>{e.label} (weights v{e.weight_version}): {e.start - origin:.4g} to '
                    f'{e.end - origin:.4g}</title></rect>')
         if label and w >= 18:
             color = "white" if e.op == "W" else "black"
+            text = f"{e.op}{e.microbatch}" if color_by == "microbatch" else f"v{e.weight_version}"
             out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 4}" text-anchor="middle" '
-                       f'font-size="9" fill="{color}" pointer-events="none">{e.op}{e.microbatch}</text>')
+                       f'font-size="9" fill="{color}" pointer-events="none">{text}</text>')
     axis_y = top + n * row
     step = _nice_step(span)
     for k in range(int(span / step) + 1):
@@ -271,3 +275,78 @@ def plot_linear_splits():
     b.text(9.35, 2.5, "+", ha="center", va="center", fontsize=14)
     fig.tight_layout()
     return fig
+
+
+def plot_version_table(versions: dict, num_stages: int, num_microbatches: int, ax: "Axes | None" = None,
+                       field: str = "staleness") -> "Axes":
+    """Heat map over (stage, micro-batch) of a version table (``StepRecord.versions``):
+    ``field`` is "staleness", "forward" (version used in F) or "backward" (in B)."""
+    import matplotlib.pyplot as plt
+
+    index = {"forward": 0, "backward": 1, "staleness": 2}
+    if field not in index:
+        raise ValueError(f"field must be one of {tuple(index)}, got {field!r}")
+    grid = [[versions[(s, i)][index[field]] for i in range(num_microbatches)] for s in range(num_stages)]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.5 * num_microbatches + 2, 0.5 * num_stages + 1.2))
+    image = ax.imshow(grid, cmap="viridis", aspect="auto")
+    for s in range(num_stages):
+        for i in range(num_microbatches):
+            ax.text(i, s, str(grid[s][i]), ha="center", va="center", color="white", fontsize=8)
+    ax.set_xticks(range(num_microbatches))
+    ax.set_yticks(range(num_stages))
+    ax.set_yticklabels([f"stage {s}" for s in range(num_stages)])
+    ax.set_xlabel("micro-batch")
+    ax.set_title({"staleness": "staleness (updates between a micro-batch's forward and its update)",
+                  "forward": "weight version used in the forward",
+                  "backward": "weight version used in the backward"}[field], fontsize=10)
+    ax.figure.colorbar(image, ax=ax)
+    return ax
+
+
+def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "samples", smooth: int = 8) -> "Axes":
+    """Loss curves of ``staleness.convergence`` results against samples seen or simulated time
+    (a running mean over ``smooth`` micro-batches)."""
+    import matplotlib.pyplot as plt
+
+    if x not in ("samples", "times"):
+        raise ValueError(f"x must be 'samples' or 'times', got {x!r}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    for result in results:
+        losses = result["losses"]
+        mean = [sum(losses[max(0, k - smooth + 1):k + 1]) / len(losses[max(0, k - smooth + 1):k + 1])
+                for k in range(len(losses))]
+        ax.plot(result[x], mean, label=f"{result['variant']} (lr {result['lr']})")
+    ax.set_yscale("log")
+    ax.set_xlabel("samples seen" if x == "samples" else "simulated time (cost units)")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def loss_curves_svg(curves: dict[str, list[float]], width: int = 420, height: int = 200) -> str:
+    """Small SVG line chart of named loss curves (log scale), for widgets."""
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
+    values = [v for c in curves.values() for v in c if v > 0 and math.isfinite(v)]
+    if not values:
+        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"></svg>'
+    low, high = math.log10(min(values)), math.log10(max(values))
+    high = high if high > low else low + 1
+    left, top, plot_w, plot_h = 40, 10, width - 50, height - 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="10"><rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
+    for k, (name, curve) in enumerate(curves.items()):
+        points = []
+        for j, v in enumerate(curve):
+            v = min(max(v, 10 ** low), 10 ** high) if math.isfinite(v) else 10 ** high
+            px = left + plot_w * j / max(1, len(curve) - 1)
+            py = top + plot_h * (high - math.log10(v)) / (high - low)
+            points.append(f"{px:.1f},{py:.1f}")
+        out.append(f'<polyline fill="none" stroke="{colors[k % 5]}" stroke-width="1.5" points="{" ".join(points)}"/>')
+        out.append(f'<text x="{left + 6}" y="{top + 14 + 12 * k}" fill="{colors[k % 5]}">{name}</text>')
+    out.append(f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{10 ** high:.2g}</text>')
+    out.append(f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{10 ** low:.2g}</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">micro-batches seen '
+               f'(loss, log scale)</text></svg>')
+    return "".join(out)
