@@ -319,6 +319,9 @@ def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "sa
                 for k in range(len(losses))]
         ax.plot(result[x], mean, label=f"{result['variant']} (lr {result['lr']})")
     ax.set_yscale("log")
+    starts = [r["losses"][0] for r in results if r["losses"] and math.isfinite(r["losses"][0])]
+    if starts:  # a diverging run would otherwise squash every other curve
+        ax.set_ylim(top=3 * max(starts))
     ax.set_xlabel("samples seen" if x == "samples" else "simulated time (cost units)")
     ax.set_ylabel("training loss")
     ax.legend(fontsize=8)

@@ -6,6 +6,7 @@ import time
 
 from .schedule import make_schedule
 from .simulator import CostModel, bubble_formula, simulate
+from .timeline import Timeline
 from .viz import timeline_svg
 
 SCHEDULE_CHOICES = (
@@ -196,8 +197,13 @@ class StalenessExplorer:
             f"<b>{self.record.stash_peak}</b> (bound {[p - s for s in range(p)]}) &middot; final loss "
             f"<b>{final:.4g}</b> (GPipe {final_sync:.4g})"
         )
-        self.picture.value = timeline_svg(self.record.timeline, title=f"{variant}: colour = weight version",
-                                          color_by="version")
+        # The schedule's timeline at unit costs (clearer than a tiny model's noisy measured one),
+        # each bar coloured by the weight version the run really used for it.
+        simulated = simulate(pipedream_async(p, m))
+        events = [e._replace(weight_version=versions[(e.stage, e.microbatch)][0 if e.op == "F" else 1])
+                  for e in simulated.events]
+        self.picture.value = timeline_svg(Timeline(events, p, unit="cost"), color_by="version",
+                                          title=f"{variant}, colour = weight version used")
         self.heat.value = _heat_table(versions, p, m)
         self.curves.value = loss_curves_svg({variant: _smooth(ours["losses"]), "gpipe (sync)": _smooth(sync["losses"])})
         self.last_redraw_s = time.perf_counter() - began

@@ -97,32 +97,39 @@ def _readout(page):
     return p, m, simulated, formula
 
 
+def _open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str, marker: str) -> None:
+    """Open a notebook in Lab, keep its kernel, Run All, and wait for a widget readout."""
+    page.goto(f"{url}/lab/tree/{notebook}")
+    page.locator(".jp-Notebook").wait_for(timeout=90_000)
+    # Lab may ask which kernel to use: keep the notebook's own (its kernelspec).
+    select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
+    try:
+        select.wait_for(timeout=15_000)
+        select.click()
+    except sync_api.TimeoutError:
+        pass
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=90_000)
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
+    # JupyterLab only paints cells near the viewport: wait for the widget to exist, then scroll to it.
+    readout = page.locator(f".{readout_class}")
+    readout.wait_for(state="attached", timeout=180_000)
+    readout.scroll_into_view_if_needed()
+    page.wait_for_function(
+        f"() => document.querySelector('.{readout_class}')?.innerText.includes('{marker}')", timeout=60_000)
+
+
+def _browser(sync_api, playwright):
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
 def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     sync_api = _require_browser()
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = _browser(sync_api, playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{jupyter_lab}/lab/tree/04_gpipe.ipynb")
-            page.locator(".jp-Notebook").wait_for(timeout=90_000)
-            # Lab may ask which kernel to use: keep the notebook's own (its kernelspec).
-            select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
-            try:
-                select.wait_for(timeout=15_000)
-                select.click()
-            except sync_api.TimeoutError:
-                pass
-            # wait for the kernel, then Run > Run All Cells
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=90_000)
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
-            # JupyterLab only paints cells near the viewport: wait for the widget to exist, then scroll to it.
-            readout = page.locator(".gpipe-bubble-readout")
-            readout.wait_for(state="attached", timeout=120_000)
-            readout.scroll_into_view_if_needed()
-            page.wait_for_function(
-                "() => document.querySelector('.gpipe-bubble-readout')?.innerText.includes('simulated bubble')",
-                timeout=60_000)
+            _open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-bubble-readout", "simulated bubble")
             p, m, simulated, formula = _readout(page)
             assert (p, m) == (4, 8)
             assert formula == pytest.approx((p - 1) / (m + p - 1), abs=5e-5)
@@ -145,6 +152,32 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_explorer.png"))
         except Exception:
             page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
+    sync_api = _require_browser()
+    with sync_api.sync_playwright() as playwright:
+        browser = _browser(sync_api, playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            _open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
+                              "weight stashing on")
+            before = page.locator(".gpipe-staleness-readout").inner_text()
+            assert "version mismatch 0" in before and "versions held per stage [4, 3, 2, 1]" in before
+            checkbox = page.locator(".widget-checkbox", has_text="weight stashing").locator("input")
+            checkbox.scroll_into_view_if_needed()
+            checkbox.click()
+            page.wait_for_function(
+                "() => document.querySelector('.gpipe-staleness-readout')?.innerText.includes('weight stashing off')",
+                timeout=60_000)
+            after = page.locator(".gpipe-staleness-readout").inner_text()
+            assert "versions held per stage [1, 1, 1, 1]" in after and "version mismatch 0" not in after
+            page.screenshot(path=str(artifacts_dir / "browser_06_staleness_explorer.png"))
+        except Exception:
+            page.screenshot(path=str(artifacts_dir / "browser_06_staleness_failure.png"))
             raise
         finally:
             browser.close()
