@@ -277,7 +277,7 @@ def plot_linear_splits():
     return fig
 
 
-def plot_version_table(versions: dict, num_stages: int, num_microbatches: int, ax: "Axes | None" = None,
+def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "Axes | None" = None,
                        field: str = "staleness") -> "Axes":
     """Heat map over (stage, micro-batch) of a version table (``StepRecord.versions``):
     ``field`` is "staleness", "forward" (version used in F) or "backward" (in B)."""

@@ -39,3 +39,19 @@ def test_plots_reject_non_timelines():
         plot_timeline([])
     with pytest.raises(TypeError, match="timeline must be a Timeline, got str"):
         timeline_svg("x")
+
+
+def test_staleness_and_convergence_plots():
+    from gpipe_ref.schedule import pipedream_async
+    from gpipe_ref.staleness import convergence, version_table
+    from gpipe_ref.viz import loss_curves_svg, plot_convergence, plot_staleness
+
+    record = version_table(pipedream_async(4, 8))
+    ax = plot_staleness(record.versions, 4, 8)
+    assert [t.get_text() for t in ax.texts[:8]] == ["0", "1", "2", "3", "3", "3", "3", "3"]  # stage 0's row
+    with pytest.raises(ValueError, match="field must be one of"):
+        plot_staleness(record.versions, 4, 8, field="age")
+    runs = [convergence("gpipe", steps=2), convergence("pipedream_stash", steps=2)]
+    ax = plot_convergence(runs, x="times")
+    assert len(ax.lines) == 2 and ax.get_yscale() == "log"
+    assert loss_curves_svg({"a": [1.0, 0.5], "b": [float("nan"), 0.1]}).count("<polyline") == 2
