@@ -31,7 +31,7 @@ def test_timeline_svg_has_a_tooltip_per_event():
     svg = timeline_svg(timeline, title="gpipe")
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     assert svg.count("<title>") == len(timeline.events)
-    assert "gpipe - bubble 33.3%" in svg and "<title>2B3:" in svg
+    assert "gpipe - bubble 33.3%" in svg and "<title>2B3 (weights v0):" in svg
 
 
 def test_plots_reject_non_timelines():
