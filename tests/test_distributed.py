@@ -111,6 +111,25 @@ def test_parallel_launches_do_not_collide():
     assert not errors and {k: v[0][2] for k, v in results.items()} == {0: 1.0, 1: 2.0, 2: 3.0}
 
 
+def test_a_port_taken_before_rank_zero_binds_it_is_replaced(monkeypatch):
+    import importlib
+    import socket
+
+    launch_module = importlib.import_module("gpipe_ref.distributed.launch")  # the package exports launch()
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = launch_module.free_port
+    monkeypatch.setattr(launch_module, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert launch(_sum_of_ranks, 2, 0, timeout=30) == [(0, 2, 1.0), (1, 2, 1.0)]
+    finally:
+        taken.close()
+    assert not ports  # the taken port was tried first
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"world_size": 0}, ValueError, "world_size must be an integer >= 1, got 0"),
     ({"world_size": 2, "backend": "mpi"}, ValueError, "backend must be 'gloo', 'nccl' or None, got 'mpi'"),

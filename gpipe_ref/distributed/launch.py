@@ -45,7 +45,8 @@ def default_backend(world_size: int) -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now (another process may
+    still take it before we bind it: ``launch`` retries on EADDRINUSE)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -88,6 +89,17 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    for attempt in range(3):
+        try:
+            return _launch_once(fn, world_size, args, backend, timeout)
+        except RankError as error:
+            # Another launch took the port between our probe and rank 0's bind: pick a new one.
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn, world_size: int, args: tuple, backend: str, timeout: float) -> list[Any]:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     context = mp.get_context(method)
     results = context.Queue()
