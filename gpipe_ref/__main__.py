@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .schedule import SCHEDULE_NAMES, ScheduleError, make_schedule
@@ -140,7 +141,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = config_from_args(args).check()
     losses = run(config)
-    if under_torchrun() and int(__import__("os").environ["RANK"]) != 0:
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
     print(f"trained dp={config.dp} x tp={config.tp} x pp={config.pp} ({config.schedule}, "
           f"{config.microbatches} micro-batches): loss {losses[0]:.6f} -> {losses[-1]:.6f}")

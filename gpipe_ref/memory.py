@@ -38,8 +38,8 @@ class ActivationMeter:
     """Live and peak bytes of saved activations on one device.
 
     Use ``with meter.recording():`` around forward (and recomputation) code;
-    ``hold``/``drop`` count tensors the executor keeps itself, such as a
-    checkpointed stage's input.
+    ``hold`` counts a tensor the executor keeps itself, such as a
+    checkpointed stage's input, while its token lives.
     """
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
@@ -78,12 +78,8 @@ class ActivationMeter:
                 self.live -= self._bytes.pop(key)
 
     def hold(self, tensor: torch.Tensor) -> object:
-        """Count ``tensor`` until the returned token is passed to :meth:`drop` (or deleted)."""
+        """Count ``tensor`` for as long as the returned token is alive (drop every reference to it)."""
         return _Saved(tensor, self, self._acquire(tensor))
-
-    @staticmethod
-    def drop(token: object) -> None:
-        del token
 
     @contextmanager
     def recording(self) -> Iterator[None]:

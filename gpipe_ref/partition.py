@@ -57,26 +57,25 @@ def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
     if any(c < 0 for c in costs):
         raise ValueError(f"costs must be >= 0, got {list(costs)}")
 
-    def cut(limit: float) -> list[int] | None:
-        """Greedy: fill each part up to ``limit``, leaving a layer for each part still to come."""
-        sizes, current, count = [], 0.0, 0
-        for i, c in enumerate(costs):
-            remaining_layers = n - i
-            remaining_parts = partitions - len(sizes)
-            if count and (current + c > limit or remaining_layers < remaining_parts):
-                sizes.append(count)
-                current, count = 0.0, 0
-            current += c
-            count += 1
-            if current > limit:
-                return None
-        sizes.append(count)
-        return sizes if len(sizes) <= partitions else None
-
-    # The optimum is the sum of some contiguous run: search those candidate values.
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+
+    def cut(limit: float) -> list[int] | None:
+        """Greedy: grow each part while its sum stays within ``limit``, leaving a layer for
+        each part still to come. Part sums come from ``prefix``, exactly as the candidates do."""
+        sizes, start = [], 0
+        while start < n:
+            end = start + 1  # at least one layer
+            if prefix[end] - prefix[start] > limit:
+                return None
+            while end < n and prefix[end + 1] - prefix[start] <= limit and n - (end + 1) >= partitions - len(sizes) - 1:
+                end += 1
+            sizes.append(end - start)
+            start = end
+        return sizes if len(sizes) <= partitions else None
+
+    # The optimum is the sum of some contiguous run: search those candidate values.
     candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
@@ -113,8 +112,9 @@ def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int
             inp = x.detach().requires_grad_(x.is_floating_point())
             began = time.perf_counter()
             out = layer(inp)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
+            wrt = [t for t in (inp, *layer.parameters()) if t.requires_grad]
+            if out.requires_grad and wrt:  # gradients computed and dropped: the model's .grad stays untouched
+                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
             times.append(time.perf_counter() - began)

@@ -4,7 +4,9 @@ GPipe (Huang et al. 2019) splits an ``nn.Sequential`` into consecutive stages
 (sec. 2.1), cuts each mini-batch into micro-batches (sec. 2.2), and runs the
 micro-batches through the stages so that the devices work at the same time.
 Gradients of all micro-batches add up and the optimizer steps once per
-mini-batch, so training is the same as on one device. Re-materialization
+mini-batch, so training is the same as on one device (for layers without
+batch statistics: BatchNorm sees micro-batches, and recomputation updates its
+running statistics twice). Re-materialization
 (sec. 2.3) keeps only each stage's input per micro-batch and recomputes the
 rest in the backward pass.
 
@@ -226,6 +228,9 @@ def _receive(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.requires_grad_(x.is_floating_point())
 
 
+_RNG_LOCK = threading.RLock()  # guards the process-wide random generators during capture and replay
+
+
 def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
@@ -306,13 +311,18 @@ class _StepRun:
         st.inputs = x
         st.token = meter.hold(x) if self.pipe.track_memory and isinstance(x, torch.Tensor) else None
         if self._checkpointed(microbatch):
-            st.rng_state = _rng_state(device)
-            with torch.no_grad():
+            # The CPU generator is shared by every worker thread: hold the lock from capturing its
+            # state to the end of the stage, so the recomputation can replay the same draws.
+            with _RNG_LOCK, torch.no_grad():
+                st.rng_state = _rng_state(device)
                 self._run_stage(stage, microbatch, x, st)
         else:
             with self._recording(meter):
                 self._run_stage(stage, microbatch, x, st)
         out = st.chain[-1]
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"stage {stage} must return a tensor (the activation sent to the next stage), got "
+                            f"{type(out).__name__}; tuples are accepted as pipeline inputs, not between stages")
         if stage == self.schedule.num_stages - 1:
             with self.lock:
                 self.losses[microbatch] = out.detach()
@@ -328,7 +338,8 @@ class _StepRun:
         last = stage == self.schedule.num_stages - 1
         if self._checkpointed(microbatch):  # recompute the stage with autograd on
             device = self.pipe.stage_device(stage)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self._recording(meter):
+            with _RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    self._recording(meter):
                 _set_rng_state(device, st.rng_state)
                 self._run_stage(stage, microbatch, st.inputs, st)
         root = st.chain[-1]
@@ -356,8 +367,9 @@ class _StepRun:
             self.send_gradient(stage, microbatch, grads[0])
             grads = grads[1:]
         st.chain_grads = dict(zip(wanted, grads))
-        if param_layers and param_layers[-1] == len(layers) - 1 and not last:
-            st.chain_grads[len(layers) - 1] = grad  # the stage output's gradient came from the next stage
+        for j in param_layers:  # layers whose output is the stage output itself (later layers may be
+            if st.chain[j] is root:  # identities): its gradient is the one that came from the next stage
+                st.chain_grads[j] = grad
 
     def weight(self, stage: int, microbatch: int) -> None:
         """W: each layer's weight gradients from its output's gradient (kept by B)."""

@@ -245,6 +245,28 @@ def test_data_parallel_equals_single_process(world_size, bucket_cap_mb, accumula
     assert buckets == (1 if bucket_cap_mb == 25.0 else 6) and allreduces == buckets
 
 
+def _ddp_with_an_unused_layer(rank, world_size):
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    replica = DataParallel(TwoHeads(), bucket_cap_mb=25)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    replica(x).square().sum().backward()
+    return replica.module.used.weight.grad, replica.module.unused.weight.grad
+
+
+def test_data_parallel_with_a_parameter_that_gets_no_gradient():
+    (a, a_unused), (b, b_unused) = launch(_ddp_with_an_unused_layer, 2)
+    torch.testing.assert_close(a, b)  # averaged although the bucket never filled
+    assert a_unused.abs().max() == 0 and b_unused.abs().max() == 0
+
+
 def test_bucket_assignment_is_reverse_order_and_capped():
     mb = 2 ** 20
     assert assign_buckets([mb, mb, mb, 3 * mb], bucket_cap_mb=2) == [[3], [2, 1], [0]]

@@ -70,6 +70,16 @@ def test_partition_is_optimal_against_brute_force():
         assert _largest_part(costs, part_sizes) == pytest.approx(_brute_force(costs, k))
 
 
+def test_partition_is_exact_for_float_costs():
+    assert partition_costs([1, 3, 0.0502156039938567], 2) == [1, 2]
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        k = rng.randint(1, n)
+        costs = [rng.random() * rng.choice([0.01, 1, 10]) for _ in range(n)]
+        assert _largest_part(costs, partition_costs(costs, k)) <= _brute_force(costs, k) * (1 + 1e-12)
+
+
 def test_split_and_balance_by_params():
     model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 100), nn.ReLU(), nn.Linear(100, 10))
     stages = split(model, [2, 3])
@@ -86,6 +96,7 @@ def test_balance_by_time_separates_the_slow_layers():
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.ReLU(), nn.ReLU(), nn.ReLU(), nn.ReLU())
     balance = balance_by_time(model, torch.randn(256, 512), 2)
     assert balance[0] == 1 and sum(balance) == 6  # the two matmuls dominate: one per stage
+    assert all(p.grad is None for p in model.parameters())  # profiling leaves the model untouched
     with pytest.raises(TypeError, match="sample must be a tensor, got list"):
         balance_by_time(model, [1], 2)
 

@@ -171,6 +171,58 @@ def test_rematerialization_matches_torch_utils_checkpoint():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+def test_a_stage_ending_in_an_identity_layer(schedule):
+    # the Linear's output object is the stage output: zero bubble must still compute its weight gradient
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 1))
+    model.load_state_dict(reference.state_dict())
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    nn.MSELoss()(reference(x), y).backward()
+    GPipe(model, [2, 1], chunks=3, schedule=schedule, checkpoint="never").step(x, y, nn.MSELoss())
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+class _RecordsNoise(nn.Module):
+    """Adds noise drawn from the global generator and logs it (as dropout draws masks)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def forward(self, x):
+        noise = torch.rand_like(x)
+        self.log.append((torch.is_grad_enabled(), noise.sum().item()))
+        return x + noise
+
+
+def test_recomputation_replays_the_same_random_draws_with_threads():
+    logs = [[] for _ in range(4)]
+    layers = [layer for k in range(4) for layer in (nn.Linear(8, 8), _RecordsNoise(logs[k]))]
+    pipe = GPipe(nn.Sequential(*layers), [2, 2, 2, 2], chunks=4, checkpoint="always", executor="threads")
+    for _ in range(3):
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss())
+    for log in logs:  # per stage: the no-grad forward draws, then the recomputation replays them
+        forward = [v for grad, v in log if not grad]
+        replay = [v for grad, v in log if grad]
+        assert sorted(forward) == pytest.approx(sorted(replay))
+
+
+def test_a_tuple_between_stages_is_refused_clearly():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, 2 * x
+
+    class First(nn.Module):
+        def forward(self, pair):
+            return pair[0]
+
+    model = nn.Sequential(nn.Linear(4, 4), Pair(), First(), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="stage 0 must return a tensor .* got tuple"):
+        GPipe(model, [2, 2], chunks=2).step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+
+
 def test_forward_is_micro_batched_and_differentiable():
     reference, model = random_model(2, 6), random_model(2, 6)
     x = torch.randn(7, WIDTH)

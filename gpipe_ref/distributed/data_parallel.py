@@ -142,17 +142,20 @@ class DataParallel(nn.Module):
         self._params = params
         self._bucket_of = {id(params[i]): b for b, bucket in enumerate(self.buckets) for i in bucket}
         self._sync = True
-        self._pending: list[int] = []
-        self._works: list = []
-        self._callback_queued = False
+        self._reset()
         self.timeline: Timeline | None = None  # of the last step: compute on track 0, all-reduces on track 1
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def forward(self, *args, **kwargs):
+    def _reset(self) -> None:
+        """Fresh bookkeeping for the next backward pass."""
         self._pending = [len(bucket) for bucket in self.buckets]
         self._works, self._callback_queued, self._done = [], False, {}
         self._t0 = time.perf_counter()
+        self._forward_end = 0.0
+
+    def forward(self, *args, **kwargs):
+        self._reset()
         output = self.module(*args, **kwargs)
         self._forward_end = time.perf_counter() - self._t0
         return output
@@ -183,6 +186,17 @@ class DataParallel(nn.Module):
 
     def _finish(self) -> None:
         backward_end = time.perf_counter() - self._t0
+        # A parameter that got no gradient leaves its bucket incomplete: treat its gradient as zero
+        # and reduce the bucket now, so replicas stay equal (every rank must skip the same parameters,
+        # as with DDP's find_unused_parameters; a data-dependent choice would mismatch the collectives).
+        for b, pending in enumerate(self._pending):
+            if pending > 0:
+                for i in self.buckets[b]:
+                    if self._params[i].grad is None:
+                        self._params[i].grad = torch.zeros_like(self._params[i])
+                flat = torch.cat([self._params[i].grad.reshape(-1) for i in self.buckets[b]])
+                start = time.perf_counter() - self._t0
+                self._works.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True), start))
         events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
         link_free = 0.0  # the process group runs its all-reduces one after another
         for b, flat, work, ready in self._works:
@@ -196,8 +210,8 @@ class DataParallel(nn.Module):
                 grad = self._params[i].grad
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
-        self._works, self._callback_queued = [], False
         self.timeline = Timeline(events, 2, unit="s")
+        self._reset()
 
 
 def assign_buckets(sizes_in_bytes: list[int], bucket_cap_mb: float) -> list[list[int]]:

@@ -38,9 +38,12 @@ class RankError(RuntimeError):
 
 
 def default_backend(world_size: int) -> str:
-    """NCCL when every rank can have its own GPU, else gloo."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
-        return "nccl"
+    """NCCL for GPU tensors (with gloo for CPU tensors: shape headers, losses) when every rank
+    can have its own GPU, else gloo. A process that already initialised CUDA cannot fork
+    CUDA-using children, so it gets gloo too."""
+    if (torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available()
+            and not torch.cuda.is_initialized()):
+        return "cpu:gloo,cuda:nccl"
     return "gloo"
 
 
@@ -57,7 +60,7 @@ def _child(fn, rank, world_size, args, backend, port, timeout, results, stack_di
     stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(rank)
         # Fork first, then open the store: a store thread started before the fork can deadlock a child.
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -87,7 +90,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     backend = backend or default_backend(world_size)
-    if backend not in ("gloo", "nccl"):
+    if backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"  # CPU tensors (headers, losses) still need a backend
+    if backend not in ("gloo", "cpu:gloo,cuda:nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
     for attempt in range(3):
         try:
@@ -108,9 +113,9 @@ def _launch_once(fn, world_size: int, args: tuple, backend: str, timeout: float)
         processes = [context.Process(target=_child, name=f"gpipe-rank-{rank}", daemon=True,
                                      args=(fn, rank, world_size, args, backend, port, timeout, results, stack_dir))
                      for rank in range(world_size)]
-        for p in processes:
-            p.start()
         try:
+            for p in processes:
+                p.start()
             return _collect(processes, results, world_size, timeout, stack_dir)
         finally:
             _stop(processes)
@@ -168,8 +173,8 @@ def init_from_env(timeout: float = 600.0) -> tuple[int, int]:
     if missing:
         raise RuntimeError(f"not started by torchrun: environment lacks {missing}")
     world_size = int(os.environ["WORLD_SIZE"])
-    backend = default_backend(world_size)
-    if backend == "nccl":
+    backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))  # GPUs are per machine
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))

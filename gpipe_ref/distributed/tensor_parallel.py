@@ -218,7 +218,10 @@ class ParallelMLP(nn.Module):
 
 class ParallelSelfAttention(nn.Module):
     """Self-attention with the heads split across ranks (Megatron, Fig. 3b): the QKV
-    projection is column-parallel by head, the output projection row-parallel."""
+    projection is column-parallel by head, the output projection row-parallel.
+
+    Build it with :meth:`from_dense` to match a dense layer; the constructor's own
+    initialisation is random per rank and equals no particular dense layer."""
 
     def __init__(self, embed_dim: int, num_heads: int, group=None) -> None:
         super().__init__()
@@ -229,7 +232,9 @@ class ParallelSelfAttention(nn.Module):
         local = self.local_heads * self.head_dim
         self.qkv_weight = nn.Parameter(torch.empty(3 * local, embed_dim))
         self.qkv_bias = nn.Parameter(torch.zeros(3 * local))
-        nn.init.normal_(self.qkv_weight, std=embed_dim ** -0.5)
+        with torch.random.fork_rng():  # different heads on different ranks
+            torch.manual_seed(torch.initial_seed() + dist.get_rank(group))
+            nn.init.normal_(self.qkv_weight, std=embed_dim ** -0.5)
         self.out = RowParallelLinear(embed_dim, embed_dim, group=group)
 
     @classmethod
