@@ -6,9 +6,8 @@ micro-batches through the stages so that the devices work at the same time.
 Gradients of all micro-batches add up and the optimizer steps once per
 mini-batch, so training is the same as on one device (for layers without
 batch statistics: BatchNorm sees micro-batches, and recomputation updates its
-running statistics twice). Re-materialization
-(sec. 2.3) keeps only each stage's input per micro-batch and recomputes the
-rest in the backward pass.
+running statistics twice). Re-materialization (sec. 2.3) keeps only each
+stage's input per micro-batch and recomputes the rest in the backward pass.
 
 Any flush :class:`~gpipe_ref.schedule.Schedule` runs here (GPipe's
 fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
