@@ -1,0 +1,335 @@
+"""Exercises, cases and verdicts: what every check and the grader share.
+
+An :class:`Exercise` names the function (or class) a learner writes and the
+cases that judge it: a few shown in the notebook, more kept hidden for the
+grader. A case runs the learner's answer, compares the result with the
+expected value and, on a mismatch, says what went in, what was expected,
+what came out, and a hint. An answer scores its points only when every case
+passes: a plausible wrong answer must not earn them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import signal
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+
+class NotAttempted(Exception):
+    """The answer still raises the exercise's NotImplementedError."""
+
+
+class CaseTimeout(Exception):
+    """A case ran longer than its time limit."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input to an answer and the value it must produce.
+
+    ``run(answer)`` calls the learner's answer and returns what it produced;
+    ``compare(actual, expected)`` returns None when they agree, else a reason.
+    """
+
+    label: str
+    run: Callable[[Any], Any]
+    expected: Any
+    hint: str = ""
+    compare: Callable[[Any, Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """A piece of the course the learner writes, with the cases that judge it."""
+
+    id: str
+    title: str
+    answer: str  # the name the learner defines in the notebook
+    points: int
+    cases: Callable[[], list[Case]]  # shown: check() runs these
+    hidden: Callable[[], list[Case]]  # graded too: more sizes and edge cases
+    kind: str = "function"  # "function" or "class"
+    forbidden: tuple[str, ...] = ()  # dotted names of library code that does the exercise
+    timeout: float = 20.0  # seconds per case
+
+    def all_cases(self) -> list[Case]:
+        return list(self.cases()) + list(self.hidden())
+
+
+@dataclass
+class Verdict:
+    """How one answer did."""
+
+    exercise: str
+    title: str
+    status: str  # "passed", "failed", "not attempted", "error", "timeout"
+    points: int
+    max_points: int
+    feedback: str
+    cases_run: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"exercise": self.exercise, "title": self.title, "status": self.status, "points": self.points,
+                "max_points": self.max_points, "feedback": self.feedback, "cases_run": self.cases_run}
+
+
+# -- comparing values ------------------------------------------------------------------------------
+
+def short_repr(value: Any, limit: int = 160) -> str:
+    """A one-line repr, cut to ``limit`` characters."""
+    if isinstance(value, torch.Tensor):
+        text = f"tensor of shape {tuple(value.shape)}, dtype {str(value.dtype).replace('torch.', '')}"
+        if value.numel() <= 8:
+            text += f": {value.detach().flatten().tolist()}"
+        return text
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    try:
+        text = repr(value)
+    except Exception as error:  # a learner's object whose __repr__ raises
+        text = f"<{type(value).__name__} whose repr raised {type(error).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def same(actual: Any, expected: Any, where: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    """None when ``actual`` equals ``expected`` (floats and tensors to a tolerance), else why not."""
+    at = f" at {where}" if where else ""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return f"expected a tensor{at}, got a {_type_name(actual)}"
+        if actual.shape != expected.shape:
+            return f"expected shape {tuple(expected.shape)}{at}, got {tuple(actual.shape)}"
+        if not torch.allclose(actual.detach().double(), expected.detach().double(), rtol=rtol, atol=atol):
+            diff = (actual.detach().double() - expected.detach().double()).abs().max().item()
+            return f"values differ{at} (largest difference {diff:.3g})"
+        return None
+    if isinstance(expected, bool):
+        if not isinstance(actual, bool):
+            return f"expected True or False{at}, got a {_type_name(actual)}"
+        return None if actual == expected else f"expected {expected}{at}, got {actual}"
+    if isinstance(expected, int):
+        if isinstance(actual, bool) or not isinstance(actual, int):
+            if isinstance(actual, torch.Tensor) and actual.numel() == 1 and not actual.is_floating_point():
+                actual = int(actual)
+            else:
+                return f"expected an int{at}, got a {_type_name(actual)} ({short_repr(actual)})"
+        return None if actual == expected else f"expected {expected}{at}, got {actual}"
+    if isinstance(expected, float):
+        if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+            if isinstance(actual, torch.Tensor) and actual.numel() == 1:
+                actual = actual.item()
+            else:
+                return f"expected a number{at}, got a {_type_name(actual)} ({short_repr(actual)})"
+        if math.isnan(actual) or not math.isclose(actual, expected, rel_tol=1e-9, abs_tol=1e-12):
+            return f"expected {expected:.6g}{at}, got {actual:.6g}"
+        return None
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)):
+            return f"expected a {_type_name(expected)}{at}, got a {_type_name(actual)} ({short_repr(actual)})"
+        if len(actual) != len(expected):
+            return f"expected {len(expected)} items{at}, got {len(actual)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            reason = same(a, e, f"{where}[{i}]" if where else f"item {i}", rtol, atol)
+            if reason:
+                return reason
+        return None
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return f"expected a dict{at}, got a {_type_name(actual)}"
+        if set(actual) != set(expected):
+            return f"expected keys {sorted(expected, key=repr)}{at}, got {sorted(actual, key=repr)}"
+        for key in expected:
+            reason = same(actual[key], expected[key], f"{where}[{key!r}]", rtol, atol)
+            if reason:
+                return reason
+        return None
+    if actual != expected:
+        return f"expected {short_repr(expected)}{at}, got {short_repr(actual)}"
+    return None
+
+
+# -- running answers safely ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`CaseTimeout` in the main thread after ``seconds`` (where signals allow it)."""
+    usable = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    if not usable or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CaseTimeout(f"took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class BoundedSink(io.TextIOBase):
+    """A text stream that keeps the first ``limit`` characters and counts the rest."""
+
+    def __init__(self, limit: int = 4000) -> None:
+        self.limit, self.kept, self.dropped = limit, [], 0
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        room = self.limit - self._size
+        if room > 0:
+            self.kept.append(text[:room])
+            self._size += min(room, len(text))
+        self.dropped += max(0, len(text) - max(room, 0))
+        return len(text)
+
+
+def _code_objects(obj: Any) -> Iterator[types.CodeType]:
+    if isinstance(obj, type):  # a class: its own methods (not nested classes)
+        for value in vars(obj).values():
+            value = getattr(value, "__func__", value)
+            if isinstance(value, types.FunctionType):
+                yield from _code_objects(value)
+        return
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        yield code
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _resolve(dotted: str) -> Any:
+    module_name, _, attribute = dotted.rpartition(".")
+    module = __import__(module_name, fromlist=[attribute])
+    return getattr(module, attribute)
+
+
+def forbidden_use(answer: Any, forbidden: Sequence[str]) -> str | None:
+    """The forbidden library name ``answer``'s code refers to, if any."""
+    if not forbidden:
+        return None
+    targets = {}
+    for dotted in forbidden:
+        try:
+            targets[id(_resolve(dotted))] = dotted
+        except (ImportError, AttributeError):
+            continue
+    attributes = {dotted.rpartition(".")[2]: dotted for dotted in forbidden}
+    for code in _code_objects(answer):
+        namespace = getattr(answer, "__globals__", None)
+        if namespace is None:  # a class: look its methods' globals up
+            namespace = next((getattr(v, "__globals__", None) for v in vars(answer).values()
+                              if getattr(v, "__globals__", None) is not None), {})
+        names = set(code.co_names)
+        for name in names:
+            value = namespace.get(name)
+            if value is not None and id(value) in targets:
+                return targets[id(value)]
+            if isinstance(value, types.ModuleType) and value.__name__.startswith(("gpipe_ref", "torch")):
+                for attribute, dotted in attributes.items():
+                    if attribute in names and id(getattr(value, attribute, None)) in targets:
+                        return dotted
+        if "gpipe_ref" in names or "torch" in names:  # `import gpipe_ref.x` inside the function
+            for attribute, dotted in attributes.items():
+                if attribute in names and dotted.rpartition(".")[0].rpartition(".")[2] in names:
+                    return dotted
+    return None
+
+
+def _describe_error(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _is_not_attempted(error: BaseException) -> bool:
+    return isinstance(error, NotImplementedError) and "Exercise" in str(error)
+
+
+def run_cases(exercise: Exercise, answer: Any, cases: Sequence[Case], *, timeout: float | None = None) -> Verdict:
+    """Judge ``answer`` on ``cases``; stop at the first failing case."""
+    def verdict(status: str, feedback: str, run: int) -> Verdict:
+        points = exercise.points if status == "passed" else 0
+        return Verdict(exercise.id, exercise.title, status, points, exercise.points, feedback, run)
+
+    if exercise.kind == "class":
+        if not isinstance(answer, type):
+            return verdict("failed", f"`{exercise.answer}` must be a class, got a {_type_name(answer)}", 0)
+    elif not callable(answer):
+        return verdict("failed", f"`{exercise.answer}` must be a function, got a {_type_name(answer)}", 0)
+    used = forbidden_use(answer, exercise.forbidden)
+    if used:
+        return verdict("failed", f"`{exercise.answer}` uses `{used}`, which does what this exercise asks you "
+                                 f"to write: write it without it", 0)
+    limit = exercise.timeout if timeout is None else timeout
+    for index, case in enumerate(cases):
+        try:
+            with time_limit(limit):
+                actual = case.run(answer)
+        except CaseTimeout as error:
+            return verdict("timeout", f"case {case.label}: {error} (an endless loop?)", index + 1)
+        except NotImplementedError as error:
+            if _is_not_attempted(error):
+                return verdict("not attempted", "not attempted: the exercise still raises NotImplementedError", 0)
+            return verdict("error", f"case {case.label}: raised {_describe_error(error)}", index + 1)
+        except Exception as error:  # the learner's code may raise anything
+            hint = f"; hint: {case.hint}" if case.hint else ""
+            return verdict("error", f"case {case.label}: raised {_describe_error(error)}{hint}", index + 1)
+        try:
+            reason = (case.compare or same)(actual, case.expected)
+        except Exception as error:
+            reason = f"could not compare the result: {_describe_error(error)}"
+        if reason:
+            hint = f"; hint: {case.hint}" if case.hint else ""
+            return verdict("failed", f"case {case.label}: {reason}{hint}", index + 1)
+    passed = "passed the only case" if len(cases) == 1 else f"passed all {len(cases)} cases"
+    return verdict("passed", passed, len(cases))
+
+
+def quietly(fn: Callable[[], Verdict], limit: int = 4000) -> tuple[Verdict, str]:
+    """Run ``fn`` with stdout and stderr captured (the first ``limit`` characters kept)."""
+    sink = BoundedSink(limit)
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        result = fn()
+    printed = "".join(sink.kept)
+    if sink.dropped:
+        printed += f"\n... and {sink.dropped} more characters"
+    return result, printed
+
+
+@dataclass
+class Registry:
+    """Every exercise of the course, by id."""
+
+    exercises: dict[str, Exercise] = field(default_factory=dict)
+
+    def add(self, exercise: Exercise) -> Exercise:
+        if exercise.id in self.exercises:
+            raise ValueError(f"exercise {exercise.id} is defined twice")
+        self.exercises[exercise.id] = exercise
+        return exercise

@@ -1,0 +1,115 @@
+"""Exercises for notebook 05: activation memory per checkpoint mode, a checkpointed forward,
+how many micro-batches a device holds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..memory import ActivationMeter
+from ..models import mlp, regression_data
+from ..schedule import make_schedule
+from ..simulator import simulate
+from .core import Case, Exercise
+
+# -- 05.1 peak activations of each checkpoint mode (checked against a measurement) ---------------------
+
+ROWS, WIDTH = 2, 8
+
+
+def measured_peaks(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> list[float]:
+    """Peak saved activations per device of one GPipe step, in units of one (ROWS x WIDTH) tensor."""
+    from ..pipeline import GPipe
+
+    x, y = regression_data(samples=m * ROWS, width=WIDTH, seed=0)
+    pipe = GPipe(mlp(width=WIDTH, depth=p * blocks, seed=0), balance=[2 * blocks] * p, chunks=m,
+                 checkpoint=checkpoint, schedule=schedule)
+    pipe.step(x, y, nn.MSELoss())
+    one = ROWS * WIDTH * 4
+    return [pipe.timeline.peak_memory[d] / one for d in range(p)]
+
+
+def _peak_cases(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> list[Case]:
+    peaks = measured_peaks(schedule, checkpoint, p, m, blocks)
+    cases = []
+    for d in range(p):
+        held = m if schedule == "gpipe" else min(m, p - d)
+        saved = blocks + 1 + (1 if d == p - 1 else 0)  # Linear inputs and ReLU outputs (+ the loss target)
+        cases.append(Case(f"checkpoint={checkpoint!r}, held={held}, per_microbatch={saved} "
+                          f"(measured: {schedule}, p={p}, m={m}, device {d})",
+                          lambda answer, c=checkpoint, h=held, a=saved: answer(c, h, a), int(peaks[d]),
+                          hint="'always' keeps one input per held micro-batch plus the internals of the one being "
+                               "recomputed; 'except_last' also keeps everything of the last micro-batch, and "
+                               "recomputes nothing when that is the only one"))
+    return cases
+
+
+def _peak_shown() -> list[Case]:
+    return [case for mode in ("never", "always", "except_last") for case in _peak_cases("gpipe", mode, 4, 8, 2)[:1]]
+
+
+def _peak_hidden() -> list[Case]:
+    cases = []
+    for schedule, p, m, blocks in (("gpipe", 2, 1, 1), ("gpipe", 3, 5, 3), ("1f1b", 4, 8, 2), ("1f1b", 3, 2, 1)):
+        for mode in ("never", "always", "except_last"):
+            cases += _peak_cases(schedule, mode, p, m, blocks)
+    return cases
+
+
+PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
+                _peak_shown, _peak_hidden)
+
+# -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
+
+
+def _checkpoint_case(width: int, depth: int, rows: int, seed: int) -> Case:
+    def run_stage(answer):
+        stage = mlp(width=width, depth=depth, seed=seed)
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        meter = ActivationMeter(ignore=stage.parameters())
+        with meter.recording():
+            y = answer(stage, x)
+            saved = meter.live / (x.numel() * x.element_size())
+        if not isinstance(y, torch.Tensor):
+            return {"output": y}
+        y.pow(2).sum().backward()
+        return {"output": y.detach(), "saved, in inputs": saved, "x.grad": x.grad,
+                "weight grads": [p.grad for p in stage.parameters()]}
+
+    stage = mlp(width=width, depth=depth, seed=seed)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    y = stage(x)
+    y.pow(2).sum().backward()
+    expected = {"output": y.detach(), "saved, in inputs": 1.0, "x.grad": x.grad,
+                "weight grads": [p.grad for p in stage.parameters()]}
+    return Case(f"stage of {depth} (Linear, ReLU) blocks, width {width}, {rows} rows", run_stage, expected,
+                hint="torch.utils.checkpoint.checkpoint(stage, x, use_reentrant=False) keeps only x and "
+                     "recomputes the rest in the backward; no_grad or detach would cut the gradient")
+
+
+CHECKPOINTED = Exercise(
+    "05.2", "A checkpointed stage forward", "checkpointed_forward", 3,
+    lambda: [_checkpoint_case(8, 2, 4, 0)],
+    lambda: [_checkpoint_case(4, 1, 1, 1), _checkpoint_case(16, 4, 3, 2), _checkpoint_case(8, 3, 8, 3)],
+    forbidden=("gpipe_ref.pipeline.GPipe",))
+
+# -- 05.3 how many micro-batches a device holds --------------------------------------------------------------
+
+
+def _held_case(schedule: str, p: int, m: int, device: int) -> Case:
+    expected = simulate(make_schedule(schedule, p, m)).peak_in_flight(device)
+    return Case(f"schedule={schedule!r}, p={p}, m={m}, device={device}",
+                lambda answer: answer(schedule, p, m, device), expected,
+                hint="GPipe runs every forward before any backward; 1F1B starts a backward as soon as the first "
+                     "micro-batch comes back, which takes p - device forwards on device `device`")
+
+
+HELD = Exercise(
+    "05.3", "Micro-batches held: GPipe vs 1F1B", "held_microbatches", 2,
+    lambda: [_held_case("gpipe", 4, 8, 0), _held_case("1f1b", 4, 8, 0), _held_case("1f1b", 4, 8, 3)],
+    lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
+                                                    ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
+             for d in range(p)],
+    forbidden=("gpipe_ref.simulator.simulate",))
+
+EXERCISES = [PEAK, CHECKPOINTED, HELD]

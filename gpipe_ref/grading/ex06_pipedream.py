@@ -1,0 +1,87 @@
+"""Exercises for notebook 06: 1F1B's warm-up, the 1F1B schedule, PipeDream's weight versions."""
+
+from __future__ import annotations
+
+from ..schedule import Action, Schedule, one_f_one_b, pipedream_async
+from ..simulator import simulate
+from .core import Case, Exercise
+from .ex04_gpipe import _SCHEDULE_GENERATORS, judge_fill_drain
+
+# -- 06.1 forwards before the first backward ---------------------------------------------------------------
+
+
+def _warmup_case(p: int, m: int, device: int) -> Case:
+    actions = one_f_one_b(p, m).per_device[device]
+    expected = next(i for i, a in enumerate(actions) if a.op == "B")
+    return Case(f"p={p}, m={m}, device={device}", lambda answer: answer(p, m, device), expected,
+                hint="micro-batch 0's gradient comes back to device d after it has gone through the p - d - 1 "
+                     "later stages and back; count the forwards d can start meanwhile, and no more than m")
+
+
+WARMUP = Exercise(
+    "06.1", "1F1B: forwards before the first backward", "forwards_before_first_backward", 2,
+    lambda: [_warmup_case(4, 8, d) for d in range(4)],
+    lambda: [_warmup_case(p, m, d) for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
+    forbidden=_SCHEDULE_GENERATORS)
+
+# -- 06.2 the 1F1B schedule ---------------------------------------------------------------------------------------
+
+
+def _one_f_one_b_case(p: int, m: int) -> Case:
+    def run(answer):
+        actions = answer(p, m)
+        reason = judge_fill_drain(actions, p, m, "yours", forwards_first=False)
+        if reason:
+            return reason
+        timeline = simulate(Schedule("yours", p, m, p, tuple(range(p)), tuple(tuple(a) for a in actions)))
+        return {"micro-batches held per device": [timeline.peak_in_flight(d) for d in range(p)],
+                "bubble": round(timeline.bubble_fraction, 12)}
+
+    expected = {"micro-batches held per device": [min(m, p - d) for d in range(p)],
+                "bubble": round((p - 1) / (m + p - 1), 12)}
+
+    def compare(actual, expected):
+        if isinstance(actual, str):
+            return actual
+        held, want = actual["micro-batches held per device"], expected["micro-batches held per device"]
+        if held != want:
+            return f"your schedule holds {held} micro-batches per device at its peak; 1F1B holds {want}"
+        if actual["bubble"] != expected["bubble"]:
+            return f"simulated bubble {actual['bubble']:.4f}, 1F1B's is {expected['bubble']:.4f}"
+        return None
+
+    return Case(f"p={p}, m={m}", run, expected, compare=compare,
+                hint="device d: a warm-up of min(p - d - 1, m) forwards, then alternate one forward and one "
+                     "backward while forwards remain, then the remaining backwards, all in micro-batch order")
+
+
+ONE_F_ONE_B = Exercise(
+    "06.2", "The 1F1B schedule", "one_f_one_b_actions", 3,
+    lambda: [_one_f_one_b_case(2, 4), _one_f_one_b_case(4, 8)],
+    lambda: [_one_f_one_b_case(p, m) for p, m in ((1, 1), (1, 4), (3, 1), (4, 2), (5, 7), (8, 16))],
+    forbidden=_SCHEDULE_GENERATORS)
+
+# -- 06.3 PipeDream's stashed weight version and its staleness ---------------------------------------------------
+
+
+def _version_case(p: int, stage: int, microbatch: int) -> Case:
+    schedule = pipedream_async(p, microbatch + p)
+    version = schedule.weight_versions[Action("F", stage, microbatch)]
+    device = schedule.per_device[schedule.stage_to_device[stage]]
+    updates_before_backward = sum(1 for a in device[:device.index(Action("B", stage, microbatch))]
+                                  if a.op == "B" and a.stage == stage)
+    return Case(f"p={p}, stage={stage}, microbatch={microbatch}", lambda answer: answer(p, stage, microbatch),
+                (version, updates_before_backward - version),
+                hint="the forward of micro-batch k on stage s comes after that stage's backwards of the "
+                     "micro-batches more than p - 1 - s ahead of it; staleness counts the updates between the "
+                     "forward and the update that applies k's gradient")
+
+
+STASHED = Exercise(
+    "06.3", "PipeDream: the stashed weight version and its staleness", "stashed_version", 3,
+    lambda: [_version_case(4, s, k) for s, k in ((0, 0), (0, 5), (2, 5), (3, 5))],
+    lambda: [_version_case(p, s, k) for p in (1, 2, 4, 6) for s in range(p) for k in (0, 1, p - 1, p, 3 * p + 1)],
+    forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.staleness.version_table",
+               "gpipe_ref.staleness.StagedTrainer"))
+
+EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED]

@@ -1,0 +1,302 @@
+"""The autograder: run each learner notebook in a fresh kernel, then judge every answer.
+
+For one notebook: start a kernel, run the code cells in order (check cells are
+skipped: the grader runs the full cases itself), each under a time limit, then
+for each exercise run ``gpipe_ref.grading.report`` in the same kernel, which
+judges the learner's answer on the shown and the hidden cases and prints one
+JSON line. What an answer does wrong costs that exercise only:
+
+* an exercise cell that runs forever or kills the kernel scores 0 and is
+  replaced by ``pass`` in a fresh kernel, and grading goes on;
+* a course cell (one the learner was not asked to edit) that fails is blamed
+  on the exercise cell before it whose removal makes it pass;
+* an answer that hangs during grading scores 0 ("timeout"), the kernel is
+  restarted and the other exercises are graded;
+* outputs are not kept (a cell printing megabytes costs nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import nbformat
+
+from . import MARKER, NOTEBOOKS
+from .core import Verdict
+from .notebooks import NotebookError, check_of, exercise_of, read
+
+DEFAULT_CELL_TIMEOUT = 60.0
+
+
+@dataclass
+class NotebookResult:
+    """What one notebook scored."""
+
+    path: str
+    notebook: str | None = None
+    verdicts: list[Verdict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None  # the path could not be graded at all
+    seconds: float = 0.0
+
+    @property
+    def points(self) -> int:
+        return sum(v.points for v in self.verdicts)
+
+    @property
+    def max_points(self) -> int:
+        return sum(ex.points for ex in NOTEBOOKS.get(self.notebook, []))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "notebook": self.notebook, "points": self.points, "max_points": self.max_points,
+                "exercises": [v.to_dict() for v in self.verdicts], "warnings": self.warnings, "error": self.error,
+                "seconds": round(self.seconds, 2)}
+
+
+@dataclass
+class _CellTrouble:
+    index: int  # position in nb.cells
+    kind: str  # "error", "timeout", "died"
+    message: str
+
+
+def _client_class():
+    from nbclient import NotebookClient
+
+    class QuietClient(NotebookClient):
+        """Keeps errors and the grader's report lines; drops every other output."""
+
+        def output(self, outs, msg, display_id, cell_index):
+            kind = msg["msg_type"]
+            if kind == "error" or (kind == "stream" and MARKER in msg["content"].get("text", "")):
+                return super().output(outs, msg, display_id, cell_index)
+            return None
+
+    return QuietClient
+
+
+def _error_text(cell) -> str | None:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            value = " ".join(str(out.get("evalue", "")).split())
+            return f"{out.get('ename', 'Error')}: {value[:200]}" if value else str(out.get("ename", "Error"))
+    return None
+
+
+def _not_attempted_error(text: str | None) -> bool:
+    return bool(text) and text.startswith("NotImplementedError") and "Exercise" in text
+
+
+class _Session:
+    """One fresh kernel running one notebook (cells to skip and exercises to disable given)."""
+
+    def __init__(self, nb, directory: Path, cell_timeout: float, kernel_name: str) -> None:
+        self.nb = nbformat.from_dict(nb)
+        self.client = _client_class()(self.nb, timeout=int(cell_timeout), kernel_name=kernel_name,
+                                      allow_errors=True, interrupt_on_timeout=False, record_timing=False,
+                                      resources={"metadata": {"path": str(directory)}})
+        self.cell_timeout = cell_timeout
+
+    def run(self, cell_index: int, source: str | None = None, timeout: float | None = None) -> _CellTrouble | None:
+        from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+        cell = self.nb.cells[cell_index]
+        if source is not None:
+            cell = nbformat.v4.new_code_cell(source)
+        cell.outputs = []
+        self.client.timeout = int(timeout or self.cell_timeout)
+        try:
+            self.client.execute_cell(cell, cell_index)
+        except CellTimeoutError:
+            return _CellTrouble(cell_index, "timeout", f"ran longer than {self.client.timeout} s")
+        except DeadKernelError:
+            return _CellTrouble(cell_index, "died", "the kernel died while running it")
+        finally:
+            self.last = cell
+        error = _error_text(cell)
+        return _CellTrouble(cell_index, "error", error) if error else None
+
+
+def _code_cells(nb) -> Iterable[tuple[int, Any]]:
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            yield index, cell
+
+
+def _blame(ex, status: str, feedback: str) -> Verdict:
+    return Verdict(ex.id, ex.title, status, 0, ex.points, feedback)
+
+
+def grade_notebook(path: str | os.PathLike, *, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+                   kernel_name: str = "python3") -> NotebookResult:
+    """Grade one learner notebook; never raises for anything the notebook does."""
+    began = time.perf_counter()
+    result = NotebookResult(str(path))
+    try:
+        nb, name = read(path)
+    except NotebookError as error:
+        result.error = str(error)
+        return result
+    result.notebook = name
+    exercises = {ex.id: ex for ex in NOTEBOOKS[name]}
+    cell_of = {exercise_of(cell): index for index, cell in _code_cells(nb) if exercise_of(cell) in exercises}
+    for ex_id in exercises:
+        if ex_id not in cell_of:
+            result.warnings.append(f"the cell of exercise {ex_id} (starting '# Exercise {ex_id}') is missing")
+    verdicts: dict[str, Verdict] = {}
+    disabled: set[str] = set()  # exercise cells replaced by `pass`
+    skipped: set[int] = set()  # course cells that fail whatever the exercises do
+    directory = Path(path).resolve().parent
+
+    def session_run(upto: int | None, grade: list[str]):
+        """Run the notebook (up to cell ``upto``) and grade ``grade``; return (trouble, cell errors)."""
+        session = _Session(nb, directory, cell_timeout, kernel_name)
+        errors: dict[str, str] = {}
+        with session.client.setup_kernel():
+            for index, cell in _code_cells(nb):
+                if upto is not None and index > upto:
+                    break
+                ex_id = exercise_of(cell)
+                if check_of(cell) or index in skipped or ex_id in disabled:
+                    continue
+                trouble = session.run(index)
+                if trouble is None:
+                    continue
+                if ex_id in exercises:
+                    if trouble.kind != "error":
+                        return trouble, errors
+                    errors[ex_id] = trouble.message  # graded below: the name may still be defined
+                    continue
+                return trouble, errors
+            for ex_id in grade:
+                ex = exercises[ex_id]
+                budget = ex.timeout * 10 + 30  # each case has its own alarm; this catches what ignores it
+                trouble = session.run(len(nb.cells) - 1,
+                                      source=f"__import__('gpipe_ref.grading', fromlist=['report'])"
+                                             f".report({ex_id!r}, globals())", timeout=budget)
+                if trouble is not None and trouble.kind != "error":
+                    verdicts[ex_id] = _blame(ex, "timeout" if trouble.kind == "timeout" else "error",
+                                             f"grading {trouble.message} (an endless loop, or code that stops "
+                                             f"the kernel?)")
+                    return _CellTrouble(-1, "grading", trouble.message), errors  # restart for the rest
+                verdicts[ex_id] = _parse_report(ex, session.last, errors.get(ex_id))
+        return None, errors
+
+    for _ in range(4 * len(exercises) + 4):  # each round settles at least one exercise or cell
+        pending = [ex_id for ex_id in exercises if ex_id not in verdicts and ex_id not in disabled]
+        if not pending:
+            break
+        trouble, _errors = session_run(None, [ex_id for ex_id in pending if ex_id in cell_of])
+        for ex_id in pending:
+            if ex_id not in cell_of and ex_id not in verdicts:
+                verdicts[ex_id] = _blame(exercises[ex_id], "not attempted", "its exercise cell is missing")
+        if trouble is None or trouble.index == -1:
+            continue
+        ex_id = exercise_of(nb.cells[trouble.index])
+        if ex_id in exercises:  # the exercise cell itself hung or killed the kernel
+            verdicts[ex_id] = _blame(exercises[ex_id], "timeout" if trouble.kind == "timeout" else "error",
+                                     f"its cell {trouble.message}; it was skipped to grade the rest")
+            disabled.add(ex_id)
+            continue
+        culprit = _find_culprit(trouble, nb, exercises, cell_of, disabled, verdicts, session_run)
+        if culprit is None:
+            skipped.add(trouble.index)
+            result.warnings.append(f"cell {trouble.index + 1} fails whatever the exercises do "
+                                   f"({trouble.kind}: {trouble.message}); it was skipped")
+        else:
+            verdicts[culprit] = _blame(exercises[culprit], "error",
+                                       f"your code broke a later cell (cell {trouble.index + 1}: "
+                                       f"{trouble.message}); it was skipped to grade the rest")
+            disabled.add(culprit)
+    result.verdicts = [verdicts.get(ex_id) or _blame(ex, "error", "could not be graded")
+                       for ex_id, ex in exercises.items()]
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def _find_culprit(trouble, nb, exercises, cell_of, disabled, verdicts, session_run) -> str | None:
+    """The exercise cell before the failing course cell whose removal lets it run."""
+    candidates = sorted((index, ex_id) for ex_id, index in cell_of.items()
+                        if index < trouble.index and ex_id not in disabled)
+    for _, ex_id in reversed(candidates):
+        disabled.add(ex_id)
+        try:
+            again, _ = session_run(trouble.index, [])
+        finally:
+            disabled.discard(ex_id)
+        if again is None or again.index != trouble.index:
+            return ex_id
+    return None
+
+
+def _parse_report(ex, cell, cell_error: str | None) -> Verdict:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            for line in out.get("text", "").splitlines():
+                if line.startswith(MARKER):
+                    data = json.loads(line[len(MARKER):])
+                    verdict = Verdict(ex.id, ex.title, data.get("status", "error"), int(data.get("points", 0)),
+                                      ex.points, data.get("feedback", ""), int(data.get("cases_run", 0)))
+                    if verdict.status == "not attempted" and cell_error and not _not_attempted_error(cell_error):
+                        verdict.status, verdict.feedback = "error", f"its cell raised {cell_error}"
+                    return verdict
+    error = _error_text(cell)
+    return _blame(ex, "error", f"grading failed: {error or 'no report'}")
+
+
+# -- many notebooks --------------------------------------------------------------------------------
+
+
+def collect(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[NotebookResult]]:
+    """The notebooks named by ``paths`` (folders are searched); bad paths come back as results with an error."""
+    notebooks, bad = [], []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            if not found:
+                bad.append(NotebookResult(str(path), error=f"{path}: a folder with no .ipynb notebooks"))
+            notebooks += found
+        elif path.exists():
+            notebooks.append(path)
+        else:
+            bad.append(NotebookResult(str(path), error=f"{path}: no such file or folder"))
+    return notebooks, bad
+
+
+def grade_paths(paths: Iterable[str | os.PathLike], *, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+                progress: bool = True) -> list[NotebookResult]:
+    """Grade every notebook ``paths`` name, in order, with a progress bar over notebooks."""
+    notebooks, bad = collect(paths)
+    results = list(bad)
+    if notebooks:
+        from tqdm.auto import tqdm
+
+        for path in tqdm(notebooks, desc="grading", unit="notebook", disable=not progress or len(notebooks) < 2):
+            results.append(grade_notebook(path, cell_timeout=cell_timeout))
+    return results
+
+
+def format_table(result: NotebookResult) -> str:
+    """A table per notebook: exercise, points, max, feedback."""
+    if result.error:
+        return f"{result.path}\n  cannot grade: {result.error}"
+    lines = [f"{result.path} ({result.notebook}): {result.points}/{result.max_points} points "
+             f"in {result.seconds:.1f} s",
+             f"  {'exercise':8} {'points':>6} {'max':>4}  feedback"]
+    for v in result.verdicts:
+        feedback = v.feedback if v.status in ("passed", "not attempted") else f"{v.status}: {v.feedback}"
+        lines.append(f"  {v.exercise:8} {v.points:>6} {v.max_points:>4}  {v.title}: {feedback}")
+    lines += [f"  warning: {w}" for w in result.warnings]
+    return "\n".join(lines)
+
+
+def summary(results: list[NotebookResult]) -> dict[str, Any]:
+    graded = [r for r in results if not r.error]
+    return {"notebooks": [r.to_dict() for r in results], "points": sum(r.points for r in graded),
+            "max_points": sum(r.max_points for r in graded), "errors": sum(1 for r in results if r.error)}
