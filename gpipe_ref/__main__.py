@@ -1,4 +1,4 @@
-"""Command line: ``python -m gpipe_ref simulate ...`` (more subcommands come with the course)."""
+"""Command line: ``python -m gpipe_ref {simulate,train,staleness,exercises,grade} ...``."""
 
 from __future__ import annotations
 
@@ -102,7 +102,72 @@ def build_parser() -> argparse.ArgumentParser:
     stale.add_argument("--lr", type=_cost, nargs="+", default=[0.05, 0.2, 0.5],
                        help="learning rates to sweep (default: 0.05 0.2 0.5)")
     stale.add_argument("--json", metavar="PATH", help="write every loss curve and the version table as JSON")
+    exercises = commands.add_parser(
+        "exercises",
+        help="build exercises/ from solutions/ (instructors)",
+        description="Write each exercises/NN_topic.ipynb from solutions/NN_topic.ipynb: every answer between "
+                    "'### BEGIN SOLUTION' and '### END SOLUTION' becomes '# YOUR CODE HERE' and a "
+                    "NotImplementedError; outputs of exercise and check cells are cleared.",
+    )
+    exercises.add_argument("action", choices=("build", "check"),
+                           help="build: write exercises/; check: exit 1 if exercises/ differs from what build writes")
+    exercises.add_argument("--solutions", default="solutions", help="folder of solution notebooks (default: solutions)")
+    exercises.add_argument("--exercises", default="exercises", help="folder to write (default: exercises)")
+    grade = commands.add_parser(
+        "grade",
+        help="grade exercise notebooks: each in a fresh kernel, on shown and hidden cases",
+        description="Run each notebook in a fresh Jupyter kernel with a time limit per cell, then judge every "
+                    "exercise on the cases check() shows and on hidden ones. Prints a table per notebook and a "
+                    "total. An exercise that raises, hangs or breaks a later cell scores 0 on its own.",
+    )
+    grade.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for *.ipynb")
+    grade.add_argument("--json", metavar="FILE", help="also write every score and feedback as JSON")
+    grade.add_argument("--cell-timeout", type=_cost, default=60.0,
+                       help="seconds a notebook cell may run before it is stopped (default: 60)")
     return parser
+
+
+def _exercises(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from .grading.notebooks import build
+
+    if args.action == "build":
+        for path in build(Path(args.solutions), Path(args.exercises)):
+            print(f"wrote {path}")
+        return 0
+    with tempfile.TemporaryDirectory() as fresh:
+        stale = []
+        for path in build(Path(args.solutions), Path(fresh)):
+            current = Path(args.exercises) / path.name
+            if not current.exists() or current.read_text() != path.read_text():
+                stale.append(str(current))
+    if stale:
+        print("out of date (run `python -m gpipe_ref exercises build`): " + ", ".join(stale))
+        return 1
+    print(f"{args.exercises}/ is what `exercises build` writes from {args.solutions}/")
+    return 0
+
+
+def _grade(args: argparse.Namespace) -> int:
+    import json
+
+    from .grading.grader import format_table, grade_paths, summary
+
+    results = grade_paths(args.paths, cell_timeout=args.cell_timeout)
+    for result in results:
+        print(format_table(result))
+        print()
+    report = summary(results)
+    graded = len(results) - report["errors"]
+    print(f"total: {report['points']}/{report['max_points']} points over {graded} notebook(s)"
+          + (f"; {report['errors']} path(s) could not be graded" if report["errors"] else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 2 if report["errors"] else 0
 
 
 def _staleness(args: argparse.Namespace) -> int:
@@ -180,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"simulate": _simulate, "train": _train, "staleness": _staleness}[args.command](args)
+        commands = {"simulate": _simulate, "train": _train, "staleness": _staleness, "exercises": _exercises,
+                    "grade": _grade}
+        return commands[args.command](args)
     except (ValueError, ScheduleError) as exc:
         parser.exit(2, f"error: {exc}\n")
 
