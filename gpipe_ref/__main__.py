@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--json", metavar="FILE", help="also write every score and feedback as JSON")
     grade.add_argument("--cell-timeout", type=_cost, default=60.0,
                        help="seconds a notebook cell may run before it is stopped (default: 60)")
+    grade.add_argument("--case-timeout", type=_cost, default=None,
+                       help="seconds an answer may take on one case (default: each exercise's own, 20-40)")
     return parser
 
 
@@ -155,7 +157,7 @@ def _grade(args: argparse.Namespace) -> int:
 
     from .grading.grader import format_table, grade_paths, summary
 
-    results = grade_paths(args.paths, cell_timeout=args.cell_timeout)
+    results = grade_paths(args.paths, cell_timeout=args.cell_timeout, case_timeout=args.case_timeout)
     for result in results:
         print(format_table(result))
         print()

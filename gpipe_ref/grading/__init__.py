@@ -51,8 +51,9 @@ def check(exercise_id: str, answer: Any) -> None:
         print(f"❌ {name}: not yet.\n   {verdict.feedback}")
 
 
-def grade(exercise_id: str, namespace: dict[str, Any]) -> Verdict:
-    """Judge the answer ``namespace`` holds for ``exercise_id`` on every case, shown and hidden."""
+def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None) -> Verdict:
+    """Judge the answer ``namespace`` holds for ``exercise_id`` on every case, shown and hidden
+    (``timeout``: seconds per case, default the exercise's own)."""
     ex = exercise(exercise_id)
     if ex.answer not in namespace:
         return Verdict(ex.id, ex.title, "not attempted", 0, ex.points,
@@ -61,17 +62,17 @@ def grade(exercise_id: str, namespace: dict[str, Any]) -> Verdict:
         cases = ex.all_cases()
     except Exception as error:  # a broken environment, not the learner's fault: say so
         return Verdict(ex.id, ex.title, "error", 0, ex.points, f"the grader could not build its cases: {error!r}")
-    return run_cases(ex, namespace[ex.answer], cases)
+    return run_cases(ex, namespace[ex.answer], cases, timeout=timeout)
 
 
 MARKER = "GPIPE-REF-GRADE "
 
 
-def report(exercise_id: str, namespace: dict[str, Any]) -> None:
+def report(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None) -> None:
     """Print one line the grader reads back: ``MARKER {verdict as JSON}`` (what the answer prints is dropped)."""
     stdout = sys.stdout
     try:
-        verdict, printed = quietly(lambda: grade(exercise_id, namespace))
+        verdict, printed = quietly(lambda: grade(exercise_id, namespace, timeout))
         result = verdict.to_dict()
     except BaseException as error:  # never let the learner's code stop the report
         result = {"exercise": exercise_id, "status": "error", "points": 0,

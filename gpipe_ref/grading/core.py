@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import signal
 import threading
 import types
@@ -261,14 +262,22 @@ def forbidden_use(answer: Any, forbidden: Sequence[str]) -> str | None:
 
 
 def _describe_error(error: BaseException) -> str:
-    text = " ".join(str(error).split())
+    text = str(error)
+    if "Traceback (most recent call last)" in text:  # a rank's traceback: its first line and its last
+        head, _, trace = text.partition("Traceback (most recent call last)")
+        last = [line for line in trace.splitlines() if line.strip()][-1:]
+        text = f"{head.strip()} {last[0].strip() if last else ''}"
+    text = " ".join(text.split())
     if len(text) > 200:
         text = text[:197] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _is_not_attempted(error: BaseException) -> bool:
-    return isinstance(error, NotImplementedError) and "Exercise" in str(error)
+    """The exercise's stub raised, here or on a launched rank (whose error arrives as text)."""
+    if isinstance(error, NotImplementedError):
+        return "Exercise" in str(error)
+    return re.search(r"NotImplementedError: Exercise \d\d\.\d+", str(error)) is not None
 
 
 def run_cases(exercise: Exercise, answer: Any, cases: Sequence[Case], *, timeout: float | None = None) -> Verdict:
@@ -293,11 +302,9 @@ def run_cases(exercise: Exercise, answer: Any, cases: Sequence[Case], *, timeout
                 actual = case.run(answer)
         except CaseTimeout as error:
             return verdict("timeout", f"case {case.label}: {error} (an endless loop?)", index + 1)
-        except NotImplementedError as error:
+        except Exception as error:  # the learner's code may raise anything
             if _is_not_attempted(error):
                 return verdict("not attempted", "not attempted: the exercise still raises NotImplementedError", 0)
-            return verdict("error", f"case {case.label}: raised {_describe_error(error)}", index + 1)
-        except Exception as error:  # the learner's code may raise anything
             hint = f"; hint: {case.hint}" if case.hint else ""
             return verdict("error", f"case {case.label}: raised {_describe_error(error)}{hint}", index + 1)
         try:

@@ -9,7 +9,7 @@ from torch import nn
 from ..partition import partition_costs
 from ..schedule import Action, gpipe
 from ..simulator import place
-from .core import Case, Exercise
+from .core import Case, Exercise, same
 
 # -- 03.1 idle fraction of naive model parallelism -----------------------------------------------------
 
@@ -117,7 +117,12 @@ def _split_case(layers: int, balance: list[int]) -> Case:
     for n in balance:
         expected.append(list(range(start, start + n)))
         start += n
-    return Case(f"{layers} layers, balance={balance}", run, expected,
+    def compare(actual, expected):
+        if isinstance(actual, list) and any("a copy" in stage for stage in actual if isinstance(stage, list)):
+            return "the stages hold copies of the model's layers, not the layers themselves"
+        return same(actual, expected, "stage")
+
+    return Case(f"{layers} layers, balance={balance}", run, expected, compare=compare,
                 hint="stage k holds the next balance[k] layers, in order; use the model's own layer objects "
                      "(not copies) so the stages train the model's weights")
 

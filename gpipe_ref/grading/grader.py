@@ -133,8 +133,11 @@ def _blame(ex, status: str, feedback: str) -> Verdict:
 
 
 def grade_notebook(path: str | os.PathLike, *, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                   kernel_name: str = "python3") -> NotebookResult:
-    """Grade one learner notebook; never raises for anything the notebook does."""
+                   case_timeout: float | None = None, kernel_name: str = "python3") -> NotebookResult:
+    """Grade one learner notebook; never raises for anything the notebook does.
+
+    ``cell_timeout``: seconds a notebook cell may run; ``case_timeout``: seconds an answer may take on
+    one case (default: each exercise's own, 20-40 s)."""
     began = time.perf_counter()
     result = NotebookResult(str(path))
     try:
@@ -175,10 +178,11 @@ def grade_notebook(path: str | os.PathLike, *, cell_timeout: float = DEFAULT_CEL
                 return trouble, errors
             for ex_id in grade:
                 ex = exercises[ex_id]
-                budget = ex.timeout * 10 + 30  # each case has its own alarm; this catches what ignores it
+                per_case = case_timeout or ex.timeout
+                budget = per_case * 10 + 30  # each case has its own alarm; this catches what ignores it
                 trouble = session.run(len(nb.cells) - 1,
                                       source=f"__import__('gpipe_ref.grading', fromlist=['report'])"
-                                             f".report({ex_id!r}, globals())", timeout=budget)
+                                             f".report({ex_id!r}, globals(), {per_case!r})", timeout=budget)
                 if trouble is not None and trouble.kind != "error":
                     verdicts[ex_id] = _blame(ex, "timeout" if trouble.kind == "timeout" else "error",
                                              f"grading {trouble.message} (an endless loop, or code that stops "
@@ -270,7 +274,7 @@ def collect(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Notebo
 
 
 def grade_paths(paths: Iterable[str | os.PathLike], *, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                progress: bool = True) -> list[NotebookResult]:
+                case_timeout: float | None = None, progress: bool = True) -> list[NotebookResult]:
     """Grade every notebook ``paths`` name, in order, with a progress bar over notebooks."""
     notebooks, bad = collect(paths)
     results = list(bad)
@@ -278,7 +282,7 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, cell_timeout: float = DEF
         from tqdm.auto import tqdm
 
         for path in tqdm(notebooks, desc="grading", unit="notebook", disable=not progress or len(notebooks) < 2):
-            results.append(grade_notebook(path, cell_timeout=cell_timeout))
+            results.append(grade_notebook(path, cell_timeout=cell_timeout, case_timeout=case_timeout))
     return results
 
 

@@ -1,0 +1,540 @@
+"""The graded exercises: solutions score full marks, exercises score 0 without a crash, every planted wrong
+answer loses its exercise's points, and the grader survives what learners' notebooks do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+from gpipe_ref.grading.core import Case, Exercise, forbidden_use, run_cases, same
+from gpipe_ref.grading.grader import grade_notebook
+from gpipe_ref.grading.notebooks import BEGIN, END, exercise_of, student_copy
+
+SOLUTIONS = ROOT / "solutions"
+EXERCISE_DIR = ROOT / "exercises"
+PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref import Action
+"""
+
+# Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
+WRONG = [
+    ("01.1", "sums: forgets to divide by the world size", """
+def average_gradients(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+"""),
+    ("01.1", "forgotten synchronisation: divides the local gradient", """
+def average_gradients(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= dist.get_world_size()
+"""),
+    ("01.1", "does not skip frozen parameters", """
+def average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+"""),
+    ("01.2", "all-gather sends the same chunk as the reduce-scatter (off by one)", """
+def ring_chunk_to_send(rank, step, world_size, phase):
+    return (rank - step) % world_size
+"""),
+    ("01.2", "the wrong direction round the ring", """
+def ring_chunk_to_send(rank, step, world_size, phase):
+    if phase == "reduce_scatter":
+        return (rank + step) % world_size
+    return (rank + step + 1) % world_size
+"""),
+    ("01.3", "fills buckets in forward order", """
+def assign_buckets(sizes_in_bytes, bucket_cap_mb):
+    cap, buckets, current, filled = bucket_cap_mb * 2 ** 20, [], [], 0
+    for i in range(len(sizes_in_bytes)):
+        if current and filled + sizes_in_bytes[i] > cap:
+            buckets.append(current); current, filled = [], 0
+        current.append(i); filled += sizes_in_bytes[i]
+    return buckets + ([current] if current else [])
+"""),
+    ("01.3", "closes a bucket at exactly the cap (>= instead of >)", """
+def assign_buckets(sizes_in_bytes, bucket_cap_mb):
+    cap, buckets, current, filled = bucket_cap_mb * 2 ** 20, [], [], 0
+    for i in reversed(range(len(sizes_in_bytes))):
+        if current and filled + sizes_in_bytes[i] >= cap:
+            buckets.append(current); current, filled = [], 0
+        current.append(i); filled += sizes_in_bytes[i]
+    return buckets + ([current] if current else [])
+"""),
+    ("01.3", "forgets the last bucket", """
+def assign_buckets(sizes_in_bytes, bucket_cap_mb):
+    cap, buckets, current, filled = bucket_cap_mb * 2 ** 20, [], [], 0
+    for i in reversed(range(len(sizes_in_bytes))):
+        if current and filled + sizes_in_bytes[i] > cap:
+            buckets.append(current); current, filled = [], 0
+        current.append(i); filled += sizes_in_bytes[i]
+    return buckets
+"""),
+    ("02.1", "splits the wrong dimension of weight", """
+def column_parallel_outputs(x, weight, bias, world_size):
+    return [x[..., :w.shape[1]] @ w.T for w in weight.chunk(world_size, dim=1)]
+"""),
+    ("02.1", "adds the whole bias on every rank", """
+def column_parallel_outputs(x, weight, bias, world_size):
+    return [x @ w.T + bias[:w.shape[0]] * 0 + bias.mean() for w in weight.chunk(world_size, dim=0)]
+"""),
+    ("02.2", "adds the bias on every rank", """
+def row_parallel_linear(x, weight, bias, world_size):
+    parts = [a @ w.T + bias for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
+    return parts, sum(parts)
+"""),
+    ("02.2", "concatenates the partial products instead of summing", """
+def row_parallel_linear(x, weight, bias, world_size):
+    parts = [a @ w.T for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
+    return parts, torch.cat(parts, -1)[..., :weight.shape[0]] + bias
+"""),
+    ("02.3", "forgotten synchronisation: identity backward", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+"""),
+    ("02.3", "averages instead of summing (an extra scale factor)", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+"""),
+    ("02.3", "all-reduces in the forward (that is g, not f)", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+"""),
+    ("03.1", "(p-1)/p: forgets the communication", """
+def naive_idle_fraction(forward, backward, comm):
+    return (len(forward) - 1) / len(forward)
+"""),
+    ("03.1", "counts one transfer per boundary instead of two", """
+def naive_idle_fraction(forward, backward, comm):
+    p, busy = len(forward), sum(forward) + sum(backward)
+    return 1 - busy / (p * (busy + (p - 1) * comm))
+"""),
+    ("03.2", "equal layer counts", """
+def best_balance(costs, stages):
+    n = len(costs)
+    return [n // stages + (1 if k < n % stages else 0) for k in range(stages)]
+"""),
+    ("03.2", "greedy fill up to the average", """
+def best_balance(costs, stages):
+    target, balance, acc, count = sum(costs) / stages, [], 0.0, 0
+    for i, c in enumerate(costs):
+        left_layers, left_stages = len(costs) - i, stages - len(balance)
+        if count and (acc + c > target or left_layers < left_stages) and len(balance) < stages - 1:
+            balance.append(count); acc, count = 0.0, 0
+        acc += c; count += 1
+    return balance + [count]
+"""),
+    ("03.3", "off by one in the slices", """
+def split_into_stages(model, balance):
+    layers, out, start = list(model), [], 0
+    for n in balance:
+        out.append(nn.Sequential(*layers[start:start + n + 1])); start += n
+    return out
+"""),
+    ("03.3", "copies the layers", """
+import copy
+def split_into_stages(model, balance):
+    layers, out, start = list(model), [], 0
+    for n in balance:
+        out.append(nn.Sequential(*[copy.deepcopy(l) for l in layers[start:start + n]])); start += n
+    return out
+"""),
+    ("04.1", "backwards in opposite orders on neighbouring devices (deadlocks)", """
+def gpipe_actions(p, m):
+    order = lambda d: range(m) if d % 2 == 0 else reversed(range(m))
+    return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in order(d)] for d in range(p)]
+"""),
+    ("04.1", "forgets the last micro-batch (off by one)", """
+def gpipe_actions(p, m):
+    return [[Action("F", d, k) for k in range(m - 1)] + [Action("B", d, k) for k in range(m - 1)] for d in range(p)]
+"""),
+    ("04.1", "interleaves forwards and backwards (that is 1F1B)", """
+def gpipe_actions(p, m):
+    out = []
+    for d in range(p):
+        w = min(p - d - 1, m)
+        acts = [Action("F", d, k) for k in range(w)]
+        for k in range(w, m):
+            acts += [Action("F", d, k), Action("B", d, k - w)]
+        out.append(acts + [Action("B", d, k) for k in range(m - w, m)])
+    return out
+"""),
+    ("04.2", "GPipe's overhead (p-1)/m instead of the share of the step", """
+def bubble_fraction(p, m):
+    return (p - 1) / m
+"""),
+    ("04.2", "off by one in the step length", """
+def bubble_fraction(p, m):
+    return (p - 1) / (m + p)
+"""),
+    ("04.2", "integer division", """
+def bubble_fraction(p, m):
+    return (p - 1) // (m + p - 1)
+"""),
+    ("04.3", "drops the remainder", """
+def microbatch_sizes(batch, m):
+    return [batch // m] * m
+"""),
+    ("04.3", "torch.chunk's rounding up", """
+def microbatch_sizes(batch, m):
+    size = -(-batch // m)
+    sizes = []
+    while batch > 0:
+        sizes.append(min(size, batch)); batch -= size
+    return sizes
+"""),
+    ("04.3", "the remainder on the last micro-batch", """
+def microbatch_sizes(batch, m):
+    return [batch // m] * (m - 1) + [batch // m + batch % m]
+"""),
+    ("05.1", "'always' forgets the recomputed micro-batch", """
+def peak_activations(checkpoint, held, per_microbatch):
+    if checkpoint == "never":
+        return held * per_microbatch
+    if checkpoint == "always":
+        return held
+    return held - 1 + per_microbatch
+"""),
+    ("05.1", "'except_last' recomputes even with one micro-batch", """
+def peak_activations(checkpoint, held, per_microbatch):
+    if checkpoint == "never":
+        return held * per_microbatch
+    if checkpoint == "always":
+        return held + per_microbatch - 1
+    return held - 1 + per_microbatch + per_microbatch - 1
+"""),
+    ("05.2", "a plain forward (keeps everything)", """
+def checkpointed_forward(stage, x):
+    return stage(x)
+"""),
+    ("05.2", "a no_grad forward (no gradients at all)", """
+def checkpointed_forward(stage, x):
+    with torch.no_grad():
+        return stage(x)
+"""),
+    ("05.2", "checkpoints a detached input (cuts the input's gradient)", """
+def checkpointed_forward(stage, x):
+    return checkpoint(stage, x.detach(), use_reentrant=False)
+"""),
+    ("05.3", "1F1B off by one: p - device - 1", """
+def held_microbatches(schedule, p, m, device):
+    return m if schedule == "gpipe" else min(m, p - device - 1)
+"""),
+    ("05.3", "1F1B forgets that there may be fewer than p micro-batches", """
+def held_microbatches(schedule, p, m, device):
+    return m if schedule == "gpipe" else p - device
+"""),
+    ("06.1", "the warm-up count p - d - 1 (off by one)", """
+def forwards_before_first_backward(p, m, device):
+    return min(p - device - 1, m)
+"""),
+    ("06.1", "forgets the min with m", """
+def forwards_before_first_backward(p, m, device):
+    return p - device
+"""),
+    ("06.2", "warm-up of p - d forwards (holds one micro-batch too many)", """
+def one_f_one_b_actions(p, m):
+    out = []
+    for d in range(p):
+        w = min(p - d, m)
+        acts = [Action("F", d, k) for k in range(w)]
+        for k in range(w, m):
+            acts += [Action("F", d, k), Action("B", d, k - w)]
+        out.append(acts + [Action("B", d, k) for k in range(m - w, m)])
+    return out
+"""),
+    ("06.2", "the GPipe order", """
+def one_f_one_b_actions(p, m):
+    return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in range(m)] for d in range(p)]
+"""),
+    ("06.3", "off by one: p - stage micro-batches ahead", """
+def stashed_version(p, stage, microbatch):
+    v = max(0, microbatch - (p - stage))
+    return v, microbatch - v
+"""),
+    ("06.3", "staleness is the version itself", """
+def stashed_version(p, stage, microbatch):
+    v = max(0, microbatch - (p - 1 - stage))
+    return v, v
+"""),
+    ("06.3", "vertical sync's version (stage 0's) on every stage", """
+def stashed_version(p, stage, microbatch):
+    v = max(0, microbatch - (p - 1))
+    return v, microbatch - v
+"""),
+]
+
+
+def _namespace(code: str) -> dict:
+    namespace: dict = {}
+    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    return namespace
+
+
+def _solution_namespace(name: str) -> dict:
+    """Run a solution notebook's code cells (not its checks) in one namespace."""
+    nb = nbformat.read(SOLUTIONS / f"{name}.ipynb", as_version=4)
+    namespace: dict = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "check(" not in cell.source:
+            exec(compile(cell.source, f"<{name}>", "exec"), namespace)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    return namespace
+
+
+def test_about_twenty_exercises_each_with_wrong_answers():
+    assert 18 <= len(EXERCISES) <= 24
+    assert list(NOTEBOOKS) == [p.stem for p in sorted(SOLUTIONS.glob("0*.ipynb"))]
+    assert {ex for ex, _, _ in WRONG} == set(EXERCISES), "every exercise needs a planted wrong answer"
+
+
+@pytest.mark.parametrize("name", list(NOTEBOOKS))
+def test_solutions_pass_every_case(name):
+    namespace = _solution_namespace(name)
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+
+
+@pytest.mark.parametrize("exercise_id,what,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _ in WRONG])
+def test_wrong_answer_loses_the_points(exercise_id, what, code):
+    verdict = grade(exercise_id, _namespace(code))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback  # names the failing case
+
+
+def test_check_prints_a_short_verdict(capsys):
+    check("04.2", lambda p, m: (p - 1) / m)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ Exercise 04.2") and "expected" in out and "got" in out and "hint" in out
+    assert "Traceback" not in out and len(out) < 600
+    check("04.2", _namespace("def bubble_fraction(p, m):\n    return (p - 1) / (m + p - 1)\n")["bubble_fraction"])
+    assert capsys.readouterr().out.startswith("✅ Exercise 04.2")
+
+    def stub(p, m):
+        raise NotImplementedError("Exercise 04.2: write bubble_fraction")
+
+    check("04.2", stub)
+    assert "not attempted" in capsys.readouterr().out
+
+
+def test_forbidden_library_calls_are_refused():
+    namespace = _namespace("from gpipe_ref import gpipe as g\n"
+                           "def gpipe_actions(p, m):\n    return [list(a) for a in g(p, m).per_device]\n")
+    verdict = grade("04.1", namespace)
+    assert verdict.points == 0 and "gpipe_ref.schedule.gpipe" in verdict.feedback
+    namespace = _namespace("import gpipe_ref.simulator\n"
+                           "def bubble_fraction(p, m):\n    return gpipe_ref.simulator.bubble_formula('gpipe', p, m)\n")
+    assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
+
+
+def test_run_cases_survives_what_answers_do():
+    ex = Exercise("99.1", "test", "f", 1, lambda: [], lambda: [])
+
+    def verdict(answer, expected=1.0, timeout=None):
+        return run_cases(ex, answer, [Case("x=1", lambda f: f(1), expected, hint="think")], timeout=timeout)
+
+    assert verdict(lambda x: 1.0).passed
+    assert verdict(lambda x: 1 / 0).status == "error" and "ZeroDivisionError" in verdict(lambda x: 1 / 0).feedback
+    assert "expected a number" in verdict(lambda x: "1.0").feedback
+    assert verdict(lambda x: None).status == "failed"
+
+    def forever(x):
+        while True:
+            pass
+
+    slow = verdict(forever, timeout=0.5)
+    assert slow.status == "timeout" and "0.5 s" in slow.feedback
+    assert run_cases(ex, 42, []).status == "failed"  # not a function
+    assert same([1, 2], [1, 3]) and not same((1.0, [2]), (1.0, [2]))
+
+
+# -- notebooks: the build and the grader ----------------------------------------------------------------
+
+
+def test_exercises_are_what_the_build_writes():
+    result = subprocess.run([sys.executable, "-m", "gpipe_ref", "exercises", "check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", list(NOTEBOOKS))
+def test_student_copy_hides_every_solution(name):
+    nb = nbformat.read(EXERCISE_DIR / f"{name}.ipynb", as_version=4)
+    text = nbformat.writes(nb)
+    assert BEGIN not in text and END not in text
+    ids = []
+    for cell in nb.cells:
+        if exercise_of(cell):
+            ids.append(exercise_of(cell))
+            assert f'NotImplementedError("Exercise {exercise_of(cell)}' in cell.source
+            assert not cell.outputs and cell.execution_count is None
+    assert ids == [ex.id for ex in NOTEBOOKS[name]]
+
+
+def test_build_rejects_a_broken_solution_block():
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("# Exercise 04.2 · x\ndef bubble_fraction(p, m):\n"
+                                              "    ### BEGIN SOLUTION\n    return 0\n"))
+    with pytest.raises(ValueError, match="never closed"):
+        student_copy(nb)
+    nb.cells[0].source = "def f():\n    ### BEGIN SOLUTION\n    return 0\n    ### END SOLUTION\n"
+    with pytest.raises(ValueError, match="# Exercise NN.K"):
+        student_copy(nb)
+
+
+def _grade_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "gpipe_ref", "grade", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_solutions_score_full_marks(tmp_path):
+    report = tmp_path / "solutions.json"
+    result = _grade_cli(SOLUTIONS, "--json", report)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    assert len(data["notebooks"]) == len(NOTEBOOKS)
+    assert data["points"] == data["max_points"] == sum(ex.points for ex in EXERCISES.values()), result.stdout
+    assert all(not nb["warnings"] for nb in data["notebooks"])
+    assert f"total: {data['points']}/{data['max_points']} points over 6 notebook(s)" in result.stdout
+
+
+@pytest.mark.slow
+def test_unchanged_exercises_score_zero_not_attempted(tmp_path):
+    report = tmp_path / "exercises.json"
+    result = _grade_cli(EXERCISE_DIR, "--json", report)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    assert data["points"] == 0 and len(data["notebooks"]) == len(NOTEBOOKS)
+    for nb in data["notebooks"]:
+        assert not nb["warnings"], nb  # every course cell runs in the student copy
+        assert [e["status"] for e in nb["exercises"]] == ["not attempted"] * len(NOTEBOOKS[nb["notebook"]])
+
+
+def _submission(tmp_path, name: str, answers: dict[str, str], student: str = "student"):
+    """A copy of exercises/NAME with the given exercise cells' code replaced."""
+    nb = nbformat.read(EXERCISE_DIR / f"{name}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if exercise_of(cell) in answers:
+            cell.source = f"# Exercise {exercise_of(cell)}\n" + textwrap.dedent(answers[exercise_of(cell)])
+    folder = tmp_path / student
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+def test_grader_fails_planted_wrong_notebooks(tmp_path):
+    """One wrong answer per exercise, planted in the student notebooks, graded end to end."""
+    firsts: dict[str, str] = {}
+    for exercise_id, _, code in WRONG:
+        firsts.setdefault(exercise_id, code)
+    paths = [_submission(tmp_path, name, {ex.id: firsts[ex.id] for ex in exercises})
+             for name, exercises in NOTEBOOKS.items()]
+    report = tmp_path / "wrong.json"
+    result = _grade_cli(*paths, "--json", report)
+    data = json.loads(report.read_text())
+    assert data["points"] == 0, result.stdout
+    statuses = {e["exercise"]: e["status"] for nb in data["notebooks"] for e in nb["exercises"]}
+    assert set(statuses) == set(EXERCISES) and all(s in ("failed", "error") for s in statuses.values()), statuses
+
+
+@pytest.mark.slow
+def test_grader_isolates_a_broken_exercise(tmp_path):
+    """Breaking a later cell, looping forever, printing megabytes, the wrong type, killing the kernel and
+    hanging at definition each cost one exercise; the right answer beside them keeps its points."""
+    gpipe_nb = _submission(tmp_path, "04_gpipe", {
+        "04.1": """
+            import gpipe_ref
+            from gpipe_ref import Action
+            gpipe_ref.gpipe = None  # breaks the course cell below that calls gpipe(3, 4)
+            def gpipe_actions(p, m):
+                return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in range(m)]
+                        for d in range(p)]
+            """,
+        "04.2": """
+            def bubble_fraction(p, m):
+                while True:
+                    pass
+            """,
+        "04.3": """
+            def microbatch_sizes(batch, m):
+                return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+            """})
+    model_nb = _submission(tmp_path, "03_model_parallel", {
+        "03.1": """
+            def naive_idle_fraction(forward, backward, comm):
+                print("x" * 5_000_000)
+                return "0.75"
+            """,
+        "03.2": """
+            import os
+            def best_balance(costs, stages):
+                os._exit(3)
+            """,
+        "03.3": """
+            while True:
+                pass
+            """})
+    results = {r.notebook: r for r in (grade_notebook(gpipe_nb, cell_timeout=10, case_timeout=3),
+                                       grade_notebook(model_nb, cell_timeout=10, case_timeout=3))}
+    gpipe_verdicts = {v.exercise: v for v in results["04_gpipe"].verdicts}
+    assert gpipe_verdicts["04.1"].points == 0 and "broke a later cell" in gpipe_verdicts["04.1"].feedback
+    assert gpipe_verdicts["04.2"].status == "timeout"
+    assert gpipe_verdicts["04.3"].passed and results["04_gpipe"].points == 2
+    model_verdicts = {v.exercise: v for v in results["03_model_parallel"].verdicts}
+    assert model_verdicts["03.1"].status == "failed" and "expected a number" in model_verdicts["03.1"].feedback
+    assert model_verdicts["03.2"].status == "error" and "kernel" in model_verdicts["03.2"].feedback
+    assert model_verdicts["03.3"].status == "timeout" and "its cell" in model_verdicts["03.3"].feedback
+    assert results["03_model_parallel"].points == 0
+
+
+def test_grader_bad_inputs_give_clear_errors(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "broken.ipynb").write_text("{not json")
+    result = _grade_cli(tmp_path / "missing.ipynb", tmp_path / "notes.txt", tmp_path / "broken.ipynb",
+                        ROOT / "notebooks" / "04_gpipe.ipynb", timeout=120)
+    assert result.returncode == 2
+    out = result.stdout
+    assert "missing.ipynb: no such file or folder" in out
+    assert "notes.txt: not a Jupyter notebook" in out
+    assert "broken.ipynb: not a readable Jupyter notebook" in out
+    assert "04_gpipe.ipynb: not an exercise notebook of this course" in out
+    assert "Traceback" not in result.stderr
