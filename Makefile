@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test   create .venv if missing, install, run every test (unit, notebooks, browser)
-#   make lab    create .venv if missing, install, start JupyterLab on notebooks/
+#   make lab    create .venv if missing, install, start JupyterLab on the course (notebooks/, exercises/)
 # GPU users: install the torch build for your CUDA into .venv first (see README);
 # an installed torch is kept.
 
@@ -13,7 +13,7 @@ CHROMIUM ?= /usr/bin/chromium
 PYTEST_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test lab browser notebooks clean
+.PHONY: test lab browser notebooks exercises clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,15 +37,20 @@ test: $(STAMP) browser
 	GPIPE_TEST_HOME=$$tmp HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
 	JUPYTER_CONFIG_DIR=$$tmp/jupyter/config JUPYTER_DATA_DIR=$$tmp/jupyter/data \
 	JUPYTER_RUNTIME_DIR=$$tmp/jupyter/runtime \
-	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \
+	$(PY) -m pytest tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$tmp; exit $$rc
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb \
+	  $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # Re-execute the committed notebooks in place (after editing one).
 notebooks: $(STAMP)
-	$(PY) tools/execute_notebooks.py notebooks/*.ipynb
+	$(PY) tools/execute_notebooks.py notebooks/*.ipynb solutions/*.ipynb
+
+# Rebuild exercises/ from solutions/ (after editing a solution notebook).
+exercises: $(STAMP)
+	$(PY) -m gpipe_ref exercises build
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts
