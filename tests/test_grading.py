@@ -88,9 +88,14 @@ def assign_buckets(sizes_in_bytes, bucket_cap_mb):
 def column_parallel_outputs(x, weight, bias, world_size):
     return [x[..., :w.shape[1]] @ w.T for w in weight.chunk(world_size, dim=1)]
 """),
-    ("02.1", "adds the whole bias on every rank", """
+    ("02.1", "forgets the bias", """
 def column_parallel_outputs(x, weight, bias, world_size):
-    return [x @ w.T + bias[:w.shape[0]] * 0 + bias.mean() for w in weight.chunk(world_size, dim=0)]
+    return [x @ w.T for w in weight.chunk(world_size, dim=0)]
+"""),
+    ("02.1", "gives every rank the bias's first slice", """
+def column_parallel_outputs(x, weight, bias, world_size):
+    k = weight.shape[0] // world_size
+    return [x @ w.T + bias[:k] for w in weight.chunk(world_size, dim=0)]
 """),
     ("02.2", "adds the bias on every rank", """
 def row_parallel_linear(x, weight, bias, world_size):
@@ -172,7 +177,7 @@ def split_into_stages(model, balance):
         out.append(nn.Sequential(*[copy.deepcopy(l) for l in layers[start:start + n]])); start += n
     return out
 """),
-    ("04.1", "backwards in opposite orders on neighbouring devices (deadlocks)", """
+    ("04.1", "backwards in opposite orders on neighbouring devices (devices wait on each other)", """
 def gpipe_actions(p, m):
     order = lambda d: range(m) if d % 2 == 0 else reversed(range(m))
     return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in order(d)] for d in range(p)]
