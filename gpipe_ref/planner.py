@@ -1,0 +1,269 @@
+"""Choose (dp, tp, pp, micro-batches, schedule) for a GPT-style transformer on N GPUs, by a cost model.
+
+The model is the one Megatron-LM's authors reason with (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", sec. 3), made explicit:
+
+* compute: a transformer layer's forward costs 24 b s h^2 (1 + s / 6h) FLOPs for b sequences of s tokens
+  (sec. 5.1), the logits 2 b s h V; a backward costs twice a forward, recomputation adds a forward; tensor
+  parallelism divides it by t; a GPU sustains ``efficiency`` x its peak;
+* tensor parallelism: 2 all-reduces of b s h activations per layer in the forward, 2 in the backward
+  (Shoeybi et al. 2019, sec. 3), ring time 2 (t - 1) / t x bytes / bandwidth, over NVLink inside a node and
+  the network across nodes;
+* pipeline: the bubble (p - 1) / v stage-times per step (the schedules' formula, checked by the simulator),
+  plus a point-to-point transfer of b s h / t activations per stage boundary in the fill and the drain
+  (the scatter/gather optimisation, sec. 4.1; the steady-state transfers are assumed overlapped);
+* data parallelism: one ring all-reduce of the gradients per step, not overlapped with the backward;
+* memory: 16 bytes per parameter for mixed-precision Adam (fp16 weights and gradients, fp32 master weights
+  and two moments; Rajbhandari et al. 2020, ZeRO, sec. 3.1), activations of s b h (10 + 24 / t + 5 a s / (h t))
+  bytes per layer and micro-batch, or 2 s b h with full recomputation (Korthikanti et al. 2022, sec. 4), times
+  the micro-batches the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved).
+
+What it leaves out: kernel-level efficiency differences between shapes (one ``efficiency`` for all),
+overlap of the gradient all-reduce with the backward, the embedding's extra memory and FLOPs on the first and
+last stage beyond the logits, sequence parallelism, ZeRO sharding, network contention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .schedule import Schedule, make_schedule
+from .simulator import CostModel, simulate
+from .timeline import Timeline
+
+BYTES_PER_PARAMETER = 16  # mixed-precision Adam (ZeRO, sec. 3.1)
+ACTIVATION_BYTES = 2  # fp16 activations
+
+
+def _positive(name: str, value, kind=int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
+        allowed = "a number > 0" if kind is float else "an integer >= 1"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style decoder: ``layers`` x (attention + MLP) of width ``hidden``; ``batch`` sequences per step."""
+
+    layers: int
+    hidden: int
+    heads: int
+    batch: int  # global batch size, in sequences
+    seq_len: int = 2048
+    vocab: int = 51200
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "batch", "seq_len", "vocab"):
+            _positive(name, getattr(self, name))
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden must be a multiple of heads ({self.heads}), got {self.hidden}")
+
+    @property
+    def parameters(self) -> float:
+        """12 l h^2 (1 + 13 / 12h + (V + s) / 12 l h) (Narayanan et al. 2021, sec. 5.1)."""
+        l, h, s, v = self.layers, self.hidden, self.seq_len, self.vocab
+        return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+
+    def flops_per_step(self, recompute: bool = True) -> float:
+        """Model FLOPs of one step: 72 B s l h^2 (1 + s / 6h + V / 16 l h), x 4/3 with recomputation
+        (the paper's count, sec. 5.1, is the one with recomputation: 96 B s l h^2 (...))."""
+        b, s, l, h, v = self.batch, self.seq_len, self.layers, self.hidden, self.vocab
+        return (96 if recompute else 72) * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``gpus`` GPUs in nodes of ``gpus_per_node``; bandwidths in bytes/s per GPU, one direction.
+
+    Defaults: a DGX A100 cluster as Narayanan et al. 2021 describe it (sec. 5): 312 teraFLOP/s fp16 peak,
+    80 GB, NVLink/NVSwitch inside a node (600 GB/s per GPU both ways), one 200 Gb/s HDR InfiniBand adapter per
+    GPU across nodes.
+    """
+
+    gpus: int
+    gpus_per_node: int = 8
+    peak_flops: float = 312e12
+    memory_bytes: float = 80e9
+    intra_node_bandwidth: float = 300e9
+    inter_node_bandwidth: float = 25e9
+    efficiency: float = 0.6  # fraction of peak the layers' kernels sustain
+    usable_memory: float = 0.9  # fraction of memory left to the model (the rest: allocator, workspace)
+
+    def __post_init__(self) -> None:
+        _positive("gpus", self.gpus)
+        _positive("gpus_per_node", self.gpus_per_node)
+        for name in ("peak_flops", "memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
+            _positive(name, getattr(self, name), float)
+        for name in ("efficiency", "usable_memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration and what the cost model says about it (times in seconds, memory in bytes)."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str  # "gpipe", "1f1b" or "interleaved_1f1b"
+    stages_per_device: int
+    recompute: bool
+    step_time: float
+    compute_time: float  # forward + backward of all micro-batches on one GPU, no bubble, no comm
+    bubble_time: float
+    tp_comm_time: float
+    pp_comm_time: float
+    dp_comm_time: float
+    memory: dict = field(default_factory=dict)  # weights+grads+optimizer, activations, total (per GPU)
+    fits: bool = True
+    flops_per_gpu: float = 0.0  # achieved model FLOP/s per GPU (the paper's count)
+    utilisation: float = 0.0  # flops_per_gpu / peak
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_time / self.step_time if self.step_time else 0.0
+
+    def label(self) -> str:
+        sched = self.schedule + (f" v={self.stages_per_device}" if self.stages_per_device > 1 else "")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.microbatch_size} m={self.num_microbatches} "
+                f"{sched}{' recompute' if self.recompute else ''}")
+
+
+def _all_reduce_time(nbytes: float, ranks: int, bandwidth: float) -> float:
+    return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def held_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (Korthikanti et al. 2022, sec. 4.2.3)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p)
+    return min(m, p) * (1 + (p - 1) / (p * v))
+
+
+def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
+             schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False) -> Plan:
+    """The cost model's step time, bubble and memory per GPU for one configuration."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size),
+                        ("stages_per_device", stages_per_device)):
+        _positive(name, value)
+    if dp * tp * pp != cluster.gpus:
+        raise ValueError(f"dp x tp x pp must equal the cluster's {cluster.gpus} GPUs, got {dp} x {tp} x {pp}")
+    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise ValueError(f"schedule must be 'gpipe', '1f1b' or 'interleaved_1f1b', got {schedule!r}")
+    v = stages_per_device if schedule == "interleaved_1f1b" else 1
+    if model.layers % (pp * v):
+        raise ValueError(f"layers ({model.layers}) must divide into pp x stages_per_device = {pp * v} stages")
+    if model.heads % tp or model.hidden % tp:
+        raise ValueError(f"tp ({tp}) must divide heads ({model.heads}) and hidden ({model.hidden})")
+    if model.batch % (dp * microbatch_size):
+        raise ValueError(f"batch ({model.batch}) must divide into dp x microbatch_size = {dp * microbatch_size}")
+    m = model.batch // (dp * microbatch_size)
+    if v > 1 and m % pp:
+        raise ValueError(f"interleaved_1f1b needs the micro-batches ({m}) to be a multiple of pp ({pp})")
+    b, s, h, a, l = microbatch_size, model.seq_len, model.hidden, model.heads, model.layers
+    rate = cluster.peak_flops * cluster.efficiency
+
+    # Compute per micro-batch on one GPU (one pipeline stage's layers, 1/t of each).
+    layer_forward = 24 * b * s * h * h * (1 + s / (6 * h)) / tp
+    logits_forward = 2 * b * s * h * model.vocab / tp / pp  # spread over the stages (simplification)
+    forward = (l / pp) * layer_forward + logits_forward
+    per_microbatch = forward * (4 if recompute else 3) / rate  # F + 2F backward (+ F recomputed)
+    compute_time = m * per_microbatch
+
+    # Tensor parallelism: 4 all-reduces of b s h per layer (6 with the recomputed forward).
+    tp_bandwidth = cluster.intra_node_bandwidth if tp <= cluster.gpus_per_node else cluster.inter_node_bandwidth
+    tp_one = _all_reduce_time(b * s * h * ACTIVATION_BYTES, tp, tp_bandwidth)
+    tp_per_microbatch = (l / pp) * (6 if recompute else 4) * tp_one
+    tp_comm_time = m * tp_per_microbatch
+
+    # Pipeline: the bubble, and the transfers of the fill and the drain.
+    stage_time = per_microbatch + tp_per_microbatch
+    bubble_time = (pp - 1) / v * stage_time
+    crosses_nodes = tp * pp > cluster.gpus_per_node
+    p2p_bandwidth = cluster.inter_node_bandwidth if crosses_nodes else cluster.intra_node_bandwidth
+    pp_comm_time = 2 * (pp - 1) * (b * s * h * ACTIVATION_BYTES / tp) / p2p_bandwidth if pp > 1 else 0.0
+
+    # Data parallelism: the gradients of one GPU's share of the model, all-reduced once.
+    params_per_gpu = model.parameters / (tp * pp)
+    dp_bandwidth = cluster.inter_node_bandwidth if tp * pp * dp > cluster.gpus_per_node and \
+        tp * pp >= cluster.gpus_per_node else cluster.intra_node_bandwidth
+    dp_comm_time = _all_reduce_time(params_per_gpu * 2, dp, dp_bandwidth)
+
+    step_time = compute_time + tp_comm_time + bubble_time + pp_comm_time + dp_comm_time
+
+    per_layer = (2 * s * b * h if recompute else s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
+    states = params_per_gpu * BYTES_PER_PARAMETER
+    memory = {"weights, gradients, optimizer": states, "activations": activations, "total": states + activations}
+    achieved = model.flops_per_step(recompute=True) / (step_time * cluster.gpus)
+    return Plan(dp, tp, pp, b, m, schedule, v, recompute, step_time, compute_time, bubble_time, tp_comm_time,
+                pp_comm_time, dp_comm_time, memory, memory["total"] <= cluster.memory_bytes * cluster.usable_memory,
+                achieved, achieved / cluster.peak_flops)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: Iterable[int] = (1, 2, 4, 8),
+               schedules: Iterable[str] = ("gpipe", "1f1b", "interleaved_1f1b"),
+               stages_per_device: Iterable[int] = (2, 4), recompute: Iterable[bool] = (False, True)) -> list[Plan]:
+    """Every valid configuration's estimate (fitting or not)."""
+    plans = []
+    for tp in _divisors(cluster.gpus):
+        if model.heads % tp or model.hidden % tp or tp > 2 * cluster.gpus_per_node:
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            if model.layers % pp:
+                continue
+            dp = cluster.gpus // (tp * pp)
+            for b in microbatch_sizes:
+                if model.batch % (dp * b):
+                    continue
+                for schedule in schedules:
+                    for v in (stages_per_device if schedule == "interleaved_1f1b" else (1,)):
+                        if schedule == "interleaved_1f1b" and (pp == 1 or model.layers % (pp * v)
+                                                               or (model.batch // (dp * b)) % pp):
+                            continue
+                        if schedule != "1f1b" and pp == 1:
+                            continue  # one stage: every schedule is the same
+                        for rc in recompute:
+                            plans.append(estimate(model, cluster, dp=dp, tp=tp, pp=pp, microbatch_size=b,
+                                                  schedule=schedule, stages_per_device=v, recompute=rc))
+    return plans
+
+
+def plan(model: ModelConfig, cluster: ClusterConfig, *, top: int | None = 10, **search) -> list[Plan]:
+    """The configurations that fit in memory, fastest first (``top`` of them; None for all)."""
+    if not isinstance(model, ModelConfig):
+        raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
+    if not isinstance(cluster, ClusterConfig):
+        raise TypeError(f"cluster must be a ClusterConfig, got {type(cluster).__name__}")
+    fitting = sorted((p for p in candidates(model, cluster, **search) if p.fits),
+                     key=lambda p: (p.step_time, p.memory["total"]))
+    return fitting if top is None else fitting[:top]
+
+
+def pipeline_timeline(chosen: Plan, max_microbatches: int = 32) -> tuple[Schedule, Timeline]:
+    """The chosen plan's pipeline, simulated with its per-stage costs (at most ``max_microbatches`` shown)."""
+    m = min(chosen.num_microbatches, max_microbatches)
+    v = chosen.stages_per_device
+    schedule = make_schedule(chosen.schedule, chosen.pp, m, v)
+    per_microbatch = (chosen.compute_time + chosen.tp_comm_time) / chosen.num_microbatches / v
+    forward = per_microbatch / (4 if chosen.recompute else 3)
+    backward = per_microbatch - forward
+    comm = chosen.pp_comm_time / (2 * (chosen.pp - 1)) if chosen.pp > 1 else 0.0
+    cost = CostModel(forward=forward, backward_input=backward / 2, backward_weight=backward / 2, comm=comm, unit="s")
+    return schedule, simulate(schedule, cost)
+
+
+__all__ = ["ModelConfig", "ClusterConfig", "Plan", "estimate", "candidates", "plan", "pipeline_timeline",
+           "held_microbatches"]
