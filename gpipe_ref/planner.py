@@ -266,4 +266,40 @@ def pipeline_timeline(chosen: Plan, max_microbatches: int = 32) -> tuple[Schedul
 
 
 __all__ = ["ModelConfig", "ClusterConfig", "Plan", "estimate", "candidates", "plan", "pipeline_timeline",
-           "held_microbatches"]
+           "held_microbatches", "compare_with_megatron", "MEGATRON_TABLE_1"]
+
+
+# Narayanan et al. 2021, Table 1 (GPT, A100 80 GB, s = 2048, V = 51,200, activation recomputation on every
+# row): (layers, hidden, heads, tp, pp, GPUs, batch, teraFLOP/s per GPU achieved). Micro-batch sizes and
+# interleaving (v) are not in the table: they come from the authors' scripts (NVIDIA/Megatron-LM,
+# examples/sc21/run_table_1.sh).
+MEGATRON_TABLE_1 = (
+    # layers, hidden, heads, tp, pp, gpus, batch, microbatch, v, teraflops_per_gpu
+    (24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
+    (30, 3072, 32, 2, 1, 64, 512, 16, 1, 138),
+    (36, 4096, 32, 4, 1, 128, 512, 16, 1, 142),
+    (40, 6144, 48, 8, 1, 256, 1024, 8, 1, 135),
+    (48, 8192, 64, 8, 2, 512, 1536, 4, 1, 138),
+    (60, 10240, 80, 8, 4, 1024, 1792, 2, 3, 140),
+    (80, 12288, 96, 8, 8, 1536, 2304, 2, 2, 148),
+    (96, 16384, 128, 8, 16, 1920, 2160, 1, 2, 155),
+    (105, 20480, 128, 8, 35, 2520, 2520, 1, 3, 163),
+    (128, 25600, 160, 8, 64, 3072, 3072, 1, 1, 163),
+)
+
+
+def compare_with_megatron(cluster: ClusterConfig | None = None) -> list[dict]:
+    """The planner's teraFLOP/s per GPU for each row of Narayanan et al. 2021's Table 1, beside the paper's."""
+    rows = []
+    for layers, hidden, heads, tp, pp, gpus, batch, b, v, published in MEGATRON_TABLE_1:
+        model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=batch)
+        base = cluster or ClusterConfig(gpus=gpus)
+        here = ClusterConfig(**{**base.__dict__, "gpus": gpus})
+        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+        est = estimate(model, here, dp=gpus // (tp * pp), tp=tp, pp=pp, microbatch_size=b, schedule=schedule,
+                       stages_per_device=v, recompute=True)
+        rows.append({"parameters_b": round(model.parameters / 1e9, 1), "tp": tp, "pp": pp, "gpus": gpus,
+                     "batch": batch, "published_tflops": published, "planner_tflops": est.flops_per_gpu / 1e12,
+                     "ratio": est.flops_per_gpu / 1e12 / published, "fits": est.fits,
+                     "memory_gb": est.memory["total"] / 1e9})
+    return rows
