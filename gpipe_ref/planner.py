@@ -203,7 +203,7 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
     states = params_per_gpu * BYTES_PER_PARAMETER
     memory = {"weights, gradients, optimizer": states, "activations": activations, "total": states + activations}
-    achieved = model.flops_per_step(recompute=True) / (step_time * cluster.gpus)
+    achieved = model.flops_per_step(recompute=recompute) / (step_time * cluster.gpus)  # hardware FLOPs
     return Plan(dp, tp, pp, b, m, schedule, v, recompute, step_time, compute_time, bubble_time, tp_comm_time,
                 pp_comm_time, dp_comm_time, memory, memory["total"] <= cluster.memory_bytes * cluster.usable_memory,
                 achieved, achieved / cluster.peak_flops)

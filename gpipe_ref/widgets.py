@@ -233,3 +233,195 @@ def _heat_table(versions: dict, p: int, m: int) -> str:
 def staleness_explorer(**initial) -> StalenessExplorer:
     """Build the staleness explorer (display it by leaving it last in a cell)."""
     return StalenessExplorer(**initial)
+
+
+class SchedulePlayground:
+    """Type a schedule in ``1F0`` notation, one line per device (or load a built-in), and see at once the
+    validator's verdict with the offending actions marked, the simulated timeline, the bubble and the peak
+    in-flight micro-batches beside the built-in schedules; then run it on the executor."""
+
+    def __init__(self, text: str | None = None, start: str = "gpipe", stages: int = 3, microbatches: int = 4) -> None:
+        import ipywidgets as w
+
+        from .playground import builtin_text
+
+        style = {"description_width": "110px"}
+        self.start = w.Dropdown(options=SCHEDULE_CHOICES, value=start, description="start from", style=style)
+        self.stages = w.BoundedIntText(value=stages, min=1, max=8, description="devices p", style=style,
+                                       layout=w.Layout(width="200px"))
+        self.microbatches = w.BoundedIntText(value=microbatches, min=1, max=16, description="micro-batches m",
+                                             style=style, layout=w.Layout(width="200px"))
+        self.load = w.Button(description="load", tooltip="replace the text with the built-in schedule")
+        self.text = w.Textarea(value=text or builtin_text(start, stages, microbatches), rows=6,
+                               continuous_update=False, layout=w.Layout(width="100%", font_family="monospace"))
+        self.text.add_class("gpipe-playground-text")
+        self.verdict = w.HTML()
+        self.verdict.add_class("gpipe-playground-verdict")
+        self.marked = w.HTML()
+        self.picture = w.HTML()
+        self.table = w.HTML()
+        self.run = w.Button(description="run on the executor", tooltip="GPipe on simulated devices vs one device")
+        self.run_result = w.HTML()
+        self.run_result.add_class("gpipe-playground-run")
+        self.analysis = None
+        self.load.on_click(lambda _b: self._load())
+        self.run.on_click(lambda _b: self.run_executor())
+        self.text.observe(lambda _change: self.redraw(), names="value")
+        self.widget = w.VBox([w.HBox([self.start, self.stages, self.microbatches, self.load]), self.text,
+                              self.verdict, self.marked, self.picture, self.table,
+                              w.HBox([self.run, self.run_result])])
+        self.redraw()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def _load(self) -> None:
+        from .playground import builtin_text
+
+        try:
+            self.text.value = builtin_text(self.start.value, self.stages.value, self.microbatches.value)
+        except ValueError as error:
+            self.verdict.value = f"<span style='color:#b00'>{error}</span>"
+
+    def redraw(self) -> None:
+        """Judge and simulate the typed schedule."""
+        from .playground import analyse
+
+        result = self.analysis = analyse(self.text.value)
+        self.run_result.value = ""
+        self.run.disabled = not result.valid
+        if not result.valid:
+            self.verdict.value = f"<b style='color:#b00'>&#10007; {html_escape(result.verdict())}</b>"
+            self.marked.value = result.highlighted_html() if result.offending else ""
+            self.picture.value = self.table.value = ""
+            return
+        self.verdict.value = f"<b style='color:#070'>&#10003; {html_escape(result.verdict())}</b>"
+        self.marked.value = ""
+        self.picture.value = timeline_svg(result.timeline, title="your schedule")
+        t = result.timeline
+        rows = [("yours", t.bubble_fraction, [t.peak_in_flight(d) for d in range(t.num_devices)])]
+        rows += [(name, bubble, peaks) for name, (bubble, peaks) in result.comparison.items()]
+        self.table.value = ("<table><tr><th>schedule</th><th>bubble</th><th>peak in flight per device</th></tr>"
+                            + "".join(f"<tr><td>{n}</td><td>{b:.2%}</td><td>{p}</td></tr>" for n, b, p in rows)
+                            + "</table>")
+
+    def run_executor(self) -> float | None:
+        """Run the typed schedule on GPipe (simulated devices); show the gradient difference from one device."""
+        from .playground import run_on_executor
+
+        if not self.analysis or not self.analysis.valid:
+            return None
+        try:
+            diff = run_on_executor(self.analysis.schedule)
+        except (ValueError, RuntimeError) as error:
+            self.run_result.value = f"<span style='color:#b00'>{html_escape(str(error))}</span>"
+            return None
+        same = "equal to" if diff < 1e-5 else "DIFFERENT from"
+        self.run_result.value = f"gradients {same} one device (largest difference {diff:.1e})"
+        return diff
+
+
+def schedule_playground(**initial) -> SchedulePlayground:
+    """Build the schedule playground (display it by leaving it last in a cell)."""
+    return SchedulePlayground(**initial)
+
+
+class PlannerExplorer:
+    """Model size, GPU count, GPU memory and batch size -> the best configurations, the memory of each GPU
+    under the chosen one, and its simulated pipeline timeline."""
+
+    PRESETS = {  # name -> (layers, hidden, heads): GPT sizes from Narayanan et al. 2021, Table 1
+        "GPT 1.7B": (24, 2304, 24), "GPT 7.5B": (36, 4096, 32), "GPT 18.4B": (40, 6144, 48),
+        "GPT 39.1B": (48, 8192, 64), "GPT 145.6B": (80, 12288, 96), "GPT 1T": (128, 25600, 160),
+    }
+
+    def __init__(self, model: str = "GPT 39.1B", gpus: int = 512, memory_gb: int = 80, batch: int = 1536) -> None:
+        import ipywidgets as w
+
+        style = {"description_width": "120px"}
+        self.model = w.Dropdown(options=list(self.PRESETS), value=model, description="model", style=style)
+        self.gpus = w.Dropdown(options=[8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096], value=gpus,
+                               description="GPUs", style=style)
+        self.memory = w.Dropdown(options=[16, 24, 40, 80, 141], value=memory_gb, description="GPU memory (GB)",
+                                 style=style)
+        self.batch = w.Dropdown(options=[64, 128, 256, 512, 1024, 1536, 2048, 3072], value=batch,
+                                description="batch (sequences)", style=style)
+        self.choice = w.Dropdown(options=[], description="configuration", style=style,
+                                 layout=w.Layout(width="620px"))
+        self.ranking = w.HTML()
+        self.ranking.add_class("gpipe-planner-ranking")
+        self.memory_bars = w.HTML()
+        self.picture = w.HTML()
+        self.plans = []
+        for control in (self.model, self.gpus, self.memory, self.batch):
+            control.observe(lambda _change: self.search(), names="value")
+        self.choice.observe(lambda _change: self.show(), names="value")
+        self.widget = w.VBox([w.HBox([w.VBox([self.model, self.gpus]), w.VBox([self.memory, self.batch])]),
+                              self.ranking, self.choice, self.memory_bars, self.picture])
+        self.search()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def search(self) -> None:
+        from .planner import ClusterConfig, ModelConfig, plan
+
+        layers, hidden, heads = self.PRESETS[self.model.value]
+        model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=self.batch.value)
+        cluster = ClusterConfig(gpus=self.gpus.value, memory_bytes=self.memory.value * 1e9)
+        self.plans = plan(model, cluster, top=8)
+        if not self.plans:
+            self.ranking.value = (f"<b style='color:#b00'>no configuration fits</b>: {model.parameters / 1e9:.1f}B "
+                                  f"parameters need {model.parameters * 16 / 1e9:.0f} GB of weights, gradients and "
+                                  f"optimizer state alone; add GPUs or memory")
+            self.choice.options, self.memory_bars.value, self.picture.value = [], "", ""
+            return
+        rows = "".join(f"<tr><td>{i + 1}</td><td>{p.label()}</td><td>{p.step_time:.2f} s</td>"
+                       f"<td>{p.bubble_fraction:.1%}</td><td>{p.memory['total'] / 1e9:.1f} GB</td>"
+                       f"<td>{p.flops_per_gpu / 1e12:.0f} ({p.utilisation:.0%})</td></tr>"
+                       for i, p in enumerate(self.plans))
+        self.ranking.value = ("<table><tr><th>#</th><th>configuration</th><th>step</th><th>bubble</th>"
+                              "<th>memory/GPU</th><th>TFLOP/s per GPU</th></tr>" + rows + "</table>")
+        self.choice.options = [(p.label(), i) for i, p in enumerate(self.plans)]
+        self.choice.value = 0
+        self.show()
+
+    def show(self) -> None:
+        from .planner import pipeline_timeline
+
+        if self.choice.value is None or not self.plans:
+            return
+        chosen = self.plans[self.choice.value]
+        budget = self.memory.value * 1e9
+        parts = [("weights, gradients, optimizer", "#4e79a7"), ("activations", "#f28e2b")]
+        bar = "".join(f"<div title='{name}: {chosen.memory[name] / 1e9:.1f} GB' style='display:inline-block;"
+                      f"height:18px;background:{color};width:{min(100, 100 * chosen.memory[name] / budget):.1f}%'>"
+                      f"</div>" for name, color in parts)
+        self.memory_bars.value = (f"<div>memory per GPU: {chosen.memory['total'] / 1e9:.1f} of "
+                                  f"{self.memory.value} GB (blue: weights, gradients, optimizer; orange: "
+                                  f"activations)</div><div style='width:600px;border:1px solid #888'>{bar}</div>")
+        if chosen.pp > 1:
+            _, timeline = pipeline_timeline(chosen, max_microbatches=16)
+            self.picture.value = timeline_svg(timeline, title=f"one data-parallel replica's pipeline "
+                                                              f"(first {timeline_microbatches(timeline)} micro-batches)")
+        else:
+            self.picture.value = "<i>no pipeline (pp = 1): nothing to draw</i>"
+
+
+def timeline_microbatches(timeline: Timeline) -> int:
+    return 1 + max((e.microbatch for e in timeline.events), default=-1)
+
+
+def planner_explorer(**initial) -> PlannerExplorer:
+    """Build the planner widget (display it by leaving it last in a cell)."""
+    return PlannerExplorer(**initial)
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)

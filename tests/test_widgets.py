@@ -79,3 +79,48 @@ def test_staleness_explorer_readout_follows_the_controls():
     ex.weight_stashing.value = True  # cached: redraws without training again
     ex.vertical_sync.value = False
     assert ex.last_redraw_s < 1.0
+
+
+def test_schedule_playground_valid_deadlock_and_executor():
+    from gpipe_ref.playground import analyse
+    from gpipe_ref.widgets import SchedulePlayground
+
+    playground = SchedulePlayground(start="1f1b", stages=3, microbatches=4)
+    assert "valid: bubble 33.33%" in playground.verdict.value and "<svg" in playground.picture.value
+    assert "gpipe" in playground.table.value and "zero_bubble_h1" in playground.table.value
+    playground.text.value = "0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1"  # device 0 waits for 1B0, device 1 for 0F1
+    assert "deadlock, cycle" in playground.verdict.value and playground.picture.value == ""
+    marked = set(re.findall(r"<mark[^>]*>(\w+)</mark>", playground.marked.value))
+    assert marked == {"0B0", "0F1", "1F1", "1B0"}
+    assert playground.run.disabled and playground.run_executor() is None
+    playground.text.value = "0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1"
+    assert "valid" in playground.verdict.value and not playground.run.disabled
+    assert playground.run_executor() < 1e-5 and "equal to" in playground.run_result.value
+    playground.text.value = "0: 0F0 0Q1"
+    assert "0Q1&#x27; is not an action" in playground.verdict.value
+    assert "never runs" in analyse("0: 0F0 0B0 0F1\n").verdict()
+    playground.start.value, playground.stages.value, playground.microbatches.value = "zero_bubble_h1", 4, 8
+    playground._load()
+    assert "W" in playground.text.value and "valid" in playground.verdict.value
+
+
+def test_schedule_text_round_trip_for_every_builtin():
+    from gpipe_ref import Schedule, make_schedule
+
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble_h1", 1), ("interleaved_1f1b", 2)):
+        schedule = make_schedule(name, 4, 8, v)
+        again = Schedule.from_text(schedule.to_text(), name=name)
+        assert again.per_device == schedule.per_device and again.stage_to_device == schedule.stage_to_device
+
+
+def test_planner_explorer_ranks_and_reports_what_does_not_fit():
+    from gpipe_ref.widgets import PlannerExplorer
+
+    explorer = PlannerExplorer(model="GPT 39.1B", gpus=512, memory_gb=80, batch=1536)
+    assert explorer.plans and "configuration" in explorer.ranking.value
+    assert "memory per GPU" in explorer.memory_bars.value and "<svg" in explorer.picture.value
+    explorer.gpus.value = 8
+    assert "no configuration fits" in explorer.ranking.value and explorer.picture.value == ""
+    explorer.gpus.value = 64
+    explorer.model.value = "GPT 7.5B"
+    assert explorer.plans and explorer.plans[0].step_time <= explorer.plans[-1].step_time
