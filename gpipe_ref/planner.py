@@ -219,8 +219,9 @@ def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: 
     """Every valid configuration's estimate (fitting or not)."""
     plans = []
     for tp in _divisors(cluster.gpus):
-        if model.heads % tp or model.hidden % tp or tp > 2 * cluster.gpus_per_node:
-            continue
+        node = cluster.gpus_per_node
+        if model.heads % tp or model.hidden % tp or tp > 2 * node or (node % tp and tp % node):
+            continue  # a tensor-parallel group fills whole nodes or divides one
         for pp in _divisors(cluster.gpus // tp):
             if model.layers % pp:
                 continue
