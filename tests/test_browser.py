@@ -181,3 +181,37 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             raise
         finally:
             browser.close()
+
+
+def test_schedule_playground_in_jupyterlab(jupyter_lab, artifacts_dir):
+    """Type a deadlocking schedule into 07's playground: the verdict names the cycle and marks its actions."""
+    sync_api = _require_browser()
+    with sync_api.sync_playwright() as playwright:
+        browser = _browser(sync_api, playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            _open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-playground-verdict",
+                              "valid: bubble 33.33%")
+            text = page.locator(".gpipe-playground-text textarea")
+            text.scroll_into_view_if_needed()
+            text.fill("0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1")
+            text.press("Tab")  # the text area sends its value when it loses focus
+            page.wait_for_function(
+                "() => document.querySelector('.gpipe-playground-verdict')?.innerText.includes('deadlock')",
+                timeout=30_000)
+            verdict = page.locator(".gpipe-playground-verdict").inner_text()
+            assert "device 0 waits at 0B0 for 1B0" in verdict and "device 1 waits at 1F1 for 0F1" in verdict
+            marked = sorted(page.locator("mark.gpipe-offending").all_inner_texts())
+            assert marked == ["0B0", "0F1", "1B0", "1F1"]
+            page.screenshot(path=str(artifacts_dir / "browser_07_playground_deadlock.png"))
+            text.fill("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1")
+            text.press("Tab")
+            page.wait_for_function(
+                "() => document.querySelector('.gpipe-playground-verdict')?.innerText.includes('valid: bubble')",
+                timeout=30_000)
+            assert page.locator("mark.gpipe-offending").count() == 0
+        except Exception:
+            page.screenshot(path=str(artifacts_dir / "browser_07_playground_failure.png"))
+            raise
+        finally:
+            browser.close()
