@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from gpipe_ref import Action
+from gpipe_ref.planner import estimate
 """
 
 # Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
@@ -295,6 +296,61 @@ def stashed_version(p, stage, microbatch):
     v = max(0, microbatch - (p - 1 - stage))
     return v, v
 """),
+    ("07.1", "Megatron's bubble-to-ideal ratio (p-1)/(vm) instead of the share of the step", """
+def interleaved_bubble(p, m, v):
+    return (p - 1) / (v * m)
+"""),
+    ("07.1", "divides 1F1B's bubble fraction by v", """
+def interleaved_bubble(p, m, v):
+    return (p - 1) / (m + p - 1) / v
+"""),
+    ("07.2", "GPipe itself (valid, but no better)", """
+def my_schedule(p, m):
+    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in range(m)]) for d in range(p))
+"""),
+    ("07.2", "W before B on every micro-batch (a broken rule)", """
+def my_schedule(p, m):
+    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}W{k} {d}B{k}" for k in range(m)])
+                     for d in range(p))
+"""),
+    ("07.2", "backwards in reverse order on the last device (devices wait, no gain)", """
+def my_schedule(p, m):
+    lines = []
+    for d in range(p):
+        order = range(m - 1, -1, -1) if d == p - 1 else range(m)
+        lines.append(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in order]))
+    return "\\n".join(lines)
+"""),
+    ("07.3", "ignores the memory budget (fastest overall)", """
+def pick_layout(model, cluster):
+    best = None
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, cluster.gpus + 1):
+            if cluster.gpus % (tp * pp):
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if best is None or e.step_time < best[0]:
+                best = (e.step_time, (e.dp, tp, pp))
+    return best and best[1]
+"""),
+    ("07.3", "the layout with the least memory (deepest pipeline, widest tensor split)", """
+def pick_layout(model, cluster):
+    best = None
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, cluster.gpus + 1):
+            if cluster.gpus % (tp * pp):
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if e.fits and (best is None or e.memory["total"] < best[0]):
+                best = (e.memory["total"], (e.dp, tp, pp))
+    return best and best[1]
+"""),
     ("06.3", "vertical sync's version (stage 0's) on every stage", """
 def stashed_version(p, stage, microbatch):
     v = max(0, microbatch - (p - 1))
@@ -437,7 +493,7 @@ def test_solutions_score_full_marks(tmp_path):
     assert len(data["notebooks"]) == len(NOTEBOOKS)
     assert data["points"] == data["max_points"] == sum(ex.points for ex in EXERCISES.values()), result.stdout
     assert all(not nb["warnings"] for nb in data["notebooks"])
-    assert f"total: {data['points']}/{data['max_points']} points over 6 notebook(s)" in result.stdout
+    assert f"total: {data['points']}/{data['max_points']} points over {len(NOTEBOOKS)} notebook(s)" in result.stdout
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from . import (ex01_data_parallel, ex02_tensor_parallel, ex03_model_parallel, ex04_gpipe, ex05_rematerialization,
-               ex06_pipedream)
+               ex06_pipedream, ex07_beyond)
 from .core import Case, Exercise, Verdict, quietly, run_cases
 
 COURSE = "gpipe-parallelism"
@@ -25,6 +25,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
     "04_gpipe": ex04_gpipe.EXERCISES,
     "05_rematerialization": ex05_rematerialization.EXERCISES,
     "06_pipedream": ex06_pipedream.EXERCISES,
+    "07_beyond": ex07_beyond.EXERCISES,
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 

@@ -1,0 +1,144 @@
+"""Exercises for notebook 07: the interleaved bubble, a schedule of your own, a layout for a memory budget."""
+
+from __future__ import annotations
+
+from ..planner import ClusterConfig, ModelConfig, estimate
+from ..playground import PLAYGROUND_COST, analyse
+from ..schedule import make_schedule
+from ..simulator import CostModel, simulate
+from .core import Case, Exercise
+from .ex04_gpipe import _SCHEDULE_GENERATORS
+
+# -- 07.1 the interleaved bubble ------------------------------------------------------------------------------
+
+
+def _interleaved_case(p: int, m: int, v: int) -> Case:
+    cost = CostModel(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
+    simulated = simulate(make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v), cost).bubble_fraction
+    return Case(f"p={p}, m={m}, v={v}", lambda answer: answer(p, m, v), simulated,
+                hint="each device still computes m micro-batches of a whole stage's work, but the fill and the drain "
+                     "take p - 1 THIN stages, each 1/v of a stage: the bubble's share of the whole step")
+
+
+INTERLEAVED = Exercise(
+    "07.1", "The interleaved bubble", "interleaved_bubble", 2,
+    lambda: [_interleaved_case(4, 8, 2), _interleaved_case(4, 8, 1), _interleaved_case(2, 4, 4)],
+    lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2))],
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"))
+
+# -- 07.2 a schedule of your own that beats GPipe's bubble ---------------------------------------------------------
+
+
+def _own_schedule_case(p: int, m: int) -> Case:
+    gpipe_bubble = simulate(make_schedule("gpipe", p, m), PLAYGROUND_COST).bubble_fraction
+
+    def run(answer):
+        text = answer(p, m)
+        if not isinstance(text, str):
+            return f"returned a {type(text).__name__}: return the schedule as text, one line per device"
+        result = analyse(text)
+        if not result.valid:
+            return result.verdict()
+        s = result.schedule
+        if (s.num_stages, s.num_devices, s.num_microbatches) != (p, p, m):
+            return f"a schedule of {s.num_stages} stages on {s.num_devices} devices for {s.num_microbatches} " \
+                   f"micro-batches; wanted {p} stages, one per device, and {m} micro-batches"
+        return round(result.timeline.bubble_fraction, 12)
+
+    def compare(actual, expected):
+        if isinstance(actual, str):
+            return actual
+        if actual >= expected - 1e-9:
+            return f"valid, but its bubble {actual:.2%} does not beat GPipe's {expected:.2%}"
+        return None
+
+    return Case(f"p={p}, m={m}", run, round(gpipe_bubble, 12), compare=compare,
+                hint="with F = 1 and B = 2 every fill-drain or 1F1B order has GPipe's bubble; split each B into B "
+                     "and W (1 each) and delay the W's: the backward wave crosses the devices twice as fast")
+
+
+OWN_SCHEDULE = Exercise(
+    "07.2", "A schedule that beats GPipe's bubble", "my_schedule", 3,
+    lambda: [_own_schedule_case(3, 4)],
+    lambda: [_own_schedule_case(p, m) for p, m in ((2, 2), (2, 6), (4, 8), (5, 3), (6, 12))],
+    forbidden=_SCHEDULE_GENERATORS + ("gpipe_ref.playground.builtin_text",))
+
+# -- 07.3 a layout for a memory budget ----------------------------------------------------------------------
+
+
+def best_layout(model: ModelConfig, cluster: ClusterConfig) -> tuple[int, int, int] | None:
+    """The fastest fitting (dp, tp, pp) under the exercise's rules: 1F1B, recomputation, micro-batch 1, tp a
+    divisor of the GPUs per node."""
+    best = None
+    for tp in range(1, cluster.gpus_per_node + 1):
+        if cluster.gpus_per_node % tp or cluster.gpus % tp:
+            continue
+        for pp in range(1, cluster.gpus // tp + 1):
+            if (cluster.gpus // tp) % pp:
+                continue
+            dp = cluster.gpus // (tp * pp)
+            try:
+                e = estimate(model, cluster, dp=dp, tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if e.fits and (best is None or e.step_time < best[0]):
+                best = (e.step_time, (dp, tp, pp))
+    return None if best is None else best[1]
+
+
+def _layout_case(label: str, model: ModelConfig, cluster: ClusterConfig) -> Case:
+    expected = best_layout(model, cluster)
+
+    def run(answer):
+        return answer(model, cluster)
+
+    def compare(actual, expected):
+        if expected is None:
+            return None if actual is None else f"nothing fits here, so expected None, got {actual!r}"
+        if not (isinstance(actual, tuple) and len(actual) == 3 and all(isinstance(n, int) for n in actual)):
+            return f"expected a tuple (dp, tp, pp) of ints, got {actual!r}"
+        dp, tp, pp = actual
+        if actual == expected:
+            return None
+        try:
+            e = estimate(model, cluster, dp=dp, tp=tp, pp=pp, recompute=True)
+        except ValueError as error:
+            return f"{actual} is not a valid layout: {error}"
+        if cluster.gpus_per_node % tp:
+            return f"tp={tp} does not divide the {cluster.gpus_per_node} GPUs of a node"
+        if not e.fits:
+            return f"{actual} needs {e.memory['total'] / 1e9:.1f} GB per GPU, over the budget"
+        best = estimate(model, cluster, dp=expected[0], tp=expected[1], pp=expected[2], recompute=True)
+        if e.step_time > best.step_time * (1 + 1e-9):
+            return f"{actual} fits but takes {e.step_time:.3g} s a step; {expected} takes {best.step_time:.3g} s"
+        return None
+
+    return Case(label, run, expected, compare=compare,
+                hint="try every tp dividing the node and every pp dividing the rest; keep the layouts whose "
+                     "estimate(..., recompute=True).fits, and return the one with the smallest step_time")
+
+
+def _layout_cases() -> list[Case]:
+    gpt_7b = ModelConfig(layers=36, hidden=4096, heads=32, batch=512)
+    return [_layout_case("GPT 7.5B, 64 GPUs of 80 GB", gpt_7b, ClusterConfig(gpus=64)),
+            _layout_case("GPT 7.5B, 64 GPUs of 24 GB", gpt_7b, ClusterConfig(gpus=64, memory_bytes=24e9))]
+
+
+def _layout_hidden() -> list[Case]:
+    gpt_7b = ModelConfig(layers=36, hidden=4096, heads=32, batch=512)
+    gpt_18b = ModelConfig(layers=40, hidden=6144, heads=48, batch=1024)
+    gpt_146b = ModelConfig(layers=80, hidden=12288, heads=96, batch=2304)
+    return [_layout_case("GPT 7.5B, 256 GPUs of 40 GB", gpt_7b, ClusterConfig(gpus=256, memory_bytes=40e9)),
+            _layout_case("GPT 7.5B, 512 GPUs of 16 GB", gpt_7b, ClusterConfig(gpus=512, memory_bytes=16e9)),
+            _layout_case("GPT 18.4B, 64 GPUs of 16 GB", gpt_18b, ClusterConfig(gpus=64, memory_bytes=16e9)),
+            _layout_case("GPT 145.6B, 8 GPUs of 80 GB (nothing fits)", gpt_146b, ClusterConfig(gpus=8)),
+            _layout_case("GPT 18.4B, 32 GPUs of 16 GB, 4 per node", gpt_18b,
+                         ClusterConfig(gpus=32, gpus_per_node=4, memory_bytes=16e9))]
+
+
+LAYOUT = Exercise(
+    "07.3", "A layout for a memory budget", "pick_layout", 3, _layout_cases, _layout_hidden,
+    forbidden=("gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
+               "gpipe_ref.grading.ex07_beyond.best_layout"))
+
+EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT]
