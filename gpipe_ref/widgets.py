@@ -253,7 +253,7 @@ class SchedulePlayground:
                                              style=style, layout=w.Layout(width="200px"))
         self.load = w.Button(description="load", tooltip="replace the text with the built-in schedule")
         self.text = w.Textarea(value=text or builtin_text(start, stages, microbatches), rows=6,
-                               continuous_update=False, layout=w.Layout(width="100%", font_family="monospace"))
+                               continuous_update=False, layout=w.Layout(width="100%"))
         self.text.add_class("gpipe-playground-text")
         self.verdict = w.HTML()
         self.verdict.add_class("gpipe-playground-verdict")
