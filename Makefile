@@ -13,7 +13,7 @@ CHROMIUM ?= /usr/bin/chromium
 PYTEST_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test lab browser notebooks exercises clean
+.PHONY: test lab browser notebooks exercises bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ notebooks: $(STAMP)
 # Rebuild exercises/ from solutions/ (after editing a solution notebook).
 exercises: $(STAMP)
 	$(PY) -m gpipe_ref exercises build
+
+# The full benchmark (a few minutes): results and plot in bench/. torchgpipe 0.0.7 is an optional peer,
+# installed without its dependencies (it would otherwise ask pip to resolve torch again).
+bench: $(STAMP)
+	-$(PY) -m pip install --quiet --no-deps "torchgpipe==0.0.7"
+	$(PY) -m gpipe_ref bench --json bench/results.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts

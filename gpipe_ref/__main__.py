@@ -1,4 +1,4 @@
-"""Command line: ``python -m gpipe_ref {simulate,train,staleness,exercises,grade} ...``."""
+"""Command line: ``python -m gpipe_ref {simulate,train,staleness,exercises,grade,bench} ...``."""
 
 from __future__ import annotations
 
@@ -126,7 +126,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a notebook cell may run before it is stopped (default: 60)")
     grade.add_argument("--case-timeout", type=_cost, default=None,
                        help="seconds an answer may take on one case (default: each exercise's own, 20-40)")
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks against peers (torch DDP, torch.distributed.pipelining, torchgpipe) and theory",
+        description="Run both sides of each comparison in the same run, alternating, medians over repetitions; "
+                    "print each case with its target (reported, never asserted).",
+    )
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (CI: under 2 min)")
+    bench.add_argument("--json", metavar="FILE", help="write the results as JSON, and a plot beside it (.png)")
+    bench.add_argument("--only", nargs="+", metavar="CASE",
+                       help="run only these groups: pipeline, torch_pipelining, executor, data_parallel, "
+                            "tensor_parallel, simulator")
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import run, write
+
+    results = run(quick=args.quick, only=args.only)
+    scored = [c for c in results["cases"] if c.get("met") is not None]
+    print(f"targets met: {sum(c['met'] for c in scored)} of {len(scored)}")
+    if args.json:
+        png = write(results, args.json)
+        print(f"wrote {args.json} and {png}")
+    return 0
 
 
 def _exercises(args: argparse.Namespace) -> int:
@@ -248,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"simulate": _simulate, "train": _train, "staleness": _staleness, "exercises": _exercises,
-                    "grade": _grade}
+                    "grade": _grade, "bench": _bench}
         return commands[args.command](args)
     except (ValueError, ScheduleError) as exc:
         parser.exit(2, f"error: {exc}\n")

@@ -1,0 +1,428 @@
+"""Benchmarks against peers and theory: ``python -m gpipe_ref bench [--quick] [--json results.json]``.
+
+Method: both sides of a comparison run in the same process tree and the same run, alternating A B A B after a
+warm-up, over >= 5 measured repetitions (3 in quick mode); medians with min-max. Ranks pin one thread, so 2
+ranks on 2 cores compare fairly with 1 process on 1 core. Targets are reported, never asserted.
+
+Every case is one JSON object: name, config, ours_s, peer_s, ratio, theory, target, met (and extras).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .microbatch import scatter
+from .models import mlp, regression_data
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def _row(name: str, config: dict, ours: list[float], peer: list[float] | None, *, theory=None, target=None,
+         lower_is_better: bool = True, ratio: float | None = None, **extra) -> dict:
+    o = _stats(ours)
+    p = _stats(peer) if peer else None
+    if ratio is None and p:
+        ratio = o["median"] / p["median"]
+    met = None
+    if target is not None and ratio is not None:
+        met = ratio <= target if lower_is_better else ratio >= target
+    return {"name": name, "config": config, "ours_s": o["median"], "ours_min_max_s": [o["min"], o["max"]],
+            "peer_s": p["median"] if p else None, "peer_min_max_s": [p["min"], p["max"]] if p else None,
+            "ratio": ratio, "theory": theory, "target": target, "met": met, **extra}
+
+
+def _alternate(sides: list[Callable[[], float]], repeats: int) -> list[list[float]]:
+    """Time each side once per round, A B A B; round 0 warms up."""
+    samples = [[] for _ in sides]
+    for r in range(repeats + 1):
+        for k, side in enumerate(sides):
+            t = side()
+            if r:
+                samples[k].append(t)
+    return samples
+
+
+def _timed_ranks(fn: Callable[[], object]) -> float:
+    dist.barrier()
+    began = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - began
+
+
+def _accumulate(model: nn.Module, x, y, chunks: int) -> None:
+    n = x.shape[0]
+    for xi, yi in zip(scatter(x, chunks), scatter(y, chunks)):
+        (nn.functional.mse_loss(model(xi), yi) * (xi.shape[0] / n)).backward()
+
+
+# -- 1 and 3: pipeline speedup on 2 ranks, and simulator fidelity ---------------------------------------
+
+def _pipeline_rank(rank: int, world: int, width: int, rows: int, ms: list[int], repeats: int):
+    from .distributed.pipeline_parallel import PipelineParallel
+
+    x, y = regression_data(samples=rows, width=width, seed=0)
+    single = mlp(width=width, depth=4, seed=0)
+    results = []
+    for schedule in ("gpipe", "1f1b"):
+        for m in ms:
+            pipe = PipelineParallel(mlp(width=width, depth=4, seed=0), [4, 4], chunks=m, schedule=schedule,
+                                    checkpoint="never")
+
+            def single_process():  # rank 0 runs the whole model; rank 1 waits at the barrier
+                return _timed_ranks(lambda: _accumulate(single, x, y, m) if rank == 0 else None)
+
+            ours, peer = _alternate([lambda: _timed_ranks(lambda: pipe.step(x, y, nn.MSELoss())), single_process],
+                                    repeats)
+            events = [(e.device, e.stage, e.op, e.microbatch, e.start, e.end) for e in pipe.timeline.events]
+            results.append((schedule, m, ours, peer, events))
+    return results
+
+
+def pipeline_cases(quick: bool) -> list[dict]:
+    """Case 1 (speedup vs one process, theory 2m/(m+1)) and case 3 (simulator fidelity)."""
+    from .distributed import launch
+    from .schedule import make_schedule
+    from .simulator import calibrate, simulate
+    from .timeline import Event, Timeline
+
+    width, rows = (1024, 256) if quick else (2048, 512)
+    ms = [1, 8] if quick else [1, 2, 4, 8, 16]
+    repeats = 3 if quick else 5
+    measured = launch(_pipeline_rank, 2, width, rows, ms, repeats, timeout=900)[0]
+    rows_out, timelines = [], {}
+    for schedule, m, ours, peer, events in measured:
+        speedups = [p / o for o, p in zip(ours, peer)]
+        row = _row("pipeline speedup, 2 gloo ranks vs 1 process",
+                   {"schedule": schedule, "microbatches": m, "width": width, "rows": rows, "stages": 2},
+                   ours, peer, theory=2 * m / (m + 1), ratio=statistics.median(speedups))
+        row["speedup"] = row.pop("ratio")
+        row["ratio"] = row["speedup"] / row["theory"]
+        row["target"] = 0.9 if m == 8 else None
+        row["met"] = None if row["target"] is None else row["ratio"] >= 0.9
+        rows_out.append(row)
+        timelines[(schedule, m)] = Timeline([Event(*e, 0) for e in events], 2, unit="s")
+    # Case 3: a CostModel calibrated from each run's measured F and B per stage, and the transfer time from the
+    # idle gaps of the m = 1 run (its only waits are transfers); predict each step, compare to the measured one.
+    for row in list(rows_out):
+        schedule, m = row["config"]["schedule"], row["config"]["microbatches"]
+        base = timelines[(schedule, 1)] if (schedule, 1) in timelines else timelines[(schedule, min(ms))]
+        comm = max(0.0, (base.makespan - sum(e.end - e.start for e in base.events)) / 2)
+        measured_timeline = timelines[(schedule, m)]
+        cost = replace(calibrate(measured_timeline, 2), comm=comm, unit="s")
+        predicted = simulate(make_schedule(schedule, 2, m), cost).makespan
+        measured_span = measured_timeline.makespan
+        rows_out.append({"name": "simulator fidelity: predicted / measured step", "config": row["config"],
+                         "ours_s": predicted, "peer_s": measured_span, "ratio": predicted / measured_span,
+                         "theory": None, "target": "within 10%", "met": abs(predicted / measured_span - 1) <= 0.10,
+                         "calibration": {"forward_s": cost.forward, "backward_s": cost.backward, "comm_s": comm,
+                                         "stage_scale": cost.stage_scale}})
+        busy = [measured_timeline.busy(d) for d in range(2)]
+        row["profile"] = {"busy_per_rank_s": busy, "step_s": measured_span,
+                          "busy_sum_over_single_process": sum(busy) / row["peer_s"]}
+    return rows_out
+
+
+# -- 2: against torch.distributed.pipelining ----------------------------------------------------------------
+
+def _torch_pipelining_rank(rank: int, world: int, width: int, rows: int, m: int, repeats: int):
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    from .distributed.pipeline_parallel import PipelineParallel
+
+    x, y = regression_data(samples=rows, width=width, seed=0)
+    out = []
+    for name, torch_class, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
+                                 ("interleaved_1f1b", ScheduleInterleaved1F1B, 2)):
+        stages = 2 * v
+        per = 8 // stages
+        ours = PipelineParallel(mlp(width=width, depth=4, seed=0), [per] * stages, chunks=m, schedule=name,
+                                stages_per_device=v, checkpoint="never")
+        model = mlp(width=width, depth=4, seed=0)
+        layers = list(model)
+        mine = [s for s in range(stages) if s % 2 == rank]
+        torch_stages = [PipelineStage(nn.Sequential(*layers[s * per:(s + 1) * per]), s, stages, torch.device("cpu"))
+                        for s in mine]
+        loss_fn = nn.MSELoss()
+        theirs = torch_class(torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=loss_fn)
+
+        def torch_step():
+            if rank == 0:
+                theirs.step(x)
+            else:
+                theirs.step(target=y, losses=[])
+
+        a, b = _alternate([lambda: _timed_ranks(lambda: ours.step(x, y, nn.MSELoss())),
+                           lambda: _timed_ranks(torch_step)], repeats)
+        out.append((name, a, b))
+    return out
+
+
+def torch_pipelining_cases(quick: bool) -> list[dict]:
+    from .distributed import launch
+
+    width, rows, m = (512, 128, 4) if quick else (1024, 256, 8)
+    measured = launch(_torch_pipelining_rank, 2, width, rows, m, 3 if quick else 5, timeout=900)[0]
+    return [_row("ours vs torch.distributed.pipelining, 2 gloo ranks",
+                 {"schedule": name, "microbatches": m, "width": width, "rows": rows}, a, b, target=0.95)
+            for name, a, b in measured]
+
+
+# -- 4 and 9: in-process executor vs gradient accumulation, and vs torchgpipe ------------------------------
+
+def executor_cases(quick: bool) -> list[dict]:
+    from .pipeline import GPipe
+
+    torch.set_num_threads(1)
+    repeats = 3 if quick else 7
+    cases = [(512, 512, 8, "gpipe"), (512, 512, 8, "1f1b")] if quick else \
+        [(512, 512, 8, "gpipe"), (512, 512, 8, "1f1b"), (512, 512, 8, "zero_bubble_h1"), (256, 256, 16, "1f1b")]
+    try:
+        import torchgpipe
+    except ImportError:
+        torchgpipe = None
+    out = []
+    for width, samples, chunks, schedule in cases:
+        x, y = regression_data(samples=samples, width=width, seed=0)
+        reference = mlp(width=width, depth=8, seed=0)
+        ours = GPipe(mlp(width=width, depth=8, seed=0), [4] * 4, chunks=chunks, checkpoint="never",
+                     schedule=schedule, executor="simulated", track_memory=False)
+
+        def timed(fn):
+            began = time.perf_counter()
+            fn()
+            return time.perf_counter() - began
+
+        sides = [lambda: timed(lambda: ours.step(x, y, nn.MSELoss())),
+                 lambda: timed(lambda: _accumulate(reference, x, y, chunks))]
+        peer_pipe = None
+        if torchgpipe is not None and schedule == "gpipe":
+            peer_pipe = torchgpipe.GPipe(mlp(width=width, depth=8, seed=0), balance=[4] * 4, devices=["cpu"] * 4,
+                                         chunks=chunks, checkpoint="never")
+
+            def torchgpipe_step():
+                nn.functional.mse_loss(peer_pipe(x), y).backward()
+
+            sides.append(lambda: timed(torchgpipe_step))
+        samples_ = _alternate(sides, repeats)
+        config = {"width": width, "depth": 8, "samples": samples, "stages": 4, "chunks": chunks,
+                  "schedule": schedule, "checkpoint": "never", "memory tracking": False}
+        out.append(_row("executor overhead vs plain gradient accumulation", config, samples_[0], samples_[1],
+                        target=1.10))
+        if peer_pipe is not None:
+            out.append(_row(f"ours vs torchgpipe {torchgpipe.__version__}", config, samples_[0], samples_[2],
+                            target=1.0))
+    if torchgpipe is None:
+        out.append({"name": "ours vs torchgpipe 0.0.7", "config": {}, "ours_s": None, "peer_s": None, "ratio": None,
+                    "theory": None, "target": 1.0, "met": None,
+                    "skipped": "torchgpipe is not installed: make bench installs it (pip --no-deps)"})
+    return out
+
+
+# -- 5 and 6: data parallelism and the ring ---------------------------------------------------------------------
+
+def _ddp_rank(rank: int, world: int, repeats: int):
+    from .distributed.data_parallel import DataParallel
+
+    x, y = regression_data(256, 512, seed=rank)
+    ours = DataParallel(mlp(512, 8, seed=0), bucket_cap_mb=25)
+    theirs = nn.parallel.DistributedDataParallel(mlp(512, 8, seed=0), bucket_cap_mb=25)
+    return _alternate([lambda: _timed_ranks(lambda: nn.functional.mse_loss(ours(x), y).backward()),
+                       lambda: _timed_ranks(lambda: nn.functional.mse_loss(theirs(x), y).backward())], repeats)
+
+
+def _ring_rank(rank: int, world: int, sizes: list[int], repeats: int):
+    from .distributed.collectives import ring_all_reduce
+
+    out = []
+    for nbytes in sizes:
+        tensor = torch.randn(nbytes // 4)
+        out.append((nbytes, *_alternate([lambda: _timed_ranks(lambda: ring_all_reduce(tensor)),
+                                         lambda: _timed_ranks(lambda: dist.all_reduce(tensor))], repeats)))
+    return out
+
+
+def data_parallel_cases(quick: bool) -> list[dict]:
+    from .distributed import launch
+
+    repeats = 3 if quick else 7
+    ours, peer = launch(_ddp_rank, 2, repeats, timeout=600)[0]
+    rows = [_row("DataParallel vs torch DistributedDataParallel, 2 gloo ranks",
+                 {"model": "mlp 512 x 8", "rows per rank": 256, "bucket_cap_mb": 25}, ours, peer, target=1.05)]
+    sizes = [2 ** 10, 2 ** 20, 2 ** 24] if quick else [2 ** 10, 2 ** 16, 2 ** 20, 2 ** 24, 2 ** 26]
+    for nbytes, a, b in launch(_ring_rank, 2, sizes, repeats, timeout=900)[0]:
+        row = _row("ring_all_reduce vs dist.all_reduce, 2 gloo ranks", {"bytes": nbytes}, a, b,
+                   theory="each rank sends 2(n-1)/n of the tensor")
+        row["ring_bandwidth_MBps"] = nbytes / row["ours_s"] / 1e6
+        row["all_reduce_bandwidth_MBps"] = nbytes / row["peer_s"] / 1e6
+        rows.append(row)
+    return rows
+
+
+# -- 7: tensor-parallel MLP ----------------------------------------------------------------------------------------
+
+def _tp_rank(rank: int, world: int, width: int, rows: int, repeats: int):
+    from .distributed.tensor_parallel import ParallelMLP, count_all_reduces
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+    parallel = ParallelMLP.from_dense(dense)
+    x = torch.randn(rows, width)
+
+    def tp_step():
+        parallel(x).pow(2).sum().backward()
+
+    def dense_step():
+        if rank == 0:
+            dense(x).pow(2).sum().backward()
+
+    reduce_bytes = rows * width * 4
+    buffer = torch.randn(rows, width)
+    ours, peer, comm = _alternate([lambda: _timed_ranks(tp_step), lambda: _timed_ranks(dense_step),
+                                   lambda: _timed_ranks(lambda: [dist.all_reduce(buffer) for _ in range(2)])],
+                                  repeats)
+    with count_all_reduces() as counts:
+        tp_step()
+    return ours, peer, comm, dict(counts), reduce_bytes
+
+
+def tensor_parallel_cases(quick: bool) -> list[dict]:
+    from .distributed import launch
+
+    width, rows = (512, 128) if quick else (1024, 256)
+    ours, peer, comm, counts, nbytes = launch(_tp_rank, 2, width, rows, 3 if quick else 7, timeout=600)[0]
+    row = _row("tensor-parallel MLP (2 gloo ranks) vs dense MLP (1 process)",
+               {"width": width, "hidden": 4 * width, "rows": rows}, ours, peer, theory=0.5)
+    row["all_reduces_per_step"] = counts
+    row["comm_share"] = statistics.median(comm) / row["ours_s"]
+    return [row]
+
+
+# -- 8: simulator scale --------------------------------------------------------------------------------------------
+
+def simulator_cases(quick: bool) -> list[dict]:
+    from .schedule import make_schedule
+    from .simulator import simulate
+
+    cases = [("gpipe", 64, 1024, 1), ("1f1b", 64, 1024, 1), ("zero_bubble_h1", 64, 1024, 1),
+             ("pipedream_async", 64, 1024, 1), ("interleaved_1f1b", 32, 1024, 2)]
+    if not quick:
+        cases.append(("interleaved_1f1b", 64, 1024, 2))
+    out = []
+    for name, p, m, v in cases:
+        schedule = make_schedule(name, p, m, v)
+        samples = []
+        for r in range((3 if quick else 5) + 1):
+            began = time.perf_counter()
+            simulate(schedule)
+            if r:
+                samples.append(time.perf_counter() - began)
+        row = _row("simulator scale", {"schedule": name, "devices": p, "microbatches": m, "stages_per_device": v,
+                                       "actions": sum(len(a) for a in schedule.per_device)}, samples, None)
+        row["ratio"] = row["ours_s"] / 0.5
+        row["target"], row["met"] = "<= 0.5 s", row["ours_s"] <= 0.5
+        out.append(row)
+    return out
+
+
+CASES = {
+    "pipeline": pipeline_cases,  # cases 1 and 3
+    "torch_pipelining": torch_pipelining_cases,  # case 2
+    "executor": executor_cases,  # cases 4 and 9
+    "data_parallel": data_parallel_cases,  # cases 5 and 6
+    "tensor_parallel": tensor_parallel_cases,  # case 7
+    "simulator": simulator_cases,  # case 8
+}
+
+
+def run(quick: bool = False, only: list[str] | None = None, progress: bool = True) -> dict:
+    """Run the benchmark cases; returns {"machine", "date", "quick", "cases": [...]}."""
+    names = only or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise ValueError(f"only must name cases from {list(CASES)}, got {unknown}")
+    torch.set_num_threads(1)
+    results = {"machine": f"{platform.machine()}, {torch.get_num_threads()} thread per process, "
+                          f"Python {platform.python_version()}, torch {torch.__version__}",
+               "date": time.strftime("%Y-%m-%d"), "quick": quick, "cases": []}
+    for name in names:
+        began = time.perf_counter()
+        rows = CASES[name](quick)
+        results["cases"] += rows
+        if progress:
+            print(f"[{name}: {len(rows)} rows in {time.perf_counter() - began:.1f} s]", flush=True)
+            for row in rows:
+                print("  " + format_row(row), flush=True)
+    return results
+
+
+def format_row(row: dict) -> str:
+    if row.get("skipped"):
+        return f"{row['name']}: skipped ({row['skipped']})"
+    config = ", ".join(f"{k}={v}" for k, v in row["config"].items())
+    parts = [f"{row['name']} [{config}]"]
+    if "speedup" in row:
+        parts.append(f"speedup {row['speedup']:.2f} (theory {row['theory']:.2f}, ratio {row['ratio']:.2f})")
+    elif row["ratio"] is not None:
+        parts.append(f"ratio {row['ratio']:.3f}")
+    if row.get("peer_s") is not None and row.get("ours_s") is not None:
+        parts.append(f"ours {row['ours_s'] * 1e3:.2f} ms, peer {row['peer_s'] * 1e3:.2f} ms")
+    elif row.get("ours_s") is not None:
+        parts.append(f"{row['ours_s'] * 1e3:.1f} ms")
+    if row.get("comm_share") is not None:
+        parts.append(f"comm share {row['comm_share']:.0%}")
+    if row["target"] is not None:
+        parts.append(f"target {row['target']}: {'met' if row['met'] else 'MISSED'}")
+    return "; ".join(parts)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Speedup vs micro-batches beside 2m/(m+1), and ring vs all_reduce bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    speed = [r for r in results["cases"] if "speedup" in r]
+    for schedule in sorted({r["config"]["schedule"] for r in speed}):
+        rows = [r for r in speed if r["config"]["schedule"] == schedule]
+        axes[0].plot([r["config"]["microbatches"] for r in rows], [r["speedup"] for r in rows], "o-", label=schedule)
+    if speed:
+        ms = sorted({r["config"]["microbatches"] for r in speed})
+        axes[0].plot(ms, [2 * m / (m + 1) for m in ms], "k--", label="theory 2m/(m+1)")
+    axes[0].set(xlabel="micro-batches m", ylabel="speedup over 1 process", title="2-stage pipeline, 2 gloo ranks")
+    axes[0].legend()
+    ring = [r for r in results["cases"] if "ring_bandwidth_MBps" in r]
+    if ring:
+        sizes = [r["config"]["bytes"] for r in ring]
+        axes[1].loglog(sizes, [r["ring_bandwidth_MBps"] for r in ring], "o-", label="ring_all_reduce (ours)")
+        axes[1].loglog(sizes, [r["all_reduce_bandwidth_MBps"] for r in ring], "s-", label="dist.all_reduce")
+        axes[1].set(xlabel="bytes", ylabel="MB/s", title="all-reduce bandwidth, 2 gloo ranks")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(results: dict, json_path: str | Path) -> Path:
+    """Write the JSON and, beside it, the plot (same name, .png)."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=2, default=str))
+    png = json_path.with_suffix(".png")
+    plot(results, png)
+    return png
