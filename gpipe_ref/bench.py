@@ -79,7 +79,7 @@ def _pipeline_rank(rank: int, world: int, width: int, rows: int, ms: list[int], 
     for schedule in ("gpipe", "1f1b"):
         for m in ms:
             pipe = PipelineParallel(mlp(width=width, depth=4, seed=0), [4, 4], chunks=m, schedule=schedule,
-                                    checkpoint="never")
+                                    checkpoint="never", track_memory=False)
 
             def single_process():  # rank 0 runs the whole model; rank 1 waits at the barrier
                 return _timed_ranks(lambda: _accumulate(single, x, y, m) if rank == 0 else None)
@@ -150,7 +150,7 @@ def _torch_pipelining_rank(rank: int, world: int, width: int, rows: int, m: int,
         stages = 2 * v
         per = 8 // stages
         ours = PipelineParallel(mlp(width=width, depth=4, seed=0), [per] * stages, chunks=m, schedule=name,
-                                stages_per_device=v, checkpoint="never")
+                                stages_per_device=v, checkpoint="never", track_memory=False)
         model = mlp(width=width, depth=4, seed=0)
         layers = list(model)
         mine = [s for s in range(stages) if s % 2 == rank]

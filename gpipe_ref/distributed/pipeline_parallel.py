@@ -46,7 +46,8 @@ class PipelineParallel(GPipe):
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
                  checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int = 1,
-                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 track_memory: bool = True) -> None:
         size = dist.get_world_size(group)
         wanted = (schedule.num_devices if isinstance(schedule, Schedule)
                   else len(balance) // max(1, stages_per_device) if hasattr(balance, "__len__") else size)
@@ -55,7 +56,7 @@ class PipelineParallel(GPipe):
                              f"they must be equal (one rank per pipeline device)")
         devices = [device or _default_device()] * size
         super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                         stages_per_device=stages_per_device, executor="threads", track_memory=True)
+                         stages_per_device=stages_per_device, executor="threads", track_memory=track_memory)
         self.group = group
         self.rank = dist.get_rank(group)
 
