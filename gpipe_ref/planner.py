@@ -25,7 +25,6 @@ last stage beyond the logits, sequence parallelism, ZeRO sharding, network conte
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterable
 

@@ -110,7 +110,6 @@ def analyse(text: str) -> Analysis:
 def run_on_executor(schedule: Schedule, seed: int = 0, width: int = 8) -> float:
     """Run ``schedule`` on GPipe (simulated devices) with a small MLP; return the largest difference between
     its gradients and the same model's on one device."""
-    import torch
     from torch import nn
 
     from .models import mlp, regression_data
