@@ -14,9 +14,9 @@ _SCHEDULE_GENERATORS = ("gpipe_ref.schedule.gpipe", "gpipe_ref.schedule.make_sch
 # -- 04.1 the GPipe schedule as per-device action lists ------------------------------------------------
 
 
-def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_first: bool = True) -> str | None:
-    """None when ``actions`` (per-device lists) is a valid one-stage-per-device schedule of ``p`` stages and
-    ``m`` micro-batches (with all forwards before any backward when ``forwards_first``), else why not."""
+def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_first: bool = True) -> Schedule | str:
+    """The validated Schedule when ``actions`` (per-device lists) is a valid one-stage-per-device schedule of
+    ``p`` stages and ``m`` micro-batches (all forwards before any backward when ``forwards_first``), else why not."""
     if not isinstance(actions, (list, tuple)) or len(actions) != p:
         return f"expected a list of {p} per-device lists, got {type(actions).__name__} of length " \
                f"{len(actions) if hasattr(actions, '__len__') else '?'}"
@@ -33,20 +33,17 @@ def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_firs
             return f"device {d} runs a backward before its last forward: GPipe runs every forward first ({device})"
     schedule = Schedule(name, p, m, p, tuple(range(p)), tuple(tuple(a) for a in actions))
     try:
-        validate(schedule)
+        return validate(schedule)
     except ScheduleError as error:
         return f"the schedule does not run: {' '.join(str(error).split())[:300]}"
-    return None
 
 
 def _gpipe_case(p: int, m: int) -> Case:
     def run(answer):
-        actions = answer(p, m)
-        reason = judge_fill_drain(actions, p, m)
-        if reason:
-            return reason
-        timeline = simulate(Schedule("yours", p, m, p, tuple(range(p)), tuple(tuple(a) for a in actions)),
-                            CostModel(forward=1, backward_input=1, backward_weight=1))
+        schedule = judge_fill_drain(answer(p, m), p, m)
+        if isinstance(schedule, str):
+            return schedule
+        timeline = simulate(schedule, CostModel(forward=1, backward_input=1, backward_weight=1))
         return round(timeline.bubble_fraction, 12)
 
     expected = round((p - 1) / (m + p - 1), 12)

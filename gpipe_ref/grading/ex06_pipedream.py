@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..schedule import Action, Schedule, one_f_one_b, pipedream_async
+from ..schedule import Action, one_f_one_b, pipedream_async
 from ..simulator import simulate
 from .core import Case, Exercise
 from .ex04_gpipe import _SCHEDULE_GENERATORS, judge_fill_drain
@@ -29,11 +29,10 @@ WARMUP = Exercise(
 
 def _one_f_one_b_case(p: int, m: int) -> Case:
     def run(answer):
-        actions = answer(p, m)
-        reason = judge_fill_drain(actions, p, m, "yours", forwards_first=False)
-        if reason:
-            return reason
-        timeline = simulate(Schedule("yours", p, m, p, tuple(range(p)), tuple(tuple(a) for a in actions)))
+        schedule = judge_fill_drain(answer(p, m), p, m, "yours", forwards_first=False)
+        if isinstance(schedule, str):
+            return schedule
+        timeline = simulate(schedule)
         return {"micro-batches held per device": [timeline.peak_in_flight(d) for d in range(p)],
                 "bubble": round(timeline.bubble_fraction, 12)}
 
