@@ -6,15 +6,20 @@ The two spines every part of the package shares:
 """
 
 from .schedule import (
+    SCHEDULES,
     Action,
     Schedule,
     ScheduleError,
+    ScheduleSpec,
     execution_order,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
     pipedream_async,
+    register,
+    schedule_names,
+    schedule_spec,
     validate,
     zero_bubble_h1,
 )
@@ -24,7 +29,7 @@ from .timeline import Event, Timeline
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "Schedule", "ScheduleError", "execution_order", "gpipe", "interleaved_1f1b",
-    "make_schedule", "one_f_one_b", "pipedream_async", "validate", "zero_bubble_h1",
+    "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "execution_order", "gpipe", "interleaved_1f1b",
+    "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate", "zero_bubble_h1",
     "CostModel", "bubble_formula", "simulate", "Event", "Timeline",
 ]

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .schedule import SCHEDULE_NAMES, ScheduleError, make_schedule
+from .schedule import ScheduleError, make_schedule, schedule_names
 from .simulator import CostModel, bubble_formula, simulate
 
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Simulate one training step of a pipeline schedule on ideal devices and "
                     "print a text timeline (one row per device) with the bubble fraction.",
     )
-    sim.add_argument("--schedule", default="gpipe", choices=SCHEDULE_NAMES,
+    sim.add_argument("--schedule", default="gpipe", choices=schedule_names(),
                      help="which schedule to build (default: gpipe)")
     sim.add_argument("--stages", type=_positive_int, default=4,
                      help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4)")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dp", type=_positive_int, default=1, help="data-parallel replicas (default: 1)")
     train.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage (default: 1)")
     train.add_argument("--pp", type=_positive_int, default=2, help="pipeline stages, one rank each (default: 2)")
-    train.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"),
+    train.add_argument("--schedule", default="1f1b", choices=schedule_names(flush=True),
                        help="pipeline schedule (default: 1f1b)")
     train.add_argument("--stages-per-device", type=_positive_int, default=1,
                        help="stages per pipeline rank, for interleaved_1f1b (default: 1)")

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .schedule import Schedule, make_schedule
+from .checks import fraction, one_of, positive, positive_int
+from .schedule import Schedule, make_schedule, schedule_names, schedule_spec
 from .simulator import CostModel, simulate
 from .timeline import Timeline
 
@@ -36,10 +37,13 @@ BYTES_PER_PARAMETER = 16  # mixed-precision Adam (ZeRO, sec. 3.1)
 ACTIVATION_BYTES = 2  # fp16 activations
 
 
-def _positive(name: str, value, kind=int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
-        allowed = "a number > 0" if kind is float else "an integer >= 1"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+# The memory keys of Plan.memory (per GPU, bytes).
+STATE_MEMORY, ACTIVATION_MEMORY, TOTAL_MEMORY = "weights, gradients, optimizer", "activations", "total"
+
+
+def _planned_schedules() -> tuple[str, ...]:
+    """The cost model times flush schedules whose backward is one action."""
+    return schedule_names(flush=True, split_backward=False)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "batch", "seq_len", "vocab"):
-            _positive(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(f"hidden must be a multiple of heads ({self.heads}), got {self.hidden}")
 
@@ -91,14 +95,12 @@ class ClusterConfig:
     usable_memory: float = 0.9  # fraction of memory left to the model (the rest: allocator, workspace)
 
     def __post_init__(self) -> None:
-        _positive("gpus", self.gpus)
-        _positive("gpus_per_node", self.gpus_per_node)
+        positive_int("gpus", self.gpus)
+        positive_int("gpus_per_node", self.gpus_per_node)
         for name in ("peak_flops", "memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
-            _positive(name, getattr(self, name), float)
+            positive(name, getattr(self, name))
         for name in ("efficiency", "usable_memory"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+            fraction(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,7 @@ def _all_reduce_time(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 def held_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Micro-batches whose activations the first stage holds at its peak (Korthikanti et al. 2022, sec. 4.2.3)."""
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(m, p)
-    return min(m, p) * (1 + (p - 1) / (p * v))
+    return schedule_spec(schedule).peak_held(p, m, v)
 
 
 def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
@@ -152,12 +150,11 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     """The cost model's step time, bubble and memory per GPU for one configuration."""
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size),
                         ("stages_per_device", stages_per_device)):
-        _positive(name, value)
+        positive_int(name, value)
     if dp * tp * pp != cluster.gpus:
         raise ValueError(f"dp x tp x pp must equal the cluster's {cluster.gpus} GPUs, got {dp} x {tp} x {pp}")
-    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ValueError(f"schedule must be 'gpipe', '1f1b' or 'interleaved_1f1b', got {schedule!r}")
-    v = stages_per_device if schedule == "interleaved_1f1b" else 1
+    one_of("schedule", schedule, _planned_schedules())
+    v = stages_per_device if schedule_spec(schedule).multi_stage else 1
     if model.layers % (pp * v):
         raise ValueError(f"layers ({model.layers}) must divide into pp x stages_per_device = {pp * v} stages")
     if model.heads % tp or model.hidden % tp:
@@ -201,10 +198,10 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     per_layer = (2 * s * b * h if recompute else s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
     activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
     states = params_per_gpu * BYTES_PER_PARAMETER
-    memory = {"weights, gradients, optimizer": states, "activations": activations, "total": states + activations}
+    memory = {STATE_MEMORY: states, ACTIVATION_MEMORY: activations, TOTAL_MEMORY: states + activations}
     achieved = model.flops_per_step(recompute=recompute) / (step_time * cluster.gpus)  # hardware FLOPs
     return Plan(dp, tp, pp, b, m, schedule, v, recompute, step_time, compute_time, bubble_time, tp_comm_time,
-                pp_comm_time, dp_comm_time, memory, memory["total"] <= cluster.memory_bytes * cluster.usable_memory,
+                pp_comm_time, dp_comm_time, memory, memory[TOTAL_MEMORY] <= cluster.memory_bytes * cluster.usable_memory,
                 achieved, achieved / cluster.peak_flops)
 
 
@@ -213,9 +210,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: Iterable[int] = (1, 2, 4, 8),
-               schedules: Iterable[str] = ("gpipe", "1f1b", "interleaved_1f1b"),
+               schedules: Iterable[str] | None = None,
                stages_per_device: Iterable[int] = (2, 4), recompute: Iterable[bool] = (False, True)) -> list[Plan]:
-    """Every valid configuration's estimate (fitting or not)."""
+    """Every valid configuration's estimate (fitting or not); ``schedules`` defaults to every
+    registered flush schedule the cost model times."""
+    schedules = _planned_schedules() if schedules is None else tuple(schedules)
     plans = []
     for tp in _divisors(cluster.gpus):
         node = cluster.gpus_per_node
@@ -229,8 +228,9 @@ def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: 
                 if model.batch % (dp * b):
                     continue
                 for schedule in schedules:
-                    for v in (stages_per_device if schedule == "interleaved_1f1b" else (1,)):
-                        if schedule == "interleaved_1f1b" and (pp == 1 or model.layers % (pp * v)
+                    multi_stage = schedule_spec(schedule).multi_stage
+                    for v in (stages_per_device if multi_stage else (1,)):
+                        if multi_stage and (pp == 1 or model.layers % (pp * v)
                                                                or (model.batch // (dp * b)) % pp):
                             continue
                         if schedule != "1f1b" and pp == 1:
@@ -248,7 +248,7 @@ def plan(model: ModelConfig, cluster: ClusterConfig, *, top: int | None = 10, **
     if not isinstance(cluster, ClusterConfig):
         raise TypeError(f"cluster must be a ClusterConfig, got {type(cluster).__name__}")
     fitting = sorted((p for p in candidates(model, cluster, **search) if p.fits),
-                     key=lambda p: (p.step_time, p.memory["total"]))
+                     key=lambda p: (p.step_time, p.memory[TOTAL_MEMORY]))
     return fitting if top is None else fitting[:top]
 
 
@@ -301,5 +301,5 @@ def compare_with_megatron(cluster: ClusterConfig | None = None) -> list[dict]:
         rows.append({"parameters_b": round(model.parameters / 1e9, 1), "tp": tp, "pp": pp, "gpus": gpus,
                      "batch": batch, "published_tflops": published, "planner_tflops": est.flops_per_gpu / 1e12,
                      "ratio": est.flops_per_gpu / 1e12 / published, "fits": est.fits,
-                     "memory_gb": est.memory["total"] / 1e9})
+                     "memory_gb": est.memory[TOTAL_MEMORY] / 1e9})
     return rows

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping
 
-from .schedule import Action, DeadlockReport, Schedule, ScheduleError, _check_structure, _walk
+from .schedule import SCHEDULES, Action, DeadlockReport, Schedule, ScheduleError, _check_structure, _walk
 from .timeline import Event, Timeline
 
 @dataclass(frozen=True)
@@ -147,7 +147,8 @@ def _place(schedule: Schedule, encoded, per_key: list[float], comm: float,
 def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:
     """The closed-form bubble fraction the course states for uniform stages, comm 0.
 
-    ``p`` is the number of devices, ``backward_ratio`` = backward / forward cost.
+    ``p`` is the number of devices, ``backward_ratio`` = backward / forward cost;
+    each registered schedule carries its formula (``schedule.SCHEDULES``):
       * gpipe, 1f1b, pipedream_async: (p-1)/(m+p-1)  (Huang et al. 2019, sec. 2.2)
       * zero_bubble_h1 with B = W = ratio/2, m >= p and W <= F (ratio <= 2):
         (p-1)/(m(1+ratio)+p-1) (Qi et al. 2023, sec. 3; (p-1)/(3m+p-1) when
@@ -155,15 +156,10 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float 
       * interleaved_1f1b: (p-1)/(v m + p - 1), i.e. Megatron's bubble-to-ideal
         ratio (p-1)/(v m) (Narayanan et al. 2021, sec. 2.2) as a fraction
     """
-    if name in ("gpipe", "1f1b", "pipedream_async"):
-        return (p - 1) / (m + p - 1)
-    if name == "zero_bubble_h1":
-        return (p - 1) / (m * (1 + backward_ratio) + p - 1)
-    if name == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    raise ValueError(f"name must be one of gpipe, 1f1b, pipedream_async, zero_bubble_h1, "
-                     f"interleaved_1f1b, got {name!r}")
-
+    spec = SCHEDULES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"name must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    return spec.bubble(p, m, v, backward_ratio)
 
 
 def calibrate(timeline: Timeline, num_stages: int | None = None) -> CostModel:

@@ -1,0 +1,65 @@
+"""Argument checks: every error names the argument, the rule and the value given.
+
+One place for the rules the package repeats (a count must be a positive
+integer, a cost a non-negative number, a mode one of a set), so each message
+reads the same: ``"chunks must be an integer >= 1, got 0"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, TypeVar
+
+__all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "one_of"]
+
+T = TypeVar("T")
+
+
+def integer(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def positive_int(name: str, value: object) -> int:
+    """An integer >= 1 (a count of stages, micro-batches, ranks...)."""
+    return integer(name, value, 1)
+
+
+def number(name: str, value: object, minimum: float = 0.0, *, strict: bool = False) -> float:
+    """A real number ``>= minimum`` (``> minimum`` when ``strict``); NaN is refused."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (
+        value > minimum if strict else value >= minimum)  # NaN fails both comparisons
+    if not ok:
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise ValueError(f"{name} must be a number {bound}, got {value!r}")
+    return value
+
+
+def non_negative(name: str, value: object) -> float:
+    """A number >= 0 (a cost, a time)."""
+    return number(name, value, 0.0)
+
+
+def positive(name: str, value: object) -> float:
+    """A number > 0 (a learning rate, a timeout)."""
+    return number(name, value, 0.0, strict=True)
+
+
+def fraction(name: str, value: object) -> float:
+    """A number in (0, 1] (an efficiency, a usable share)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return value
+
+
+def one_of(name: str, value: Any, allowed: Iterable[T]) -> T:
+    """``value`` if it is one of ``allowed``, else ValueError listing them."""
+    allowed = tuple(allowed)
+    try:
+        ok = value in allowed
+    except TypeError:  # an unhashable value against a set-like
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
