@@ -1,14 +1,15 @@
 """Pictures of a Timeline with matplotlib.
 
 Every plot takes a :class:`~gpipe_ref.timeline.Timeline`, simulated or
-measured, so both are drawn the same way.
+measured, so both are drawn the same way. A device that communicates gets a
+second row under its own: its comm track.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .timeline import Timeline
 
@@ -16,11 +17,14 @@ if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the p
     from matplotlib.axes import Axes
 
 # Forward: the micro-batch's colour. Backward: the same colour, lighter.
-# W (weight gradient): the same colour, darker. Idle: grey hatching, drawn as
-# one hatched band per device under the bars (hatching thousands of small
-# gaps one by one is what makes matplotlib slow).
-_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4, "C": 0.25}
-_LABEL_LIMIT = 400  # above this many events, bars are not labelled (too small to read)
+# W (weight gradient): the same colour, darker. Communication: lighter, coloured
+# by its place on the comm track. Idle: grey hatching, drawn as one hatched band
+# per row under the bars (hatching thousands of small gaps one by one is what
+# makes matplotlib slow).
+COMM = "comm"  # the bar kind of a Transfer
+_KINDS = ("F", "B", "W", COMM)  # drawing and legend order
+_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4, COMM: 0.25}
+_LABEL_LIMIT = 400  # above this many bars, bars are not labelled (too small to read)
 
 
 def _shade(rgb: tuple[float, float, float], amount: float) -> tuple[float, float, float]:
@@ -37,66 +41,144 @@ def microbatch_color(microbatch: int) -> tuple[float, float, float]:
     return colormaps["tab10"].colors[microbatch % 10]
 
 
-def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,
-                  rows: list[str] | None = None, bubble: bool = True) -> "Axes":
-    """Draw one row per device: bars coloured by micro-batch, F/B/W told
-    apart by shade and hatching, idle time hatched grey, bubble % in the title.
-    ``rows`` renames the rows (default "device d"); ``bubble=False`` leaves the
-    bubble out of the title (for timelines whose rows are not pipeline devices)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
-    from matplotlib.patches import Patch
+def running_mean(values: list[float], window: int = 8) -> list[float]:
+    """The mean of each value and the up to ``window - 1`` before it (loss curves are noisy)."""
+    return [sum(values[max(0, k - window + 1):k + 1]) / len(values[max(0, k - window + 1):k + 1])
+            for k in range(len(values))]
 
+
+class Bar(NamedTuple):
+    """One drawn bar: ``kind`` is F, B, W or ``COMM``; ``color`` indexes the tab10 palette."""
+
+    row: int
+    start: float
+    end: float
+    kind: str
+    color: int
+    text: str
+    tooltip: str
+
+
+def timeline_rows(timeline: Timeline) -> list[tuple[int, str]]:
+    """``(device, "compute" or "comm")`` per row, top to bottom: each device's row,
+    then its comm track when it communicates."""
+    talking = {t.device for t in timeline.comm}
+    rows = []
+    for d in range(timeline.num_devices):
+        rows.append((d, "compute"))
+        if d in talking:
+            rows.append((d, COMM))
+    return rows
+
+
+def _row_names(timeline: Timeline) -> list[str]:
+    return [f"device {d}" + (" comm" if track == COMM else "") for d, track in timeline_rows(timeline)]
+
+
+def timeline_bars(timeline: Timeline, color_by: str = "microbatch") -> list[Bar]:
+    """Every compute event and transfer as a bar on its row. ``color_by="version"``
+    colours compute by weight version; a transfer is coloured and labelled ``C<k>``
+    by its place ``k`` on its comm track (its bucket, for data parallelism)."""
+    _check_color_by(color_by)
+    row_of = {track: i for i, track in enumerate(timeline_rows(timeline))}
+    by_microbatch = color_by == "microbatch"
+    bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op,
+                e.microbatch if by_microbatch else (e.weight_version or 0),
+                f"{e.op}{e.microbatch}" if by_microbatch else f"v{e.weight_version}",
+                f"{e.label} (weights v{e.weight_version})") for e in timeline.events]
+    for d in sorted({t.device for t in timeline.comm}):
+        for k, t in enumerate(timeline.on_comm(d)):
+            size = "" if t.bytes is None else f", {t.bytes} bytes"
+            bars.append(Bar(row_of[(d, COMM)], t.start, t.end, COMM, k, f"C{k}", f"{t.name}{size}"))
+    return bars
+
+
+def _legend_kinds(bars: list[Bar]) -> dict[str, str]:
+    """The kinds drawn, in legend order, with their legend names."""
+    kinds = {b.kind for b in bars}
+    names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input grad)",
+             "W": "weight grad", COMM: "communication"}
+    return {kind: names[kind] for kind in _KINDS if kind in kinds}
+
+
+def _check_color_by(color_by: str) -> None:
+    if color_by not in ("microbatch", "version"):
+        raise ValueError(f"color_by must be 'microbatch' or 'version', got {color_by!r}")
+
+
+def _check_timeline(timeline: object) -> None:
     if not isinstance(timeline, Timeline):
         raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+
+
+def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,
+                  rows: list[str] | None = None, bubble: bool = True) -> "Axes":
+    """Draw one row per device (and one per comm track): bars coloured by micro-batch,
+    F/B/W told apart by shade, idle time hatched grey, bubble % in the title.
+    ``rows`` renames the rows (default "device d", "device d comm"); ``bubble=False``
+    leaves the bubble out of the title."""
+    import matplotlib.pyplot as plt
+
+    _check_timeline(timeline)
+    names = rows or _row_names(timeline)
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.45 * timeline.num_devices + 1.2))
-    origin, span = timeline.origin, timeline.makespan
-    height = 0.8
-
-    def box(device: int, start: float, end: float) -> list[tuple[float, float]]:
-        y = device - height / 2
-        return [(start, y), (end, y), (end, y + height), (start, y + height)]
-
-    ax.add_collection(PolyCollection(
-        [box(d, 0.0, span) for d in range(timeline.num_devices)],
-        facecolors="#f2f2f2", edgecolors="#b0b0b0", hatch="////", linewidths=0.0,
-    ))
-    palette = [_shade(microbatch_color(i), 0.0) for i in range(10)]
-    for op in "FBWC":
-        events = [e for e in timeline.events if e.op == op]
-        if not events:
-            continue
-        shades = [_shade(c, _LIGHTEN[op]) for c in palette]
-        ax.add_collection(PolyCollection(
-            [box(e.device, e.start - origin, e.end - origin) for e in events],
-            facecolors=[shades[e.microbatch % 10] for e in events],
-            edgecolors="white", linewidths=0.5 if len(timeline.events) <= _LABEL_LIMIT else 0.0,
-        ))
-    if len(timeline.events) <= _LABEL_LIMIT:
-        for e in timeline.events:
-            ax.text((e.start + e.end) / 2 - origin, e.device, f"{e.op}{e.microbatch}",
-                    ha="center", va="center", fontsize=7, color="white" if e.op == "W" else "black",
-                    clip_on=True)
-
-    ax.set_xlim(0, span if span else 1.0)
-    ax.set_ylim(timeline.num_devices - 0.5, -0.5)  # device 0 on top
-    ax.set_yticks(range(timeline.num_devices))
-    ax.set_yticklabels(rows or [f"device {d}" for d in range(timeline.num_devices)])
+        _, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.2))
+    bars = timeline_bars(timeline)
+    _draw_bars(ax, bars, len(names), timeline.origin, timeline.makespan)
+    ax.set_xlim(0, timeline.makespan or 1.0)
+    ax.set_ylim(len(names) - 0.5, -0.5)  # device 0 on top
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names)
     ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
     if bubble:
         ax.set_title(f"{title} - bubble {timeline.bubble_fraction:.1%}" if title else
                      f"bubble {timeline.bubble_fraction:.1%}")
     else:
         ax.set_title(title or "")
-    ops = sorted({e.op for e in timeline.events}, key="FBWC".index)
-    names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)",
-             "W": "weight grad", "C": "communication"}
+    _draw_legend(ax, bars)
+    return ax
+
+
+def _draw_bars(ax: "Axes", bars: list[Bar], num_rows: int, origin: float, span: float) -> None:
+    """The hatched idle band of every row, then one collection of bars per kind, then their labels."""
+    from matplotlib.collections import PolyCollection
+
+    height = 0.8
+
+    def box(row: int, start: float, end: float) -> list[tuple[float, float]]:
+        y = row - height / 2
+        return [(start, y), (end, y), (end, y + height), (start, y + height)]
+
+    ax.add_collection(PolyCollection(
+        [box(r, 0.0, span) for r in range(num_rows)],
+        facecolors="#f2f2f2", edgecolors="#b0b0b0", hatch="////", linewidths=0.0,
+    ))
+    palette = [_shade(microbatch_color(i), 0.0) for i in range(10)]
+    labelled = len(bars) <= _LABEL_LIMIT
+    for kind in _KINDS:
+        of_kind = [b for b in bars if b.kind == kind]
+        if not of_kind:
+            continue
+        shades = [_shade(c, _LIGHTEN[kind]) for c in palette]
+        ax.add_collection(PolyCollection(
+            [box(b.row, b.start - origin, b.end - origin) for b in of_kind],
+            facecolors=[shades[b.color % 10] for b in of_kind],
+            edgecolors="white", linewidths=0.5 if labelled else 0.0,
+        ))
+    if labelled:
+        for b in bars:
+            ax.text((b.start + b.end) / 2 - origin, b.row, b.text, ha="center", va="center", fontsize=7,
+                    color="white" if b.kind == "W" else "black", clip_on=True)
+
+
+def _draw_legend(ax: "Axes", bars: list[Bar]) -> None:
+    from matplotlib.patches import Patch
+
     grey = (0.45, 0.45, 0.45)
-    handles = [Patch(facecolor=_shade(grey, _LIGHTEN[op]), label=names[op]) for op in ops]
+    handles = [Patch(facecolor=_shade(grey, _LIGHTEN[kind]), label=name)
+               for kind, name in _legend_kinds(bars).items()]
     handles.append(Patch(facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="////", label="idle (bubble)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    return ax
 
 
 _svg_ids = itertools.count()
@@ -109,24 +191,26 @@ def _nice_step(span: float, max_ticks: int = 10) -> float:
     return next(k * power for k in (1, 2, 5, 10) if k * power >= raw)
 
 
+def _hex(rgb: tuple[float, float, float]) -> str:
+    return "#%02x%02x%02x" % tuple(int(255 * c) for c in rgb)
+
+
 def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900, color_by: str = "microbatch") -> str:
     """The same picture as :func:`plot_timeline` as an SVG string, for widgets:
     the browser draws it in milliseconds, and hovering a bar shows its action
     and times. ``color_by="version"`` colours bars by their weight version."""
-    if color_by not in ("microbatch", "version"):
-        raise ValueError(f"color_by must be 'microbatch' or 'version', got {color_by!r}")
-    if not isinstance(timeline, Timeline):
-        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
-    left, right, top, row, bottom = 72, 12, 26, 22, 40
-    n = timeline.num_devices
-    height = top + n * row + bottom
-    origin, span = timeline.origin, timeline.makespan or 1.0
-    scale = (width - left - right) / span
+    _check_color_by(color_by)
+    _check_timeline(timeline)
+    bars = timeline_bars(timeline, color_by)
+    names = _row_names(timeline)
+    left = max(72, 8 + round(6.5 * max(len(n) for n in names)))  # room for "device 0 comm"
+    top, row, bottom = 26, 22, 40
+    span = timeline.makespan or 1.0
+    scale = (width - left - 12) / span
     idle = f"idle{next(_svg_ids)}"
-    hexes = {op: ["#%02x%02x%02x" % tuple(int(255 * c) for c in _shade(microbatch_color(i), _LIGHTEN[op]))
-                  for i in range(10)] for op in "FBWC"}
+    axis_y = top + len(names) * row
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{axis_y + bottom}" '
         f'font-family="sans-serif" font-size="11">',
         f'<defs><pattern id="{idle}" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f2f2f2"/>'
@@ -134,46 +218,60 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
         f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
         f'{(title + " - ") if title else ""}bubble {timeline.bubble_fraction:.1%}</text>',
     ]
-    for d in range(n):
-        y = top + d * row
-        out.append(f'<text x="{left - 6}" y="{y + row / 2 + 4}" text-anchor="end">device {d}</text>')
+    for r, name in enumerate(names):
+        y = top + r * row
+        out.append(f'<text x="{left - 6}" y="{y + row / 2 + 4}" text-anchor="end">{name}</text>')
         out.append(f'<rect x="{left}" y="{y + 2}" width="{span * scale:.2f}" height="{row - 4}" '
                    f'fill="url(#{idle})"/>')
-    label = len(timeline.events) <= _LABEL_LIMIT
-    for e in timeline.events:
-        x, w = left + (e.start - origin) * scale, e.duration * scale
-        y = top + e.device * row
-        key = e.microbatch if color_by == "microbatch" else (e.weight_version or 0)
+    out += _svg_bars(bars, left, top, row, timeline.origin, scale)
+    out += _svg_axis(left, axis_y, span, scale)
+    out += _svg_legend(bars, left, axis_y, idle)
+    unit = "cost units" if timeline.unit == "cost" else "s"
+    out.append(f'<text x="{width - 12}" y="{axis_y + 33}" text-anchor="end">time ({unit})</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _svg_bars(bars: list[Bar], left: int, top: int, row: int, origin: float, scale: float) -> list[str]:
+    """A rect with a hover tooltip per bar, labelled when there is room."""
+    hexes = {kind: [_hex(_shade(microbatch_color(i), _LIGHTEN[kind])) for i in range(10)] for kind in _KINDS}
+    labelled = len(bars) <= _LABEL_LIMIT
+    out = []
+    for b in bars:
+        x, w = left + (b.start - origin) * scale, (b.end - b.start) * scale
+        y = top + b.row * row
         out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row - 4}" '
-                   f'fill="{hexes[e.op][key % 10]}" stroke="white" stroke-width="0.5">'
-                   f'<title>{e.label} (weights v{e.weight_version}): {e.start - origin:.4g} to '
-                   f'{e.end - origin:.4g}</title></rect>')
-        if label and w >= 18:
-            color = "white" if e.op == "W" else "black"
-            text = f"{e.op}{e.microbatch}" if color_by == "microbatch" else f"v{e.weight_version}"
+                   f'fill="{hexes[b.kind][b.color % 10]}" stroke="white" stroke-width="0.5">'
+                   f'<title>{b.tooltip}: {b.start - origin:.4g} to {b.end - origin:.4g}</title></rect>')
+        if labelled and w >= 18:
+            color = "white" if b.kind == "W" else "black"
             out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 4}" text-anchor="middle" '
-                       f'font-size="9" fill="{color}" pointer-events="none">{text}</text>')
-    axis_y = top + n * row
+                       f'font-size="9" fill="{color}" pointer-events="none">{b.text}</text>')
+    return out
+
+
+def _svg_axis(left: int, axis_y: int, span: float, scale: float) -> list[str]:
+    """Time ticks under the rows, 1-2-5 spaced."""
+    out = []
     step = _nice_step(span)
     for k in range(int(span / step) + 1):
         x = left + k * step * scale
         out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="#444"/>')
         out.append(f'<text x="{x:.2f}" y="{axis_y + 15}" text-anchor="middle">{k * step:.4g}</text>')
-    unit = "cost units" if timeline.unit == "cost" else "s"
-    legend_x = left
-    ops = sorted({e.op for e in timeline.events}, key="FBWC".index)
-    names = {"F": "forward", "B": "backward" if "W" not in ops else "backward (input grad)", "W": "weight grad",
-             "C": "communication"}
-    for op in ops:
-        grey = "#%02x%02x%02x" % tuple(int(255 * c) for c in _shade((0.45, 0.45, 0.45), _LIGHTEN[op]))
-        out.append(f'<rect x="{legend_x}" y="{axis_y + 24}" width="12" height="10" fill="{grey}"/>'
-                   f'<text x="{legend_x + 16}" y="{axis_y + 33}">{names[op]}</text>')
-        legend_x += 30 + 7 * len(names[op])
-    out.append(f'<rect x="{legend_x}" y="{axis_y + 24}" width="12" height="10" fill="url(#{idle})" '
-               f'stroke="#b0b0b0"/><text x="{legend_x + 16}" y="{axis_y + 33}">idle (bubble)</text>')
-    out.append(f'<text x="{width - right}" y="{axis_y + 33}" text-anchor="end">time ({unit})</text>')
-    out.append("</svg>")
-    return "".join(out)
+    return out
+
+
+def _svg_legend(bars: list[Bar], left: int, axis_y: int, idle: str) -> list[str]:
+    """A grey swatch per kind drawn, then the idle hatching."""
+    out, x = [], left
+    for kind, name in _legend_kinds(bars).items():
+        grey = _hex(_shade((0.45, 0.45, 0.45), _LIGHTEN[kind]))
+        out.append(f'<rect x="{x}" y="{axis_y + 24}" width="12" height="10" fill="{grey}"/>'
+                   f'<text x="{x + 16}" y="{axis_y + 33}">{name}</text>')
+        x += 30 + 7 * len(name)
+    out.append(f'<rect x="{x}" y="{axis_y + 24}" width="12" height="10" fill="url(#{idle})" '
+               f'stroke="#b0b0b0"/><text x="{x + 16}" y="{axis_y + 33}">idle (bubble)</text>')
+    return out
 
 
 def plot_parallelism_overview(layers: int = 4):
@@ -314,10 +412,7 @@ def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "sa
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     for result in results:
-        losses = result["losses"]
-        mean = [sum(losses[max(0, k - smooth + 1):k + 1]) / len(losses[max(0, k - smooth + 1):k + 1])
-                for k in range(len(losses))]
-        ax.plot(result[x], mean, label=f"{result['variant']} (lr {result['lr']})")
+        ax.plot(result[x], running_mean(result["losses"], smooth), label=f"{result['variant']} (lr {result['lr']})")
     ax.set_yscale("log")
     starts = [r["losses"][0] for r in results if r["losses"] and math.isfinite(r["losses"][0])]
     if starts:  # a diverging run would otherwise squash every other curve

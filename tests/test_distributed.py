@@ -230,7 +230,7 @@ def _ddp(rank, world_size, bucket_cap_mb, accumulate):
         else:
             nn.MSELoss()(replica(xs), ys).backward()
         optimizer.step()
-    return [p.detach() for p in model.parameters()], len(replica.buckets), sum(e.op == "C" for e in replica.timeline.events)
+    return [p.detach() for p in model.parameters()], len(replica.buckets), len(replica.timeline.comm)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -243,6 +243,25 @@ def test_data_parallel_equals_single_process(world_size, bucket_cap_mb, accumula
     assert worst <= 1e-6
     buckets, allreduces = results[0][1], results[0][2]
     assert buckets == (1 if bucket_cap_mb == 25.0 else 6) and allreduces == buckets
+
+
+def _ddp_timeline(rank, world_size):
+    replica = DataParallel(mlp(32, 3, seed=1), bucket_cap_mb=0.002)
+    x, y = regression_data(BATCH, 32, seed=rank)
+    nn.MSELoss()(replica(x), y).backward()
+    return replica.timeline
+
+
+def test_data_parallel_timeline_keeps_all_reduces_apart_from_compute():
+    timeline = launch(_ddp_timeline, 2)[0]
+    assert timeline.num_devices == 1 and [e.op for e in timeline.events] == ["F", "B"]
+    assert [t.name for t in timeline.comm] == [f"all-reduce bucket {b}" for b in range(6)]
+    assert all(t.device == 0 for t in timeline.comm)
+    assert sum(t.bytes for t in timeline.comm) == sum(p.numel() * 4 for p in mlp(32, 3, seed=1).parameters())
+    compute = timeline.events[-1].end - timeline.events[0].start
+    assert timeline.busy(0) == pytest.approx(compute)  # the all-reduces are not compute
+    assert timeline.bubble_fraction == pytest.approx(1 - compute / timeline.makespan)
+    assert 0 <= timeline.overlap(0) <= timeline.comm_time(0)
 
 
 def _ddp_with_an_unused_layer(rank, world_size):

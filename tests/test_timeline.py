@@ -8,7 +8,7 @@ import pytest
 
 from gpipe_ref.schedule import gpipe, interleaved_1f1b, one_f_one_b, pipedream_async, zero_bubble_h1
 from gpipe_ref.simulator import CostModel, simulate
-from gpipe_ref.timeline import Event, Timeline
+from gpipe_ref.timeline import Event, Timeline, Transfer
 
 
 def test_metrics_by_hand():
@@ -125,3 +125,75 @@ def test_timeline_bad_input():
         Timeline([], 1, unit="ms")
     with pytest.raises(ValueError, match="ends before it starts"):
         Timeline([Event(0, 0, "F", 0, 2, 1)], 1)
+
+
+def test_num_microbatches_counts_the_highest_index():
+    assert simulate(gpipe(3, 5)).num_microbatches == 5
+    assert Timeline([Event(0, 0, "F", 2, 0, 1)], 1).num_microbatches == 3
+    assert Timeline([], 1).num_microbatches == 0
+
+
+# -- communication: its own record and track, never compute --------------------------------
+def _compute_then_comm() -> Timeline:
+    # device 0 computes 0-4; its all-reduces run 3-5 and 5-6: 1 of 3 comm time hidden, the step ends at 6
+    return Timeline([Event(0, 0, "F", 0, 0.0, 1.0), Event(0, 0, "B", 0, 1.0, 4.0)], 1,
+                    comm=[Transfer(0, "all-reduce bucket 0", 3.0, 5.0, bytes=64),
+                          Transfer(0, "all-reduce bucket 1", 5.0, 6.0)])
+
+
+def test_comm_is_not_compute_in_bubble_and_utilisation():
+    t = _compute_then_comm()
+    assert len(t) == 2 and len(t.comm) == 2 and t.num_microbatches == 1
+    assert t.makespan == 6.0  # the step ends with its last transfer
+    assert t.busy(0) == 4.0 and t.utilisation(0) == pytest.approx(4 / 6)
+    assert t.bubble_fraction == pytest.approx(2 / 6)  # waiting for the all-reduce is idle compute time
+    assert t.comm_time(0) == 3.0 and t.overlap(0) == 1.0 and t.exposed_comm(0) == 2.0
+    assert [x.name for x in t.on_comm(0)] == ["all-reduce bucket 0", "all-reduce bucket 1"]
+    assert t.on_device(0) == t.events and t.on_comm(0)[0].duration == 2.0
+
+
+def test_comm_time_counts_overlapping_transfers_once():
+    t = Timeline([], 2, comm=[Transfer(1, "send", 0.0, 2.0), Transfer(1, "recv", 1.0, 3.0), Transfer(0, "x", 5, 6)])
+    assert t.comm_time(1) == 3.0 and t.overlap(1) == 0.0 and t.comm_time(0) == 1.0
+    assert t.bubble_fraction == 1.0  # no compute at all
+
+
+def test_without_comm_nothing_changes():
+    t = simulate(gpipe(4, 8))
+    assert t.comm == [] and t.comm_time(0) == 0.0 and t.overlap(0) == 0.0
+    assert t.bubble_fraction == pytest.approx(3 / 11)
+
+
+def test_communication_is_never_an_event():
+    with pytest.raises(ValueError, match="has op 'C', but ops are"):
+        Timeline([Event(1, 2, "C", 2, 0.0, 1.0)], 2)
+    with pytest.raises(ValueError, match="transfer .* is on device 2, but devices are 0..1"):
+        Timeline([], 2, comm=[Transfer(2, "all-reduce", 0, 1)])
+    with pytest.raises(ValueError, match="transfer .* ends before it starts"):
+        Timeline([], 1, comm=[Transfer(0, "all-reduce", 2, 1)])
+    with pytest.raises(TypeError, match="comm must hold Transfer records, got Event"):
+        Timeline([], 1, comm=[Event(0, 0, "F", 0, 0, 1)])
+
+
+def test_chrome_trace_puts_comm_on_its_own_track_and_reads_it_back(tmp_path):
+    t = _compute_then_comm()
+    path = tmp_path / "dp.json"
+    t.to_chrome_trace(path)
+    doc = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert names == {0: "device 0", 1: "device 0 comm"}
+    comm = [e for e in doc["traceEvents"] if e.get("cat") == "comm"]
+    assert [(e["tid"], e["name"], e["args"]["bytes"]) for e in comm] == [
+        (1, "all-reduce bucket 0", 64), (1, "all-reduce bucket 1", None)]
+    back = Timeline.from_chrome_trace(path)
+    assert back.num_devices == 1 and back.events == t.events
+    assert [(x.device, x.name, x.bytes) for x in back.comm] == [(x.device, x.name, x.bytes) for x in t.comm]
+    assert [x.start for x in back.comm] == pytest.approx([x.start for x in t.comm])
+    assert back.bubble_fraction == pytest.approx(t.bubble_fraction) and back.overlap(0) == pytest.approx(1.0)
+
+
+def test_from_chrome_trace_rejects_a_comm_event_without_its_device(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"name": "all-reduce", "cat": "comm", "ph": "X", "ts": 0, "dur": 1, "tid": 1}]))
+    with pytest.raises(ValueError, match="is not a transfer"):
+        Timeline.from_chrome_trace(path)

@@ -55,3 +55,36 @@ def test_staleness_and_convergence_plots():
     ax = plot_convergence(runs, x="times")
     assert len(ax.lines) == 2 and ax.get_yscale() == "log"
     assert loss_curves_svg({"a": [1.0, 0.5], "b": [float("nan"), 0.1]}).count("<polyline") == 2
+
+
+def _with_comm():
+    from gpipe_ref.timeline import Event, Timeline, Transfer
+
+    return Timeline([Event(0, 0, "F", 0, 0.0, 1.0), Event(0, 0, "B", 0, 1.0, 3.0), Event(1, 0, "F", 1, 0.0, 1.0)], 2,
+                    comm=[Transfer(0, "all-reduce bucket 0", 2.0, 3.5, bytes=128),
+                          Transfer(0, "all-reduce bucket 1", 3.5, 4.0)])
+
+
+def test_plot_timeline_draws_comm_on_its_own_track():
+    timeline = _with_comm()
+    ax = plot_timeline(timeline, title="dp")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["device 0", "device 0 comm", "device 1"]
+    assert sum(len(c.get_paths()) for c in ax.collections[1:]) == len(timeline.events) + len(timeline.comm)
+    assert len(ax.collections[0].get_paths()) == 3  # every row has its idle band
+    assert [t.get_text() for t in ax.texts][-2:] == ["C0", "C1"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["forward", "backward", "communication", "idle (bubble)"]
+    assert ax.get_title() == f"dp - bubble {timeline.bubble_fraction:.1%}" == "dp - bubble 50.0%"
+
+
+def test_timeline_svg_draws_comm_on_its_own_track():
+    svg = timeline_svg(_with_comm())
+    assert svg.count("<title>") == 5 and ">device 0 comm</text>" in svg
+    assert "<title>all-reduce bucket 0, 128 bytes: 2 to 3.5</title>" in svg and ">communication</text>" in svg
+
+
+def test_running_mean_over_a_window():
+    from gpipe_ref.viz import running_mean
+
+    assert running_mean([4.0, 2.0, 0.0, 6.0], window=2) == [4.0, 3.0, 1.0, 3.0]
+    assert running_mean([1.0, 3.0]) == [1.0, 2.0] and running_mean([]) == []

@@ -24,7 +24,83 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..timeline import Event, Timeline
+from ..checks import positive
+from ..timeline import Event, Timeline, Transfer
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _scatter_batch(inputs: torch.Tensor | None, traffic: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: rank 0 scatters the batch, sizes and feature shape first so uneven splits work.
+    Returns this rank's slice and every rank's slice size."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        x_parts = list(torch.tensor_split(inputs, world))
+        sizes = torch.tensor([len(p) for p in x_parts])
+        feature_shape = torch.tensor(list(inputs.shape[1:]))
+    else:
+        x_parts, sizes, feature_shape = None, torch.empty(world, dtype=torch.long), None
+    dist.broadcast(sizes, 0)
+    dims = torch.tensor([0 if feature_shape is None else len(feature_shape)])
+    dist.broadcast(dims, 0)
+    if feature_shape is None:
+        feature_shape = torch.empty(int(dims), dtype=torch.long)
+    dist.broadcast(feature_shape, 0)
+    local = torch.empty(int(sizes[rank]), *feature_shape.tolist())
+    dist.scatter(local, x_parts, src=0)
+    if rank == 0:
+        traffic["sent"] += _nbytes(x_parts[1:])
+    else:
+        traffic["received"] += _nbytes([local])
+    return local, sizes
+
+
+def _gather_outputs(output: torch.Tensor, sizes: torch.Tensor, traffic: dict) -> list[torch.Tensor] | None:
+    """Step 2: every rank's output gathered on rank 0 (None elsewhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered = [torch.empty(int(sizes[r]), *output.shape[1:]) for r in range(world)] if rank == 0 else None
+    dist.gather(output.detach().contiguous(), gathered, dst=0)
+    if rank == 0:
+        traffic["received"] += _nbytes(gathered[1:])
+    else:
+        traffic["sent"] += _nbytes([output])
+    return gathered
+
+
+def _scatter_output_grads(gathered: list[torch.Tensor] | None, targets: torch.Tensor | None, loss_fn: Callable,
+                          output: torch.Tensor, traffic: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 3: rank 0 computes the loss on all outputs and sends each rank its output gradient.
+    Returns this rank's output gradient and the loss (rank 0) or None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grad_parts, loss = None, None
+    if rank == 0:
+        everything = torch.cat(gathered).requires_grad_(True)
+        loss = loss_fn(everything, targets)
+        loss.backward()
+        grad_parts = list(torch.tensor_split(everything.grad, world))
+        traffic["sent"] += _nbytes(grad_parts[1:])
+    grad_output = torch.empty_like(output)
+    dist.scatter(grad_output, grad_parts, src=0)
+    if rank != 0:
+        traffic["received"] += _nbytes([grad_output])
+    return grad_output, loss
+
+
+def _reduce_grads_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, traffic: dict) -> None:
+    """Steps 4-5 after the backward: sum the weight gradients on rank 0, which steps;
+    everyone receives the new weights."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peers = world - 1 if rank == 0 else 1  # rank 0 exchanges with every other rank, the others with rank 0
+    for p in model.parameters():
+        dist.reduce(p.grad, dst=0)
+        traffic["received" if rank == 0 else "sent"] += peers * _nbytes([p.grad])
+    if rank == 0:
+        optimizer.step()
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+        traffic["sent" if rank == 0 else "received"] += peers * _nbytes([p.data])
 
 
 def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targets: torch.Tensor | None,
@@ -33,76 +109,20 @@ def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targ
 
     Returns, on every rank, the bytes this rank sent and received; rank 0 also gets the loss.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     traffic = {"sent": 0, "received": 0}
-
-    def count(tensor: torch.Tensor, direction: str) -> None:
-        traffic[direction] += tensor.numel() * tensor.element_size()
-
-    # 1. scatter the batch (rank 0 -> all), sizes first so uneven splits work
-    if rank == 0:
-        x_parts = list(torch.tensor_split(inputs, world))
-        sizes = torch.tensor([len(p) for p in x_parts])
-        feature_shape = torch.tensor(list(inputs.shape[1:]))
-    else:
-        sizes, feature_shape = torch.empty(world, dtype=torch.long), None
-    dist.broadcast(sizes, 0)
-    dims = torch.tensor([0 if feature_shape is None else len(feature_shape)])
-    dist.broadcast(dims, 0)
-    if feature_shape is None:
-        feature_shape = torch.empty(int(dims), dtype=torch.long)
-    dist.broadcast(feature_shape, 0)
-    local = torch.empty(int(sizes[rank]), *feature_shape.tolist())
-    dist.scatter(local, x_parts if rank == 0 else None, src=0)
-    if rank == 0:
-        traffic["sent"] += sum(p.numel() * p.element_size() for p in x_parts[1:])
-    else:
-        count(local, "received")
-
+    # 1. scatter the batch (rank 0 -> all)
+    local, sizes = _scatter_batch(inputs, traffic)
     # 2. forward on each rank, gather the outputs on rank 0
-    local = local.requires_grad_(False)
-    output = model(local)
-    gathered = [torch.empty(int(sizes[r]), *output.shape[1:]) for r in range(world)] if rank == 0 else None
-    dist.gather(output.detach().contiguous(), gathered, dst=0)
-    if rank == 0:
-        traffic["received"] += sum(g.numel() * g.element_size() for g in gathered[1:])
-    else:
-        count(output, "sent")
-
-    # 3. rank 0 computes the loss on all outputs and sends each rank its output gradient
-    grad_parts = None
-    if rank == 0:
-        everything = torch.cat(gathered).requires_grad_(True)
-        loss = loss_fn(everything, targets)
-        loss.backward()
-        grad_parts = list(torch.tensor_split(everything.grad, world))
-        traffic["sent"] += sum(g.numel() * g.element_size() for g in grad_parts[1:])
-    grad_output = torch.empty_like(output)
-    dist.scatter(grad_output, grad_parts, src=0)
-    if rank != 0:
-        count(grad_output, "received")
-
-    # 4. backward on each rank; sum the weight gradients on rank 0
+    output = model(local.requires_grad_(False))
+    gathered = _gather_outputs(output, sizes, traffic)
+    # 3. rank 0 computes the loss and sends each rank its output gradient
+    grad_output, loss = _scatter_output_grads(gathered, targets, loss_fn, output, traffic)
+    # 4. backward on each rank; 5. sum the weight gradients on rank 0, step, broadcast the new weights
     optimizer.zero_grad(set_to_none=False)
     output.backward(grad_output)
-    for p in model.parameters():
-        dist.reduce(p.grad, dst=0)
-        if rank == 0:
-            traffic["received"] += (world - 1) * p.grad.numel() * p.grad.element_size()
-        else:
-            count(p.grad, "sent")
-
-    # 5. rank 0 steps; everyone receives the new weights
-    if rank == 0:
-        optimizer.step()
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
-        if rank == 0:
-            traffic["sent"] += (world - 1) * p.numel() * p.element_size()
-        else:
-            count(p.data, "received")
+    _reduce_grads_and_step(model, optimizer, traffic)
     result = dict(traffic)
-    if rank == 0:
+    if loss is not None:
         result["loss"] = loss.item()
     return result
 
@@ -123,8 +143,7 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        positive("bucket_cap_mb", bucket_cap_mb)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -143,7 +162,7 @@ class DataParallel(nn.Module):
         self._bucket_of = {id(params[i]): b for b, bucket in enumerate(self.buckets) for i in bucket}
         self._sync = True
         self._reset()
-        self.timeline: Timeline | None = None  # of the last step: compute on track 0, all-reduces on track 1
+        self.timeline: Timeline | None = None  # of the last step: this rank's compute, its all-reduces in .comm
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -198,11 +217,13 @@ class DataParallel(nn.Module):
                 start = time.perf_counter() - self._t0
                 self._works.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True), start))
         events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
+        transfers = []
         link_free = 0.0  # the process group runs its all-reduces one after another
         for b, flat, work, ready in self._works:
             work.wait()
             done = self._done.get(b, time.perf_counter() - self._t0)
-            events.append(Event(1, b, "C", b, min(max(ready, link_free), done), done))
+            transfers.append(Transfer(0, f"all-reduce bucket {b}", min(max(ready, link_free), done), done,
+                                      bytes=flat.numel() * flat.element_size()))
             link_free = done
             flat /= self.world_size
             offset = 0
@@ -210,7 +231,7 @@ class DataParallel(nn.Module):
                 grad = self._params[i].grad
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
-        self.timeline = Timeline(events, 2, unit="s")
+        self.timeline = Timeline(events, 1, unit="s", comm=transfers)
         self._reset()
 
 
