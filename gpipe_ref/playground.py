@@ -13,7 +13,7 @@ import html
 import re
 from dataclasses import dataclass, field
 
-from .schedule import Schedule, ScheduleError, make_schedule, validate
+from .schedule import SCHEDULES, Schedule, ScheduleError, make_schedule, schedule_names, schedule_spec, validate
 from .simulator import CostModel, simulate
 from .timeline import Timeline
 
@@ -63,21 +63,22 @@ class Analysis:
 
 def builtin_text(name: str, p: int, m: int, v: int = 2) -> str:
     """A built-in schedule in the text form (a start for the learner's own)."""
-    return make_schedule(name, p, m, v if name == "interleaved_1f1b" else 1).to_text()
+    return make_schedule(name, p, m, v if schedule_spec(name).multi_stage else 1).to_text()
 
 
 def _compare(schedule: Schedule) -> dict[str, tuple[float, list[int]]]:
-    p, m = schedule.num_devices, schedule.num_microbatches
+    """Bubble and peaks of the registered flush schedules of the same shape: one stage per device,
+    or the multi-stage ones with the same ``v`` (those that cannot take these sizes are left out)."""
+    p, m, v = schedule.num_devices, schedule.num_microbatches, schedule.stages_per_device
     rows = {}
-    for name in ("gpipe", "1f1b", "zero_bubble_h1"):
-        if schedule.stages_per_device != 1:
-            break
-        t = simulate(make_schedule(name, p, m), PLAYGROUND_COST)
-        rows[name] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
-    if schedule.stages_per_device > 1 and m % p == 0:
-        v = schedule.stages_per_device
-        t = simulate(make_schedule("interleaved_1f1b", p, m, v), PLAYGROUND_COST)
-        rows[f"interleaved_1f1b v={v}"] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
+    for name in schedule_names(flush=True):
+        if SCHEDULES[name].multi_stage != (v > 1):
+            continue
+        try:
+            t = simulate(make_schedule(name, p, m, v), PLAYGROUND_COST)
+        except ValueError:  # e.g. interleaving needs m to be a multiple of p
+            continue
+        rows[f"{name} v={v}" if v > 1 else name] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
     return rows
 
 

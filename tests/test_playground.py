@@ -42,3 +42,28 @@ def test_broken_schedules_name_the_rule_and_the_actions(text, fragment, marked):
     assert not result.valid and fragment in result.error, result.error
     assert result.offending == marked
     assert result.verdict().startswith("invalid: ")
+
+
+def test_schedule_text_round_trip_for_every_builtin():
+    from gpipe_ref import Schedule, make_schedule
+
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble_h1", 1), ("interleaved_1f1b", 2)):
+        schedule = make_schedule(name, 4, 8, v)
+        again = Schedule.from_text(schedule.to_text(), name=name)
+        assert again.per_device == schedule.per_device and again.stage_to_device == schedule.stage_to_device
+
+
+def test_the_comparison_follows_the_registry():
+    from gpipe_ref.schedule import ScheduleSpec, gpipe, register, schedule_names, unregister
+
+    text = builtin_text("1f1b", 3, 4)
+    assert list(analyse(text).comparison) == ["gpipe", "1f1b", "zero_bubble_h1"]
+    register(ScheduleSpec("throwaway_test", gpipe, "Throwaway", flush=True, bubble=lambda p, m, v, r: 0.0,
+                          formula="0", peak_held=lambda p, m, v: m, source="tests/test_playground.py"))
+    try:
+        assert "throwaway_test" in schedule_names(flush=True)
+        assert list(analyse(text).comparison)[-1] == "throwaway_test"
+        assert builtin_text("throwaway_test", 3, 4) == builtin_text("gpipe", 3, 4)
+    finally:
+        unregister("throwaway_test")
+    assert "throwaway_test" not in analyse(text).comparison

@@ -1,0 +1,15 @@
+"""Interactive dashboards (ipywidgets) on top of the simulator and the plots, one module per dashboard."""
+
+from .base import Dashboard, schedule_choices
+from .bubble import BubbleExplorer, bubble_explorer, explorer_cost_model
+from .planner import PlannerExplorer, planner_explorer
+from .playground import SchedulePlayground, schedule_playground
+from .staleness import StalenessExplorer, staleness_explorer
+
+__all__ = [
+    "Dashboard", "schedule_choices",
+    "BubbleExplorer", "bubble_explorer", "explorer_cost_model",
+    "StalenessExplorer", "staleness_explorer",
+    "SchedulePlayground", "schedule_playground",
+    "PlannerExplorer", "planner_explorer",
+]

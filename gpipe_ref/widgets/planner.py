@@ -1,0 +1,93 @@
+"""The planner explorer: model, GPUs, memory and batch -> the best configurations, their memory and pipeline."""
+
+from __future__ import annotations
+
+from ..planner import (ACTIVATION_MEMORY, BYTES_PER_PARAMETER, STATE_MEMORY, TOTAL_MEMORY, ClusterConfig,
+                       ModelConfig, plan, pipeline_timeline)
+from ..viz import timeline_svg
+from .base import Dashboard
+
+__all__ = ["PlannerExplorer", "planner_explorer"]
+
+
+class PlannerExplorer(Dashboard):
+    """Model size, GPU count, GPU memory and batch size -> the best configurations, the memory of each GPU
+    under the chosen one, and its simulated pipeline timeline."""
+
+    PRESETS = {  # name -> (layers, hidden, heads): GPT sizes from Narayanan et al. 2021, Table 1
+        "GPT 1.7B": (24, 2304, 24), "GPT 7.5B": (36, 4096, 32), "GPT 18.4B": (40, 6144, 48),
+        "GPT 39.1B": (48, 8192, 64), "GPT 145.6B": (80, 12288, 96), "GPT 1T": (128, 25600, 160),
+    }
+
+    def __init__(self, model: str = "GPT 39.1B", gpus: int = 512, memory_gb: int = 80, batch: int = 1536) -> None:
+        import ipywidgets as w
+
+        style = {"description_width": "120px"}
+        self.model = w.Dropdown(options=list(self.PRESETS), value=model, description="model", style=style)
+        self.gpus = w.Dropdown(options=[8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096], value=gpus,
+                               description="GPUs", style=style)
+        self.memory = w.Dropdown(options=[16, 24, 40, 80, 141], value=memory_gb, description="GPU memory (GB)",
+                                 style=style)
+        self.batch = w.Dropdown(options=[64, 128, 256, 512, 1024, 1536, 2048, 3072], value=batch,
+                                description="batch (sequences)", style=style)
+        self.choice = w.Dropdown(options=[], description="configuration", style=style,
+                                 layout=w.Layout(width="620px"))
+        self.ranking = w.HTML()
+        self.ranking.add_class("gpipe-planner-ranking")
+        self.memory_bars = w.HTML()
+        self.picture = w.HTML()
+        self.plans = []
+        for control in (self.model, self.gpus, self.memory, self.batch):
+            control.observe(lambda _change: self.search(), names="value")
+        self.choice.observe(lambda _change: self.show(), names="value")
+        self.widget = w.VBox([w.HBox([w.VBox([self.model, self.gpus]), w.VBox([self.memory, self.batch])]),
+                              self.ranking, self.choice, self.memory_bars, self.picture])
+        self.search()
+
+    def search(self) -> None:
+        """Rank the configurations for the chosen model and cluster; show the best."""
+        layers, hidden, heads = self.PRESETS[self.model.value]
+        model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=self.batch.value)
+        cluster = ClusterConfig(gpus=self.gpus.value, memory_bytes=self.memory.value * 1e9)
+        self.plans = plan(model, cluster, top=8)
+        if not self.plans:
+            state_gb = model.parameters * BYTES_PER_PARAMETER / 1e9
+            self.ranking.value = (f"<b style='color:#b00'>no configuration fits</b>: {model.parameters / 1e9:.1f}B "
+                                  f"parameters need {state_gb:.0f} GB of weights, gradients and "
+                                  f"optimizer state alone; add GPUs or memory")
+            self.choice.options, self.memory_bars.value, self.picture.value = [], "", ""
+            return
+        rows = "".join(f"<tr><td>{i + 1}</td><td>{p.label()}</td><td>{p.step_time:.2f} s</td>"
+                       f"<td>{p.bubble_fraction:.1%}</td><td>{p.memory[TOTAL_MEMORY] / 1e9:.1f} GB</td>"
+                       f"<td>{p.flops_per_gpu / 1e12:.0f} ({p.utilisation:.0%})</td></tr>"
+                       for i, p in enumerate(self.plans))
+        self.ranking.value = ("<table><tr><th>#</th><th>configuration</th><th>step</th><th>bubble</th>"
+                              "<th>memory/GPU</th><th>TFLOP/s per GPU</th></tr>" + rows + "</table>")
+        self.choice.options = [(p.label(), i) for i, p in enumerate(self.plans)]
+        self.choice.value = 0
+        self.show()
+
+    def show(self) -> None:
+        """The chosen configuration's memory per GPU and its pipeline timeline."""
+        if self.choice.value is None or not self.plans:
+            return
+        chosen = self.plans[self.choice.value]
+        budget = self.memory.value * 1e9
+        parts = [(STATE_MEMORY, "#4e79a7"), (ACTIVATION_MEMORY, "#f28e2b")]
+        bar = "".join(f"<div title='{name}: {chosen.memory[name] / 1e9:.1f} GB' style='display:inline-block;"
+                      f"height:18px;background:{color};width:{min(100, 100 * chosen.memory[name] / budget):.1f}%'>"
+                      f"</div>" for name, color in parts)
+        self.memory_bars.value = (f"<div>memory per GPU: {chosen.memory[TOTAL_MEMORY] / 1e9:.1f} of "
+                                  f"{self.memory.value} GB (blue: weights, gradients, optimizer; orange: "
+                                  f"activations)</div><div style='width:600px;border:1px solid #888'>{bar}</div>")
+        if chosen.pp > 1:
+            _, timeline = pipeline_timeline(chosen, max_microbatches=16)
+            self.picture.value = timeline_svg(timeline, title=f"one data-parallel replica's pipeline "
+                                                              f"(first {timeline.num_microbatches} micro-batches)")
+        else:
+            self.picture.value = "<i>no pipeline (pp = 1): nothing to draw</i>"
+
+
+def planner_explorer(**initial) -> PlannerExplorer:
+    """Build the planner widget (display it by leaving it last in a cell)."""
+    return PlannerExplorer(**initial)

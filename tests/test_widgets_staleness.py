@@ -1,0 +1,25 @@
+"""The staleness explorer: weight stashing and vertical sync change the readout; runs are cached."""
+
+from __future__ import annotations
+
+import re
+
+from gpipe_ref.widgets.staleness import StalenessExplorer
+
+
+def test_staleness_explorer_readout_follows_the_controls():
+    ex = StalenessExplorer(stages=2, microbatches=4, lr=0.2, steps=4)
+    text = re.sub(r"<[^>]+>", "", ex.readout.value)
+    assert "weight stashing on" in text and "versions held per stage [2, 1]" in text
+    assert "largest forward/backward version mismatch 0" in text
+    ex.weight_stashing.value = False
+    text = re.sub(r"<[^>]+>", "", ex.readout.value)
+    assert "weight stashing off" in text and "versions held per stage [1, 1]" in text
+    assert "largest forward/backward version mismatch 0" not in text
+    ex.vertical_sync.value = True
+    assert "vertical sync on" in re.sub(r"<[^>]+>", "", ex.readout.value)
+    ex.microbatches.value = 6
+    assert ex.heat.value.count("<td") == 2 * 6 and "<svg" in ex.picture.value and "<polyline" in ex.curves.value
+    ex.weight_stashing.value = True  # cached: redraws without training again
+    ex.vertical_sync.value = False
+    assert ex.last_redraw_s < 1.0
