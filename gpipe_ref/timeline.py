@@ -233,28 +233,42 @@ class Timeline:
 
         Each cell shows the action that runs then (``1F0`` = stage 1,
         forward, micro-batch 0) and ``.`` for idle time. The quantum is the
-        shortest event, widened if the grid would exceed ``max_width`` cells.
+        shortest event, so every action has a cell of its own. A grid wider
+        than ``max_width`` characters is wrapped into bands, each one row per
+        device, time running on from one band to the next. Only a grid of
+        more than 4096 cells gets a wider quantum; the header then says how
+        many actions share a cell with a later one and are not shown.
         """
         if not self.events:
             return "\n".join(f"device {d} |" for d in range(self.num_devices))
         origin, span = self.origin, self.makespan
         shortest = min((e.duration for e in self.events if e.duration > 0), default=span or 1.0)
-        cells = max(1, round(span / shortest)) if span else 1
-        label_width = max(len(e.label) for e in self.events) + 1
-        if cells * label_width > max_width:
-            cells = max(1, max_width // label_width)
+        cells = min(max(1, int(span / shortest + 0.5)), 4096) if span else 1
         quantum = span / cells if span else 1.0
-        rows = []
+        label_width = max(len(e.label) for e in self.events) + 1
+
+        def cell(t: float) -> int:  # the cell whose left edge is nearest to t, halves rounded up
+            return int((t - origin) / quantum + 0.5 + 1e-9)
+
+        grids, hidden = [], 0
         for d in range(self.num_devices):
-            grid = ["." * (label_width - 1)] * cells
-            for e in self.on_device(d):
-                first = int(round((e.start - origin) / quantum))
-                last = max(first + 1, int(round((e.end - origin) / quantum)))
-                for c in range(first, min(last, cells)):
-                    grid[c] = e.label.ljust(label_width - 1)
-            rows.append(f"device {d} |" + " ".join(grid) + "|")
+            grid, owner = ["." * (label_width - 1)] * cells, [None] * cells
+            events = self.on_device(d)
+            for i, e in enumerate(events):
+                first = min(cell(e.start), cells - 1)
+                for c in range(first, min(max(first + 1, cell(e.end)), cells)):
+                    grid[c], owner[c] = e.label.ljust(label_width - 1), i
+            hidden += len(events) - len(set(owner) - {None})
+            grids.append(grid)
+        per_band = cells if cells * label_width <= max_width else max(1, max_width // label_width)
+        rows = [f"device {d} |" + " ".join(grid[start:start + per_band]) + "|"
+                for start in range(0, cells, per_band) for d, grid in enumerate(grids)]
         header = (f"makespan {span:.4g} {self.unit}, bubble {self.bubble_fraction:.2%}, "
                   f"one cell = {quantum:.4g} {self.unit}")
+        if per_band < cells:
+            header += f", {cells} cells in {-(-cells // per_band)} bands of up to {per_band}"
+        if hidden:
+            header += f"; {hidden} actions not shown (each shares its cells with a later action)"
         return header + "\n" + "\n".join(rows)
 
     # -- Chrome trace (Perfetto, chrome://tracing) ---------------------------------
