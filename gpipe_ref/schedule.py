@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Callable, Iterable, Sequence
 
 from .checks import integer, positive_int
@@ -106,34 +105,6 @@ class Schedule:
         for device, acts in enumerate(self.per_device):
             for action in acts:
                 yield device, action
-
-    @cached_property
-    def weight_versions(self) -> dict[Action, int]:
-        """The weight version each action uses under weight stashing.
-
-        Version ``k`` on a stage means "after ``k`` optimizer updates of that
-        stage in this step". A flush schedule updates once, after the step, so
-        every action uses version 0. An asynchronous schedule updates a stage
-        after each of its B actions; F uses the newest version and the B and W
-        of the same micro-batch reuse the version stashed at its F
-        (PipeDream, Narayanan et al. 2019, sec. 3.3).
-        """
-        versions: dict[Action, int] = {}
-        updates = [0] * self.num_stages
-        for acts in self.per_device:
-            for a in acts:
-                if self.flush:
-                    versions[a] = 0
-                elif a.op == "F":
-                    versions[a] = updates[a.stage]
-                else:
-                    versions[a] = versions.get(Action("F", a.stage, a.microbatch), updates[a.stage])
-                    if a.op == "B":
-                        updates[a.stage] += 1
-        return versions
-
-    def weight_version(self, action: Action) -> int:
-        return self.weight_versions[action]
 
     # -- text form -------------------------------------------------------------
     def to_text(self) -> str:
@@ -287,8 +258,8 @@ def pipedream_async(num_stages: int, num_microbatches: int) -> Schedule:
     """PipeDream (Narayanan et al. 2019, sec. 3): 1F1B order, no flush.
 
     Each stage updates its weights after every backward, so micro-batches see
-    different weight versions; ``Schedule.weight_versions`` records the version
-    each action uses under weight stashing.
+    different weight versions; :func:`weight_versions` gives the version each
+    action uses (with or without weight stashing, with or without vertical sync).
     """
     p = positive_int("num_stages", num_stages)
     m = positive_int("num_microbatches", num_microbatches)
@@ -319,6 +290,17 @@ def interleaved_1f1b(num_devices: int, num_microbatches: int, stages_per_device:
             f"num_microbatches must be a multiple of num_devices={p} for interleaved_1f1b, got {m}"
         )
     total = v * m  # forward actions per device
+    # The k-th forward (backward) of device d runs model chunk c, micro-batch i, i.e. stage c*p + d.
+    # k walks a group of p micro-batches through chunk 0, then chunk 1, ...; then the next group.
+    # Backwards walk the chunks the other way. For p = 2, v = 2, m = 4:
+    #
+    #   k              0  1  2  3  4  5  6  7
+    #   forward  c     0  0  1  1  0  0  1  1     c = (k mod pv) div p
+    #   backward c     1  1  0  0  1  1  0  0     c = v-1 - (k mod pv) div p
+    #   i              0  1  0  1  2  3  2  3     i = (k div pv) p + k mod p
+    #
+    # Device d first runs (v-1) p + 2 (p-1-d) forwards (warm-up: 4 on device 0, 2 on device 1),
+    # then alternates one forward and one backward, then runs the remaining backwards.
 
     def forward(d: int, k: int) -> Action:  # the k-th forward on device d
         chunk, mb = (k % (p * v)) // p, (k // (p * v)) * p + k % p
@@ -480,11 +462,12 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
 _OP_CODE = {"F": 0, "B": 1, "W": 2}
 
 
-class _Encoded:
+class EncodedSchedule:
     """A schedule with each action as an integer key ``(op * p + stage) * m + microbatch``
-    (op 0/1/2 = F/B/W), so the walk below indexes flat lists instead of hashing."""
+    (op 0/1/2 = F/B/W), so :func:`walk` indexes flat lists instead of hashing."""
 
     def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
         p, m = schedule.num_stages, schedule.num_microbatches
         self.rows = [[(_OP_CODE[a.op] * p + a.stage) * m + a.microbatch for a in acts]
                      for acts in schedule.per_device]
@@ -493,9 +476,13 @@ class _Encoded:
             for a, key in zip(acts, row):
                 self.action_of[key] = a
 
+    def key(self, action: Action) -> int:
+        p, m = self.schedule.num_stages, self.schedule.num_microbatches
+        return (_OP_CODE[action.op] * p + action.stage) * m + action.microbatch
 
-def _check_structure(schedule: Schedule) -> _Encoded:
-    """Every rule but the order ones (those the walk checks); returns the encoding."""
+
+def encode(schedule: Schedule) -> EncodedSchedule:
+    """Check every rule but the order ones (those :func:`walk` checks); return the encoding."""
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
@@ -526,7 +513,7 @@ def _check_structure(schedule: Schedule) -> _Encoded:
         if not all(owner[a.stage] == d for a in acts):
             bad = next(a for a in acts if owner[a.stage] != d)
             raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
-    encoded = _Encoded(schedule)
+    encoded = EncodedSchedule(schedule)
     ops = "FBW" if schedule.has_weight_actions else "FB"
     expected = len(ops) * p * m
     all_keys = [key for row in encoded.rows for key in row]
@@ -558,9 +545,7 @@ def validate(schedule: Schedule) -> Schedule:
     B(s,i); and no deadlock when each device runs its list in order (the
     error names the cycle of waiting devices). Returns the schedule.
     """
-    walk = _walk(schedule, _check_structure(schedule))
-    if isinstance(walk, DeadlockReport):
-        raise ScheduleError(str(walk))
+    walk(encode(schedule))
     return schedule
 
 
@@ -583,25 +568,41 @@ class DeadlockReport:
         return ("deadlock, cycle: " if self.cycle else "deadlock: ") + "; ".join(parts)
 
 
+class DeadlockError(ScheduleError):
+    """The schedule deadlocks; ``report`` says which device waits for what."""
+
+    def __init__(self, report: DeadlockReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
 @dataclass
-class _Walk:
+class Walk:
+    """The result of :func:`walk`: a valid global order and each action's times."""
+
+    encoded: EncodedSchedule
     order: list[int]  # action keys in a valid global order
     start: list[float]  # by action key
     end: list[float]
 
+    def actions(self) -> list[tuple[int, Action]]:
+        """``[(device, action), ...]`` in the walk's order."""
+        owner, action_of = self.encoded.schedule.stage_to_device, self.encoded.action_of
+        return [(owner[a.stage], a) for a in map(action_of.__getitem__, self.order)]
 
-def _walk(
-    schedule: Schedule,
-    encoded: _Encoded,
-    durations: Sequence[float] | None = None,
-    comm: float = 0.0,
-) -> _Walk | DeadlockReport:
+
+def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, comm: float = 0.0) -> Walk:
     """Run every device's list in order, each action once its dependencies ran.
 
     With ``durations[key]`` (one per action key) and ``comm`` it also times each action
     as the simulator defines: start when the device is free and every
     dependency has ended (+ comm when it crosses devices). One pass, O(actions).
+    Raises :class:`DeadlockError` when devices wait for each other.
+
+    The loop is written out by hand (no helper calls, flat lists): it is the
+    simulator's hot path, 64 devices x 1024 micro-batches in well under a second.
     """
+    schedule = encoded.schedule
     p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
     pm = p * m
     owner = schedule.stage_to_device
@@ -664,15 +665,20 @@ def _walk(
                 waiting[dep] = [d]
             else:
                 waiting[dep].append(d)
-    if len(order) == sum(len(row) for row in rows):
-        return _Walk(order, start, end)
+    if len(order) != sum(len(row) for row in rows):
+        raise DeadlockError(_deadlock_report(encoded, cursor, end))
+    return Walk(encoded, order, start, end)
 
+
+def _deadlock_report(encoded: EncodedSchedule, cursor: list[int], end: list[float]) -> DeadlockReport:
+    """Name the devices stuck at ``cursor`` and, where there is one, the cycle they wait in."""
+    schedule = encoded.schedule
+    owner, p = schedule.stage_to_device, schedule.num_stages
     report = DeadlockReport(stage_to_device=owner)
     for d, acts in enumerate(schedule.per_device):
         if cursor[d] < len(acts):
             a = acts[cursor[d]]
-            missing = next(x for x in dependencies(a, p)
-                           if end[(_OP_CODE[x.op] * p + x.stage) * m + x.microbatch] < 0)
+            missing = next(x for x in dependencies(a, p) if end[encoded.key(x)] < 0)
             report.waiting[d] = (a, missing)
     # A device blocked on its own later action is the plainest broken rule: report it first.
     own = [d for d, (_, dep) in sorted(report.waiting.items()) if owner[dep.stage] == d]
@@ -693,9 +699,38 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """A global order ``[(device, action), ...]`` in which running the actions
     one at a time respects every device's list and every dependency (what a
     single-process executor runs). Validates the schedule first."""
-    encoded = _check_structure(schedule)
-    walk = _walk(schedule, encoded)
-    if isinstance(walk, DeadlockReport):
-        raise ScheduleError(str(walk))
-    owner = schedule.stage_to_device
-    return [(owner[a.stage], a) for a in map(encoded.action_of.__getitem__, walk.order)]
+    return walk(encode(schedule)).actions()
+
+
+# -- weight versions ---------------------------------------------------------------
+def weight_versions(schedule: Schedule, *, stashing: bool = True, vertical_sync: bool = False) -> dict[Action, int]:
+    """The weight version each action computes with: the one source of versions.
+
+    Version ``k`` of a stage means "after ``k`` optimizer updates of that stage
+    in this step". A flush schedule updates once, after the step: every action
+    uses version 0. An asynchronous schedule (PipeDream, Narayanan et al. 2019,
+    sec. 3.3) updates a stage after each of its B actions, and
+      * F uses the stage's newest version, or under ``vertical_sync`` the
+        version stage 0 used for the same micro-batch;
+      * B and W use the version stashed at their F when ``stashing`` (or
+        ``vertical_sync``) is on, else the newest version when they run.
+    The simulator writes these into ``Event.weight_version``; the PipeDream
+    trainer (``gpipe_ref.staleness``) computes with exactly these weights.
+    """
+    if schedule.flush:
+        return {a: 0 for _, a in schedule.actions()}
+    versions: dict[Action, int] = {}
+    updates = [0] * schedule.num_stages
+    stashed = stashing or vertical_sync
+    # A stage's F, B and W share one device, so each device's own order decides its versions;
+    # vertical sync reads stage 0's choice, which needs a global order.
+    order = execution_order(schedule) if vertical_sync else schedule.actions()
+    for _, a in order:
+        s, i = a.stage, a.microbatch
+        if a.op == "F":
+            versions[a] = versions[Action("F", 0, i)] if vertical_sync and s > 0 else updates[s]
+            continue
+        versions[a] = versions[Action("F", s, i)] if stashed else updates[s]
+        if a.op == "B":
+            updates[s] += 1
+    return versions

@@ -10,11 +10,14 @@ formula in the course (GPipe, Huang et al. 2019, sec. 2.2; Narayanan et al.
 from __future__ import annotations
 
 import gc
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
-from .schedule import SCHEDULES, Action, DeadlockReport, Schedule, ScheduleError, _check_structure, _walk
+from .checks import non_negative, one_of
+from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, encode, execution_order, walk,
+                       weight_versions)
 from .timeline import Event, Timeline
 
 @dataclass(frozen=True)
@@ -38,17 +41,13 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight", "comm"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            non_negative(name, getattr(self, name))
         if self.stage_scale is not None:
             scale = tuple(self.stage_scale)
             for s, value in enumerate(scale):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                    raise ValueError(f"stage_scale[{s}] must be a number >= 0, got {value!r}")
+                non_negative(f"stage_scale[{s}]", value)
             object.__setattr__(self, "stage_scale", scale)
-        if self.unit not in ("cost", "s"):
-            raise ValueError(f"unit must be 'cost' or 's', got {self.unit!r}")
+        one_of("unit", self.unit, ("cost", "s"))
 
     @property
     def backward(self) -> float:
@@ -81,11 +80,14 @@ def _gc_paused():
             gc.enable()
 
 
-def simulate(schedule: Schedule, cost_model: CostModel | None = None) -> Timeline:
+def simulate(schedule: Schedule, cost_model: CostModel | None = None, *, weight_stashing: bool = True,
+             vertical_sync: bool = False) -> Timeline:
     """Place every action of ``schedule`` on its device's clock.
 
     The schedule is validated on the way (the rules of :func:`validate`);
     raises :class:`ScheduleError` for an invalid or deadlocking schedule.
+    Each event carries the weight version its action computes with
+    (:func:`~gpipe_ref.schedule.weight_versions`; all 0 for flush schedules).
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
@@ -98,48 +100,66 @@ def simulate(schedule: Schedule, cost_model: CostModel | None = None) -> Timelin
             f"got {len(cost.stage_scale)}"
         )
     with _gc_paused():
-        return _simulate(schedule, cost)
+        return _simulate(schedule, cost, weight_stashing, vertical_sync)
 
 
-def _simulate(schedule: Schedule, cost: CostModel) -> Timeline:
+def _simulate(schedule: Schedule, cost: CostModel, stashing: bool, vertical_sync: bool) -> Timeline:
     p, m, split = schedule.num_stages, schedule.num_microbatches, schedule.has_weight_actions
     per_key: list[float] = []  # one duration per action key, in key order (op, stage, micro-batch)
     for op in "FBW":
         for s in range(p):
             per_key += [cost.duration(op, s, split)] * m
-    return _place(schedule, _check_structure(schedule), per_key, cost.comm, cost.unit)
+    encoded = encode(schedule)
+    versions = None if schedule.flush else weight_versions(schedule, stashing=stashing, vertical_sync=vertical_sync)
+    return _place(encoded, per_key, cost.comm, cost.unit, versions=versions)
 
 
 def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0.0, *,
-          unit: str = "s", peak_memory: Mapping[int, int] | None = None) -> Timeline:
+          unit: str = "s", peak_memory: Mapping[int, int] | None = None,
+          versions: Mapping[Action, int] | None = None) -> Timeline:
     """Place actions with *given* durations (say, measured one at a time) on the
     devices' clocks as parallel devices would run them: the simulator's rule
-    with one duration per action instead of a cost model."""
-    encoded = _check_structure(schedule)
-    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not comm >= 0:
-        raise ValueError(f"comm must be a number >= 0, got {comm!r}")
+    with one duration per action instead of a cost model. ``versions`` gives
+    each event's weight version (default: :func:`~gpipe_ref.schedule.weight_versions`)."""
+    encoded = encode(schedule)
+    non_negative("comm", comm)
     per_key = [0.0] * (3 * schedule.num_stages * schedule.num_microbatches)
     for row, acts in zip(encoded.rows, schedule.per_device):
         for key, a in zip(row, acts):
             if a not in durations:
                 raise ValueError(f"durations has no entry for action {a}")
             per_key[key] = float(durations[a])
+    if versions is None and not schedule.flush:
+        versions = weight_versions(schedule)
     with _gc_paused():
-        return _place(schedule, encoded, per_key, comm, unit, peak_memory)
+        return _place(encoded, per_key, comm, unit, peak_memory, versions)
 
 
-def _place(schedule: Schedule, encoded, per_key: list[float], comm: float,
-           unit: str = "cost", peak_memory: Mapping[int, int] | None = None) -> Timeline:
-    walk = _walk(schedule, encoded, per_key, comm)
-    if isinstance(walk, DeadlockReport):
-        raise ScheduleError(str(walk))
-    owner, start, end = schedule.stage_to_device, walk.start, walk.end
-    actions = [encoded.action_of[key] for key in walk.order]
-    versions = schedule.weight_versions if not schedule.flush else None
+def time_one_at_a_time(schedule: Schedule, run: Callable[[Action], None], *,
+                       sync: Callable[[Action], None] | None = None, **place_options) -> Timeline:
+    """The simulated-devices executor's skeleton: run every action in a valid global
+    order with ``run(action)`` (then ``sync(action)``, to wait for a GPU), time each,
+    and :func:`place` the measured durations on the devices' clocks."""
+    durations = {}
+    for _, action in execution_order(schedule):
+        began = time.perf_counter()
+        run(action)
+        if sync is not None:
+            sync(action)
+        durations[action] = time.perf_counter() - began
+    return place(schedule, durations, unit="s", **place_options)
+
+
+def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: str = "cost",
+           peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None) -> Timeline:
+    schedule = encoded.schedule
+    ran = walk(encoded, per_key, comm)
+    owner, start, end = schedule.stage_to_device, ran.start, ran.end
+    actions = [encoded.action_of[key] for key in ran.order]
     events = list(map(Event._make, (
         (owner[a.stage], a.stage, a.op, a.microbatch, start[key], end[key],
          0 if versions is None else versions[a])
-        for a, key in zip(actions, walk.order)
+        for a, key in zip(actions, ran.order)
     )))
     return Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
 

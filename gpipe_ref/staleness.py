@@ -22,7 +22,6 @@ and older ones stay intact for stashing at no copying cost.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -31,8 +30,9 @@ from torch import nn
 from torch.func import functional_call
 
 from .partition import check_balance, split
-from .schedule import Action, Schedule, execution_order, gpipe, one_f_one_b, pipedream_async
-from .simulator import CostModel, place, simulate
+from .checks import positive
+from .schedule import Action, Schedule, gpipe, one_f_one_b, pipedream_async, schedule_names, weight_versions
+from .simulator import CostModel, simulate, time_one_at_a_time
 from .timeline import Timeline
 
 
@@ -55,8 +55,7 @@ class StagedTrainer:
                  weight_stashing: bool = True, vertical_sync: bool = False) -> None:
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-            raise ValueError(f"lr must be a number > 0, got {lr!r}")
+        positive("lr", lr)
         self.stages = split(module, check_balance(module, balance))
         self.lr = float(lr)
         self.weight_stashing, self.vertical_sync = bool(weight_stashing), bool(vertical_sync)
@@ -89,7 +88,8 @@ class StagedTrainer:
 
         A flush schedule accumulates the micro-batch gradients (weighted by size) and
         updates each stage once at the end; an asynchronous one updates a stage after
-        each of its backward actions.
+        each of its backward actions. Which weights each action uses comes from
+        :func:`~gpipe_ref.schedule.weight_versions`, the source the simulator uses too.
         """
         p, m = schedule.num_stages, schedule.num_microbatches
         if p != self.num_stages:
@@ -98,81 +98,13 @@ class StagedTrainer:
             raise ValueError(f"inputs and targets must hold {m} micro-batches (the schedule's), "
                              f"got {len(inputs)} and {len(targets)}")
         if schedule.has_weight_actions:
-            raise ValueError("schedules with W actions are not supported here; use gpipe, 1f1b or pipedream_async")
-        total = sum(len(x) for x in inputs)
-        scale = [len(x) / total if schedule.flush else 1.0 for x in inputs]
-        kept: dict[tuple[int, int], tuple] = {}
-        sent: dict[tuple[int, int], torch.Tensor] = {}  # activations and gradients between stages
-        accumulated: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
-        stage0_version: dict[int, int] = {}
-        in_flight: list[dict[int, int]] = [{} for _ in range(p)]  # stage -> {mb: version held}
-        awaiting: list[dict[int, int]] = [{} for _ in range(p)]  # vertical sync: versions stage 0 handed out
-        record = StepRecord({}, {}, [0] * p, None)
-        durations: dict[Action, float] = {}
-        versions_used: dict[Action, int] = {}
-
-        for _, action in execution_order(schedule):
-            s, i = action.stage, action.microbatch
-            began = time.perf_counter()
-            last = s == p - 1
-            if action.op == "F":
-                version = stage0_version[i] if (self.vertical_sync and s > 0) else self.version[s]
-                if s == 0:
-                    stage0_version[i] = version
-                    if self.vertical_sync:
-                        for later in range(1, p):
-                            awaiting[later][i] = version
-                awaiting[s].pop(i, None)
-                weights = self.history[s][version]
-                x = inputs[i] if s == 0 else sent.pop(("act", s - 1, i)).detach().requires_grad_()
-                leaves, out = self._forward(s, weights, x, targets[i] if last else None, loss_fn, scale[i])
-                if last:
-                    record.losses[i] = out.item() / scale[i]
-                else:
-                    sent[("act", s, i)] = out.detach()
-                kept[(s, i)] = (x, leaves, out, version)
-                in_flight[s][i] = version
-                stashing = self.weight_stashing or self.vertical_sync
-                held = len(set(in_flight[s].values())) if stashing else 1  # without a stash only today's weights
-                record.stash_peak[s] = max(record.stash_peak[s], held)
-                versions_used[action] = version
-                if record_grads:
-                    record.used_weights[(s, i)] = weights
-            else:  # B
-                x, leaves, out, forward_version = kept.pop((s, i))
-                backward_version = forward_version
-                if not (schedule.flush or self.weight_stashing or self.vertical_sync):
-                    backward_version = self.version[s]  # no stash: the backward sees today's weights
-                    leaves, out = self._forward(s, self.weights(s), x, targets[i] if last else None, loss_fn,
-                                                scale[i])
-                grad_out = None if last else sent.pop(("grad", s + 1, i))
-                wrt = ([x] if s > 0 else []) + list(leaves.values())
-                grads = torch.autograd.grad(out, wrt, grad_out)
-                if s > 0:
-                    sent[("grad", s, i)], grads = grads[0], grads[1:]
-                named = dict(zip(leaves, grads))
-                if record_grads:
-                    record.grads[(s, i)] = list(grads)
-                if schedule.flush:
-                    for n, g in named.items():
-                        accumulated[s][n] = accumulated[s][n] + g if n in accumulated[s] else g
-                    staleness = 0
-                else:
-                    staleness = self.version[s] - forward_version
-                    self._update(s, named)
-                del in_flight[s][i]
-                record.versions[(s, i)] = (forward_version, backward_version, staleness)
-                versions_used[action] = backward_version
-                self._forget_old_versions(s, in_flight[s], awaiting[s])
-            durations[action] = time.perf_counter() - began
-        if schedule.flush:
-            for s in range(p):
-                self._update(s, accumulated[s])
-                self._forget_old_versions(s, in_flight[s], awaiting[s])
-        timeline = place(schedule, durations, unit="s")
-        timeline.events = [e._replace(weight_version=versions_used[e.action]) for e in timeline.events]
-        record.timeline = timeline
-        return record
+            names = ", ".join(schedule_names(split_backward=False))
+            raise ValueError(f"schedules with W actions are not supported here; use {names}")
+        step = _TrainerStep(self, schedule, inputs, targets, loss_fn, record_grads)
+        timeline = time_one_at_a_time(schedule, step.run, versions=step.versions)
+        step.finish()
+        step.record.timeline = timeline
+        return step.record
 
     def _forget_old_versions(self, stage: int, in_flight: dict[int, int], awaiting: dict[int, int]) -> None:
         """Drop versions no in-flight or announced micro-batch still needs. Under vertical
@@ -181,6 +113,91 @@ class StagedTrainer:
         oldest = min([self.version[stage], *in_flight.values(), *awaiting.values(), *future])
         for v in [v for v in self.history[stage] if v < oldest]:
             del self.history[stage][v]
+
+
+class _TrainerStep:
+    """The state of one :meth:`StagedTrainer.run` between its actions; each method runs one action."""
+
+    def __init__(self, trainer: StagedTrainer, schedule: Schedule, inputs, targets, loss_fn, record_grads: bool):
+        self.trainer, self.schedule, self.record_grads = trainer, schedule, record_grads
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        p = schedule.num_stages
+        total = sum(len(x) for x in inputs)
+        self.scale = [len(x) / total if schedule.flush else 1.0 for x in inputs]
+        # absolute version = the stage's version when the run starts + the step's relative version
+        relative = weight_versions(schedule, stashing=trainer.weight_stashing, vertical_sync=trainer.vertical_sync)
+        self.versions = {a: trainer.version[a.stage] + v for a, v in relative.items()}
+        self.kept: dict[tuple[int, int], tuple] = {}
+        self.sent: dict[tuple, torch.Tensor] = {}  # activations and gradients between stages
+        self.accumulated: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
+        self.in_flight: list[dict[int, int]] = [{} for _ in range(p)]  # stage -> {mb: version held}
+        self.awaiting: list[dict[int, int]] = [{} for _ in range(p)]  # vertical sync: versions stage 0 handed out
+        self.record = StepRecord({}, {}, [0] * p, None)
+
+    def run(self, action: Action) -> None:
+        (self.forward if action.op == "F" else self.backward)(action.stage, action.microbatch)
+
+    def _is_last(self, stage: int) -> bool:
+        return stage == self.schedule.num_stages - 1
+
+    def forward(self, s: int, i: int) -> None:
+        trainer, record = self.trainer, self.record
+        version = self.versions[Action("F", s, i)]
+        if s == 0 and trainer.vertical_sync:
+            for later in range(1, self.schedule.num_stages):
+                self.awaiting[later][i] = version
+        self.awaiting[s].pop(i, None)
+        weights = trainer.history[s][version]
+        last = self._is_last(s)
+        x = self.inputs[i] if s == 0 else self.sent.pop(("act", s - 1, i)).detach().requires_grad_()
+        leaves, out = trainer._forward(s, weights, x, self.targets[i] if last else None, self.loss_fn,
+                                       self.scale[i])
+        if last:
+            record.losses[i] = out.item() / self.scale[i]
+        else:
+            self.sent[("act", s, i)] = out.detach()
+        self.kept[(s, i)] = (x, leaves, out, version)
+        self.in_flight[s][i] = version
+        stashing = trainer.weight_stashing or trainer.vertical_sync
+        held = len(set(self.in_flight[s].values())) if stashing else 1  # without a stash only today's weights
+        record.stash_peak[s] = max(record.stash_peak[s], held)
+        if self.record_grads:
+            record.used_weights[(s, i)] = weights
+
+    def backward(self, s: int, i: int) -> None:
+        trainer, record = self.trainer, self.record
+        x, leaves, out, forward_version = self.kept.pop((s, i))
+        backward_version = self.versions[Action("B", s, i)]
+        last = self._is_last(s)
+        if backward_version != forward_version:  # no stash: the backward sees today's weights
+            leaves, out = trainer._forward(s, trainer.history[s][backward_version], x,
+                                           self.targets[i] if last else None, self.loss_fn, self.scale[i])
+        grad_out = None if last else self.sent.pop(("grad", s + 1, i))
+        wrt = ([x] if s > 0 else []) + list(leaves.values())
+        grads = torch.autograd.grad(out, wrt, grad_out)
+        if s > 0:
+            self.sent[("grad", s, i)], grads = grads[0], grads[1:]
+        named = dict(zip(leaves, grads))
+        if self.record_grads:
+            record.grads[(s, i)] = list(grads)
+        if self.schedule.flush:
+            for n, g in named.items():
+                self.accumulated[s][n] = self.accumulated[s][n] + g if n in self.accumulated[s] else g
+            staleness = 0
+        else:
+            staleness = trainer.version[s] - forward_version
+            trainer._update(s, named)
+        del self.in_flight[s][i]
+        record.versions[(s, i)] = (forward_version, backward_version, staleness)
+        trainer._forget_old_versions(s, self.in_flight[s], self.awaiting[s])
+
+    def finish(self) -> None:
+        """A flush schedule's one update per stage, after every micro-batch."""
+        if not self.schedule.flush:
+            return
+        for s in range(self.schedule.num_stages):
+            self.trainer._update(s, self.accumulated[s])
+            self.trainer._forget_old_versions(s, self.in_flight[s], self.awaiting[s])
 
 
 # -- the comparison ------------------------------------------------------------------------------

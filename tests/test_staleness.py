@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gpipe_ref.schedule import gpipe, one_f_one_b, pipedream_async
+from gpipe_ref.schedule import Action, gpipe, one_f_one_b, pipedream_async, weight_versions
+from gpipe_ref.simulator import simulate
 from gpipe_ref.staleness import VARIANTS, StagedTrainer, convergence, default_model, version_table
 
 
@@ -67,10 +68,9 @@ def test_versions_match_the_schedule_and_pipedream_bound(p, m):
     schedule = pipedream_async(p, m)
     record = trainer.run(schedule, [torch.randn(2, 16) for _ in range(m)], [torch.randn(2, 16) for _ in range(m)],
                          nn.MSELoss())
+    versions = weight_versions(schedule)
     for (s, i), (forward, backward, staleness) in record.versions.items():
-        from gpipe_ref.schedule import Action
-
-        assert forward == backward == schedule.weight_version(Action("F", s, i))
+        assert forward == backward == versions[Action("F", s, i)]
         assert staleness == min(i, p - 1 - s)  # updates between F and B: the others in flight on this stage
     for s in range(p):
         assert record.stash_peak[s] <= p - s  # PipeDream's bound: stage s holds at most p - s versions
@@ -117,3 +117,36 @@ def test_bad_input():
         trainer.run(pipedream_async(4, 4), [torch.randn(1, 16)] * 2, [torch.randn(1, 16)] * 2, nn.MSELoss())
     with pytest.raises(ValueError, match="variant must be one of"):
         convergence("hogwild")
+
+
+@pytest.mark.parametrize("stashing,vertical_sync", [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("p,m", [(2, 5), (4, 8), (3, 3)])
+def test_trainer_and_simulator_read_one_source_of_weight_versions(p, m, stashing, vertical_sync):
+    schedule = pipedream_async(p, m)
+    versions = weight_versions(schedule, stashing=stashing, vertical_sync=vertical_sync)
+    layers = 2 * p
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(8, 8) if k % 2 == 0 else nn.Tanh() for k in range(layers)])
+    trainer = StagedTrainer(model, [2] * p, 0.1, weight_stashing=stashing, vertical_sync=vertical_sync)
+    record = trainer.run(schedule, [torch.randn(2, 8) for _ in range(m)], [torch.randn(2, 8) for _ in range(m)],
+                         nn.MSELoss())
+    simulated = simulate(schedule, weight_stashing=stashing, vertical_sync=vertical_sync)
+    assert {e.action: e.weight_version for e in record.timeline.events} == versions
+    assert {e.action: e.weight_version for e in simulated.events} == versions
+    for (s, i), (forward, backward, _) in record.versions.items():
+        assert (forward, backward) == (versions[Action("F", s, i)], versions[Action("B", s, i)])
+    if vertical_sync:  # every stage uses the version stage 0 used for the micro-batch
+        assert all(versions[Action("F", s, i)] == versions[Action("F", 0, i)] for s in range(p) for i in range(m))
+    if not (stashing or vertical_sync):  # no stash: a backward sees every update made since its forward
+        assert any(versions[Action("B", s, i)] > versions[Action("F", s, i)] for s in range(p) for i in range(m))
+
+
+def test_flush_schedules_use_version_zero_within_the_step_and_count_steps_across_them():
+    schedule = one_f_one_b(2, 4)
+    assert set(weight_versions(schedule, stashing=False, vertical_sync=True).values()) == {0}
+    torch.manual_seed(0)
+    trainer = StagedTrainer(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], 0.1)
+    data = [torch.randn(2, 4) for _ in range(4)]
+    for step in range(3):
+        record = trainer.run(schedule, data, data, nn.MSELoss())
+        assert {e.weight_version for e in record.timeline.events} == {step}
