@@ -1,94 +1,165 @@
-"""Command line: ``python -m gpipe_ref {simulate,train,staleness,exercises,grade,bench} ...``."""
+"""Command line: ``python -m gpipe_ref {simulate,train,staleness,exercises,grade,bench} ...``.
+
+Every bad argument or path ends the command with one line naming it and exit status 2,
+before any work starts where it can be checked up front (an output file that cannot be
+written, a folder that does not exist, a count below 1).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import os
 import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn
 
+from .checks import non_negative, positive, positive_int
 from .schedule import ScheduleError, make_schedule, schedule_names
 from .simulator import CostModel, bubble_formula, simulate
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+PROG = "python -m gpipe_ref"
 
 
-def _cost(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
-    return value
+class CommandLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``PROG simulate: error: argument --stages: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m gpipe_ref",
-        description="gpipe_ref: pipeline schedules, simulated and run for real.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def checked(check: Callable[[str, Any], Any], convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type=``: the text converted by ``convert``, then held to a :mod:`gpipe_ref.checks` rule.
+
+    A refused value's message is the rule's own, without the name argparse already puts in
+    front (``argument --stages: must be an integer >= 1, got 0``)."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = text  # the rule refuses it and quotes the text
+        try:
+            return check("", value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).strip()) from None
+
+    parse.__name__ = check.__name__
+    return parse
+
+
+COUNT = checked(positive_int, int)  # an integer >= 1
+COST = checked(non_negative, float)  # a number >= 0
+RATE = checked(positive, float)  # a number > 0: a learning rate, a timeout
+
+
+def output_file(*, makes_folders: bool = False) -> Callable[[str], str]:
+    """An argparse ``type=`` for a file the command writes, refused at once if it cannot be written.
+
+    With ``makes_folders`` the command creates missing folders, so only the nearest folder that
+    exists must be a writable folder. Under torchrun only rank 0 writes, so other ranks skip the check."""
+    def writable(text: str) -> str:
+        if os.environ.get("RANK", "0") != "0":
+            return text
+        path = Path(text)
+        try:
+            if makes_folders and not path.parent.exists():
+                _writable_folder(path.parent)
+                return text
+            existed = path.exists()
+            with open(path, "a"):  # appends nothing: an existing file is left as it is
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
+        return text
+
+    return writable
+
+
+def _writable_folder(folder: Path) -> None:
+    """OSError unless ``folder`` is, or can be made inside, a writable folder."""
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+    if not os.access(existing, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+
+def folder(text: str) -> str:
+    """An argparse ``type=`` for a folder the command reads: it must exist."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder {text!r}" if not Path(text).exists()
+                                         else f"{text!r} is not a folder")
+    return text
+
+
+# -- one parser per command ------------------------------------------------------------------------------
+def _simulate_parser(commands) -> argparse.ArgumentParser:
     sim = commands.add_parser(
         "simulate",
         help="simulate a pipeline schedule and print its timeline and bubble",
-        description="Simulate one training step of a pipeline schedule on ideal devices and "
-                    "print a text timeline (one row per device) with the bubble fraction.",
+        description="Simulate one training step of a pipeline schedule on ideal devices and print a text "
+                    "timeline (one row per device, wrapped into bands when wider than --width) with the "
+                    "bubble fraction.",
     )
     sim.add_argument("--schedule", default="gpipe", choices=schedule_names(),
                      help="which schedule to build (default: gpipe)")
-    sim.add_argument("--stages", type=_positive_int, default=4,
+    sim.add_argument("--stages", type=COUNT, default=4,
                      help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4)")
-    sim.add_argument("--microbatches", type=_positive_int, default=8,
-                     help="micro-batches m per step (default: 8)")
-    sim.add_argument("--stages-per-device", type=_positive_int, default=1,
+    sim.add_argument("--microbatches", type=COUNT, default=8, help="micro-batches m per step (default: 8)")
+    sim.add_argument("--stages-per-device", type=COUNT, default=1,
                      help="stages per device v, for interleaved_1f1b only (default: 1)")
-    sim.add_argument("--forward", type=_cost, default=1.0, help="cost of a forward (default: 1)")
-    sim.add_argument("--backward-input", type=_cost, default=1.0,
+    sim.add_argument("--forward", type=COST, default=1.0, help="cost of a forward (default: 1)")
+    sim.add_argument("--backward-input", type=COST, default=1.0,
                      help="cost of the input-gradient half of a backward (default: 1)")
-    sim.add_argument("--backward-weight", type=_cost, default=1.0,
+    sim.add_argument("--backward-weight", type=COST, default=1.0,
                      help="cost of the weight-gradient half of a backward (default: 1); "
                           "a full B costs backward-input + backward-weight")
-    sim.add_argument("--comm", type=_cost, default=0.0,
+    sim.add_argument("--comm", type=COST, default=0.0,
                      help="cost added when an activation or gradient crosses devices (default: 0)")
-    sim.add_argument("--width", type=_positive_int, default=160,
-                     help="widest text timeline, in characters (default: 160)")
-    sim.add_argument("--trace", metavar="PATH",
+    sim.add_argument("--width", type=COUNT, default=160,
+                     help="widest line of the text timeline, in characters; a longer timeline is wrapped "
+                          "(default: 160)")
+    sim.add_argument("--trace", metavar="PATH", type=output_file(),
                      help="also write a Chrome trace JSON (open it in ui.perfetto.dev or chrome://tracing)")
     sim.add_argument("--show-schedule", action="store_true",
                      help="also print each device's action list in 1F0 notation")
+    return sim
+
+
+def _train_parser(commands) -> argparse.ArgumentParser:
+    from .distributed.train import TrainConfig
+
     train = commands.add_parser(
         "train",
         help="train a small model with data, tensor and pipeline parallelism on local processes or torchrun",
         description="Train a stack of MLP blocks on a seeded synthetic task across dp x tp x pp ranks "
                     "(gloo on CPU, NCCL on GPUs). Without torchrun it starts dp*tp*pp local processes.",
     )
-    train.add_argument("--dp", type=_positive_int, default=1, help="data-parallel replicas (default: 1)")
-    train.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage (default: 1)")
-    train.add_argument("--pp", type=_positive_int, default=2, help="pipeline stages, one rank each (default: 2)")
-    train.add_argument("--schedule", default="1f1b", choices=schedule_names(flush=True),
-                       help="pipeline schedule (default: 1f1b)")
-    train.add_argument("--stages-per-device", type=_positive_int, default=1,
-                       help="stages per pipeline rank, for interleaved_1f1b (default: 1)")
-    train.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per step (default: 8)")
-    train.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps (default: 20)")
-    train.add_argument("--width", type=_positive_int, default=32, help="model width (default: 32)")
-    train.add_argument("--blocks", type=_positive_int, default=4, help="MLP blocks in the model (default: 4)")
-    train.add_argument("--batch", type=_positive_int, default=64, help="mini-batch size (default: 64)")
-    train.add_argument("--lr", type=_cost, default=0.2, help="SGD learning rate (default: 0.2)")
-    train.add_argument("--seed", type=int, default=0, help="seed for the model and the data (default: 0)")
-    train.add_argument("--checkpoint", default="never", choices=("always", "except_last", "never"),
-                       help="re-materialization mode (default: never)")
-    train.add_argument("--trace", metavar="PATH", help="write the last step's timeline as a Chrome trace")
+    for field in dataclasses.fields(TrainConfig):  # the options are TrainConfig's fields that have help
+        meta = field.metadata
+        if "help" not in meta:
+            continue
+        options: dict[str, Any] = {"default": field.default, "help": meta["help"]}
+        if field.default is not None:
+            options["help"] += f" (default: {field.default})"
+        if meta["choices"]:
+            options["choices"] = tuple(meta["choices"]())
+        elif meta["check"]:
+            options["type"] = checked(meta["check"], type(field.default))
+        elif meta["output"]:
+            options["type"] = output_file()
+        elif field.default is not None:
+            options["type"] = type(field.default)
+        train.add_argument("--" + field.name.replace("_", "-"), metavar=meta["metavar"], **options)
     train.add_argument("--reference", action="store_true",
                        help="also train in one process and print the largest loss difference")
+    return train
+
+
+def _staleness_parser(commands) -> argparse.ArgumentParser:
     stale = commands.add_parser(
         "staleness",
         help="compare GPipe, 1F1B and asynchronous PipeDream (with and without weight stashing) on a real task",
@@ -96,12 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "PipeDream's asynchronous 1F1B (weight stashing, no stashing, vertical sync) at several "
                     "learning rates; print final losses and the version table.",
     )
-    stale.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages, 1, 2, 4 or 8 (default: 4)")
-    stale.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per step (default: 8)")
-    stale.add_argument("--steps", type=_positive_int, default=40, help="steps of m micro-batches (default: 40)")
-    stale.add_argument("--lr", type=_cost, nargs="+", default=[0.05, 0.2, 0.5],
-                       help="learning rates to sweep (default: 0.05 0.2 0.5)")
-    stale.add_argument("--json", metavar="PATH", help="write every loss curve and the version table as JSON")
+    stale.add_argument("--stages", type=COUNT, default=4, help="pipeline stages, 1, 2, 4 or 8 (default: 4)")
+    stale.add_argument("--microbatches", type=COUNT, default=8, help="micro-batches per step (default: 8)")
+    stale.add_argument("--steps", type=COUNT, default=40, help="steps of m micro-batches (default: 40)")
+    stale.add_argument("--lr", type=RATE, nargs="+", default=[0.05, 0.2, 0.5],
+                       help="learning rates to sweep, each > 0 (default: 0.05 0.2 0.5)")
+    stale.add_argument("--json", metavar="PATH", type=output_file(),
+                       help="write every loss curve and the version table as JSON")
+    return stale
+
+
+def _exercises_parser(commands) -> argparse.ArgumentParser:
     exercises = commands.add_parser(
         "exercises",
         help="build exercises/ from solutions/ (instructors)",
@@ -111,35 +187,68 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exercises.add_argument("action", choices=("build", "check"),
                            help="build: write exercises/; check: exit 1 if exercises/ differs from what build writes")
-    exercises.add_argument("--solutions", default="solutions", help="folder of solution notebooks (default: solutions)")
-    exercises.add_argument("--exercises", default="exercises", help="folder to write (default: exercises)")
+    exercises.add_argument("--solutions", default="solutions", type=folder,
+                           help="folder of solution notebooks (default: solutions)")
+    exercises.add_argument("--exercises", default="exercises",
+                           help="folder to write, made if missing (default: exercises)")
+    return exercises
+
+
+def _grade_parser(commands) -> argparse.ArgumentParser:
     grade = commands.add_parser(
         "grade",
         help="grade exercise notebooks: each in a fresh kernel, on shown and hidden cases",
         description="Run each notebook in a fresh Jupyter kernel with a time limit per cell, then judge every "
                     "exercise on the cases check() shows and on hidden ones. Prints a table per notebook and a "
-                    "total. An exercise that raises, hangs or breaks a later cell scores 0 on its own.",
+                    "total. An exercise that raises, hangs or breaks a later cell scores 0 on its own. Paths "
+                    "that are missing or not exercise notebooks are reported by name (exit status 2).",
     )
     grade.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for *.ipynb")
-    grade.add_argument("--json", metavar="FILE", help="also write every score and feedback as JSON")
-    grade.add_argument("--cell-timeout", type=_cost, default=60.0,
+    grade.add_argument("--json", metavar="FILE", type=output_file(),
+                       help="also write every score and feedback as JSON")
+    grade.add_argument("--cell-timeout", type=RATE, default=60.0,
                        help="seconds a notebook cell may run before it is stopped (default: 60)")
-    grade.add_argument("--case-timeout", type=_cost, default=None,
+    grade.add_argument("--case-timeout", type=RATE, default=None,
                        help="seconds an answer may take on one case (default: each exercise's own, 20-40)")
+    return grade
+
+
+def _bench_parser(commands) -> argparse.ArgumentParser:
+    from .bench import CASES
+
     bench = commands.add_parser(
         "bench",
         help="benchmarks against peers (torch DDP, torch.distributed.pipelining, torchgpipe) and theory",
         description="Run both sides of each comparison in the same run, alternating, medians over repetitions; "
                     "print each case with its target (reported, never asserted).",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (CI: under 2 min)")
-    bench.add_argument("--json", metavar="FILE", help="write the results as JSON, and a plot beside it (.png)")
-    bench.add_argument("--only", nargs="+", metavar="CASE",
-                       help="run only these groups: pipeline, torch_pipelining, executor, data_parallel, "
-                            "tensor_parallel, simulator")
-    return parser
+    bench.add_argument("--quick", action="store_true",
+                       help="smaller sizes, fewer repetitions (about 30 s on a 2-core CPU; CI runs it)")
+    bench.add_argument("--json", metavar="FILE", type=output_file(makes_folders=True),
+                       help="write the results as JSON, and a plot beside it (.png); missing folders are made")
+    bench.add_argument("--only", nargs="+", metavar="CASE", help="run only these groups: " + ", ".join(CASES))
+    return bench
 
 
+COMMANDS: dict[str, Callable[[Any], argparse.ArgumentParser]] = {
+    "simulate": _simulate_parser, "train": _train_parser, "staleness": _staleness_parser,
+    "exercises": _exercises_parser, "grade": _grade_parser, "bench": _bench_parser,
+}
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser and, by name, the parser of each command."""
+    parser = CommandLineParser(prog=PROG, description="gpipe_ref: pipeline schedules, simulated and run for real.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    return parser, {name: build(commands) for name, build in COMMANDS.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
+    return build_parsers()[0]
+
+
+# -- running a command ---------------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace) -> int:
     from .bench import run, write
 
@@ -154,10 +263,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _exercises(args: argparse.Namespace) -> int:
     import tempfile
-    from pathlib import Path
 
     from .grading.notebooks import build
 
+    if args.action == "build":
+        try:
+            _writable_folder(Path(args.exercises))
+        except OSError as exc:
+            raise ValueError(f"--exercises: cannot write to {args.exercises!r}: {exc.strerror}") from None
+    if not any(Path(args.solutions).glob("[0-9][0-9]_*.ipynb")):  # the notebooks build() reads
+        raise ValueError(f"--solutions: no solution notebooks (NN_topic.ipynb) in {args.solutions!r}")
     if args.action == "build":
         for path in build(Path(args.solutions), Path(args.exercises)):
             print(f"wrote {path}")
@@ -199,8 +314,11 @@ def _staleness(args: argparse.Namespace) -> int:
     import json
 
     from .schedule import pipedream_async
-    from .staleness import VARIANTS, convergence, version_table
+    from .staleness import VARIANTS, convergence, default_model, version_table
 
+    layers = len(default_model())
+    if layers % args.stages:  # refused before the table starts
+        raise ValueError(f"stages must divide the model's {layers} layers, got {args.stages}")
     results = []
     print(f"final loss (mean of the last {args.microbatches} micro-batches), {args.stages} stages, "
           f"{args.steps} x {args.microbatches} micro-batches")
@@ -266,15 +384,22 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN: dict[str, Callable[[argparse.Namespace], int]] = {
+    "simulate": _simulate, "train": _train, "staleness": _staleness, "exercises": _exercises,
+    "grade": _grade, "bench": _bench,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser, commands = build_parsers()
     args = parser.parse_args(argv)
     try:
-        commands = {"simulate": _simulate, "train": _train, "staleness": _staleness, "exercises": _exercises,
-                    "grade": _grade, "bench": _bench}
-        return commands[args.command](args)
+        return RUN[args.command](args)
     except (ValueError, ScheduleError) as exc:
-        parser.exit(2, f"error: {exc}\n")
+        commands[args.command].error(str(exc))
+    except BrokenPipeError:  # `... | head` closed our output: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

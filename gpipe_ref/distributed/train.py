@@ -14,31 +14,69 @@ losses equal single-process training on the whole batch.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checks import one_of, positive, positive_int
 from ..models import Residual, mlp_block, regression_data
+from ..pipeline import CHECKPOINT_MODES
+from ..schedule import schedule_names, schedule_spec
+
+
+def option(default: Any, help: str, *, check: Callable[[str, Any], Any] | None = None,
+           choices: Callable[[], Iterable[str]] | None = None, metavar: str | None = None,
+           output: bool = False) -> Any:
+    """A :class:`TrainConfig` field that ``python -m gpipe_ref train`` offers as ``--name``.
+
+    ``help`` is its help text; ``check`` a :mod:`gpipe_ref.checks` function, called as
+    ``check(name, value)``; ``choices`` returns the values the command line offers, read when
+    it builds its parser (so a newly registered schedule is offered). :meth:`TrainConfig.check`
+    applies ``check``, else ``choices``, so a config built in Python is held to the same rules.
+    ``output`` marks a file the run writes: the command line refuses one it cannot write, up front.
+    """
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices, "metavar": metavar,
+                                            "output": output})
+
+
+def flush_schedules() -> tuple[str, ...]:
+    """The schedules training can run: the registry's flush schedules."""
+    return schedule_names(flush=True)
+
+
+def flush_schedule(name: str, value: object) -> str:
+    """``value`` if it names a flush schedule (or an alias of one, such as "zb_h1"), else ValueError."""
+    schedule_spec(value, flush=True)
+    return value
+
+
+def checkpoint_modes() -> tuple[str, ...]:
+    """The executors' re-materialization modes."""
+    return CHECKPOINT_MODES
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 2
-    schedule: str = "1f1b"
-    stages_per_device: int = 1
-    microbatches: int = 8
-    steps: int = 20
-    width: int = 32
-    blocks: int = 4
-    batch: int = 64
-    lr: float = 0.2
-    seed: int = 0
-    checkpoint: str = "never"
-    trace: str | None = None
+    """One training run; the fields with help text are the ``train`` command's options."""
+
+    dp: int = option(1, "data-parallel replicas", check=positive_int)
+    tp: int = option(1, "tensor-parallel ranks per stage", check=positive_int)
+    pp: int = option(2, "pipeline stages, one rank each", check=positive_int)
+    schedule: str = option("1f1b", "pipeline schedule", check=flush_schedule, choices=flush_schedules)
+    stages_per_device: int = option(1, "stages per pipeline rank, for interleaved_1f1b", check=positive_int)
+    microbatches: int = option(8, "micro-batches per step", check=positive_int)
+    steps: int = option(20, "optimizer steps", check=positive_int)
+    width: int = option(32, "model width", check=positive_int)
+    blocks: int = option(4, "MLP blocks in the model", check=positive_int)
+    batch: int = option(64, "mini-batch size", check=positive_int)
+    lr: float = option(0.2, "SGD learning rate", check=positive)
+    seed: int = option(0, "seed for the model and the data")
+    checkpoint: str = option("never", "re-materialization mode", choices=checkpoint_modes)
+    trace: str | None = option(None, "write the last step's timeline as a Chrome trace", metavar="PATH",
+                                output=True)
     quiet: bool = False
 
     @property
@@ -46,10 +84,12 @@ class TrainConfig:
         return self.dp * self.tp * self.pp
 
     def check(self) -> "TrainConfig":
-        for name in ("dp", "tp", "pp", "stages_per_device", "microbatches", "steps", "width", "blocks", "batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("check"):
+                f.metadata["check"](f.name, value)
+            elif f.metadata.get("choices"):
+                one_of(f.name, value, f.metadata["choices"]())
         stages = self.pp * self.stages_per_device
         if self.blocks % stages:
             raise ValueError(f"blocks must be a multiple of pp * stages_per_device = {stages}, got {self.blocks}")
@@ -161,8 +201,10 @@ def run(config: TrainConfig) -> list[float]:
 
 
 def config_from_args(args) -> TrainConfig:
-    fields = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    """The TrainConfig an argparse namespace describes (its other attributes are ignored)."""
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-__all__ = ["TrainConfig", "train_reference", "train_worker", "run", "asdict"]
+__all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "checkpoint_modes", "config_from_args", "train_reference",
+           "train_worker", "run", "asdict"]
