@@ -1,0 +1,55 @@
+"""distributed/pipeline_parallel.py: the same Schedule across ranks with send/recv."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from gpipe_ref.distributed import RankError, launch
+from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
+from gpipe_ref.models import mlp, regression_data
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _pipeline(rank, world_size, schedule, v, chunks, checkpoint):
+    model = mlp(16, 4, seed=3)
+    x, y = regression_data(13, 16, seed=4)
+    stages = world_size * v
+    pipe = PipelineParallel(model, [8 // stages] * stages, chunks=chunks, schedule=schedule,
+                            stages_per_device=v, checkpoint=checkpoint)
+    loss = pipe.step(x, y, nn.MSELoss())
+    grads = {i: p.grad for i, p in enumerate(model.parameters()) if p.grad is not None}
+    timeline = pipe.timeline
+    return loss.item(), grads, len(timeline), sorted(timeline.peak_memory)
+
+
+@pytest.mark.parametrize("world_size,schedule,v,chunks,checkpoint", [
+    (2, "gpipe", 1, 4, "never"), (2, "1f1b", 1, 5, "always"), (4, "1f1b", 1, 8, "except_last"),
+    (2, "zero_bubble_h1", 1, 4, "never"), (2, "interleaved_1f1b", 2, 4, "never"), (4, "zero_bubble_h1", 1, 6, "always"),
+])
+def test_pipeline_across_ranks_equals_single_device(world_size, schedule, v, chunks, checkpoint):
+    reference = mlp(16, 4, seed=3)
+    x, y = regression_data(13, 16, seed=4)
+    loss = nn.MSELoss()(reference(x), y)
+    loss.backward()
+    results = launch(_pipeline, world_size, schedule, v, chunks, checkpoint)
+    grads = {}
+    for result in results:
+        assert abs(result[0] - loss.item()) <= 1e-5  # every rank gets the loss
+        grads.update(result[1])
+    expected = list(reference.parameters())
+    assert sorted(grads) == list(range(len(expected)))  # each parameter lives on exactly one rank
+    assert max((expected[i].grad - g).abs().max().item() for i, g in grads.items()) <= 1e-5
+    ops = 3 if schedule == "zero_bubble_h1" else 2
+    assert results[0][2] == ops * world_size * v * chunks  # rank 0 gathered every rank's events
+    assert results[0][3] == list(range(world_size))
+
+
+def _pipeline_wrong_size(rank, world_size):
+    PipelineParallel(mlp(16, 4, seed=3), [2, 2, 2, 2], chunks=2)
+
+
+def test_schedule_devices_must_match_the_pipeline_group():
+    with pytest.raises(RankError, match="schedule has 4 devices but the pipeline group has 2 ranks"):
+        launch(_pipeline_wrong_size, 2, timeout=30)
