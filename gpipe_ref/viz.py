@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the p
 # by its place on the comm track. Idle: grey hatching, drawn as one hatched band
 # per row under the bars (hatching thousands of small gaps one by one is what
 # makes matplotlib slow).
-COMM = "comm"  # the bar kind of a Transfer
-_KINDS = ("F", "B", "W", COMM)  # drawing and legend order
-_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4, COMM: 0.25}
+_COMM = "comm"  # the bar kind of a Transfer
+_KINDS = ("F", "B", "W", _COMM)  # drawing and legend order
+_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4, _COMM: 0.25}
 _LABEL_LIMIT = 400  # above this many bars, bars are not labelled (too small to read)
 
 
@@ -47,8 +47,8 @@ def running_mean(values: list[float], window: int = 8) -> list[float]:
             for k in range(len(values))]
 
 
-class Bar(NamedTuple):
-    """One drawn bar: ``kind`` is F, B, W or ``COMM``; ``color`` indexes the tab10 palette."""
+class _Bar(NamedTuple):
+    """One drawn bar: ``kind`` is F, B, W or "comm"; ``color`` indexes the tab10 palette."""
 
     row: int
     start: float
@@ -59,7 +59,7 @@ class Bar(NamedTuple):
     tooltip: str
 
 
-def timeline_rows(timeline: Timeline) -> list[tuple[int, str]]:
+def _rows(timeline: Timeline) -> list[tuple[int, str]]:
     """``(device, "compute" or "comm")`` per row, top to bottom: each device's row,
     then its comm track when it communicates."""
     talking = {t.device for t in timeline.comm}
@@ -67,37 +67,37 @@ def timeline_rows(timeline: Timeline) -> list[tuple[int, str]]:
     for d in range(timeline.num_devices):
         rows.append((d, "compute"))
         if d in talking:
-            rows.append((d, COMM))
+            rows.append((d, _COMM))
     return rows
 
 
 def _row_names(timeline: Timeline) -> list[str]:
-    return [f"device {d}" + (" comm" if track == COMM else "") for d, track in timeline_rows(timeline)]
+    return [f"device {d}" + (" comm" if track == _COMM else "") for d, track in _rows(timeline)]
 
 
-def timeline_bars(timeline: Timeline, color_by: str = "microbatch") -> list[Bar]:
+def _bars(timeline: Timeline, color_by: str = "microbatch") -> list[_Bar]:
     """Every compute event and transfer as a bar on its row. ``color_by="version"``
     colours compute by weight version; a transfer is coloured and labelled ``C<k>``
     by its place ``k`` on its comm track (its bucket, for data parallelism)."""
     _check_color_by(color_by)
-    row_of = {track: i for i, track in enumerate(timeline_rows(timeline))}
+    row_of = {track: i for i, track in enumerate(_rows(timeline))}
     by_microbatch = color_by == "microbatch"
-    bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op,
+    bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op,
                 e.microbatch if by_microbatch else (e.weight_version or 0),
                 f"{e.op}{e.microbatch}" if by_microbatch else f"v{e.weight_version}",
                 f"{e.label} (weights v{e.weight_version})") for e in timeline.events]
     for d in sorted({t.device for t in timeline.comm}):
         for k, t in enumerate(timeline.on_comm(d)):
             size = "" if t.bytes is None else f", {t.bytes} bytes"
-            bars.append(Bar(row_of[(d, COMM)], t.start, t.end, COMM, k, f"C{k}", f"{t.name}{size}"))
+            bars.append(_Bar(row_of[(d, _COMM)], t.start, t.end, _COMM, k, f"C{k}", f"{t.name}{size}"))
     return bars
 
 
-def _legend_kinds(bars: list[Bar]) -> dict[str, str]:
+def _legend_kinds(bars: list[_Bar]) -> dict[str, str]:
     """The kinds drawn, in legend order, with their legend names."""
     kinds = {b.kind for b in bars}
     names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input grad)",
-             "W": "weight grad", COMM: "communication"}
+             "W": "weight grad", _COMM: "communication"}
     return {kind: names[kind] for kind in _KINDS if kind in kinds}
 
 
@@ -123,7 +123,7 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
     names = rows or _row_names(timeline)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.2))
-    bars = timeline_bars(timeline)
+    bars = _bars(timeline)
     _draw_bars(ax, bars, len(names), timeline.origin, timeline.makespan)
     ax.set_xlim(0, timeline.makespan or 1.0)
     ax.set_ylim(len(names) - 0.5, -0.5)  # device 0 on top
@@ -139,7 +139,7 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
     return ax
 
 
-def _draw_bars(ax: "Axes", bars: list[Bar], num_rows: int, origin: float, span: float) -> None:
+def _draw_bars(ax: "Axes", bars: list[_Bar], num_rows: int, origin: float, span: float) -> None:
     """The hatched idle band of every row, then one collection of bars per kind, then their labels."""
     from matplotlib.collections import PolyCollection
 
@@ -171,7 +171,7 @@ def _draw_bars(ax: "Axes", bars: list[Bar], num_rows: int, origin: float, span: 
                     color="white" if b.kind == "W" else "black", clip_on=True)
 
 
-def _draw_legend(ax: "Axes", bars: list[Bar]) -> None:
+def _draw_legend(ax: "Axes", bars: list[_Bar]) -> None:
     from matplotlib.patches import Patch
 
     grey = (0.45, 0.45, 0.45)
@@ -201,7 +201,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     and times. ``color_by="version"`` colours bars by their weight version."""
     _check_color_by(color_by)
     _check_timeline(timeline)
-    bars = timeline_bars(timeline, color_by)
+    bars = _bars(timeline, color_by)
     names = _row_names(timeline)
     left = max(72, 8 + round(6.5 * max(len(n) for n in names)))  # room for "device 0 comm"
     top, row, bottom = 26, 22, 40
@@ -232,7 +232,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     return "".join(out)
 
 
-def _svg_bars(bars: list[Bar], left: int, top: int, row: int, origin: float, scale: float) -> list[str]:
+def _svg_bars(bars: list[_Bar], left: int, top: int, row: int, origin: float, scale: float) -> list[str]:
     """A rect with a hover tooltip per bar, labelled when there is room."""
     hexes = {kind: [_hex(_shade(microbatch_color(i), _LIGHTEN[kind])) for i in range(10)] for kind in _KINDS}
     labelled = len(bars) <= _LABEL_LIMIT
@@ -261,7 +261,7 @@ def _svg_axis(left: int, axis_y: int, span: float, scale: float) -> list[str]:
     return out
 
 
-def _svg_legend(bars: list[Bar], left: int, axis_y: int, idle: str) -> list[str]:
+def _svg_legend(bars: list[_Bar], left: int, axis_y: int, idle: str) -> list[str]:
     """A grey swatch per kind drawn, then the idle hatching."""
     out, x = [], left
     for kind, name in _legend_kinds(bars).items():
@@ -316,8 +316,7 @@ def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | No
     """Activation sets held per device over time (``Timeline.in_flight``), one step line per device."""
     import matplotlib.pyplot as plt
 
-    if not isinstance(timeline, Timeline):
-        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+    _check_timeline(timeline)
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3))
     origin = timeline.origin
