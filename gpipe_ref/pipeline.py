@@ -37,8 +37,9 @@ from .devices import describe_placement, resolve_devices
 from .memory import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
-from .schedule import Action, Schedule, execution_order, make_schedule, validate
-from .simulator import place
+from .checks import one_of, positive_int
+from .schedule import Action, Schedule, dependencies, make_schedule, schedule_names, schedule_spec, validate
+from .simulator import time_one_at_a_time
 from .timeline import Event, Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -70,8 +71,8 @@ class GPipe(nn.Module):
         chunks: micro-batches per mini-batch (``m``).
         checkpoint: "always", "except_last" (all micro-batches but the last) or
             "never": which micro-batches re-materialize their activations.
-        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", or a
-            flush :class:`Schedule` for ``len(balance)`` stages and ``chunks``
+        schedule: the name of a registered flush schedule (``schedule_names(flush=True)``:
+            "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"), or a flush :class:`Schedule` for ``len(balance)`` stages and ``chunks``
             micro-batches.
         stages_per_device: stages on each device (interleaved schedules).
         executor: "threads", "simulated", or "auto" (threads on GPUs,
@@ -96,14 +97,10 @@ class GPipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-        if isinstance(stages_per_device, bool) or not isinstance(stages_per_device, int) or stages_per_device < 1:
-            raise ValueError(f"stages_per_device must be an integer >= 1, got {stages_per_device!r}")
+        positive_int("chunks", chunks)
+        one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
+        one_of("executor", executor, EXECUTORS)
+        positive_int("stages_per_device", stages_per_device)
         if balance is None:
             if devices is None:
                 raise ValueError("balance must be given (layers per stage, e.g. [2, 2]) when devices is None")
@@ -113,13 +110,15 @@ class GPipe(nn.Module):
         self.chunks = self.schedule.num_microbatches
         self.checkpoint = checkpoint
         self.balance = balance
-        self.module = module
         self.devices = resolve_devices(devices, self.schedule.num_devices)
         self.executor = executor if executor != "auto" else (
             "threads" if any(d.type == "cuda" for d in self.devices) else "simulated")
-        self._stages = split(module, balance)  # not registered: they share layers with self.module
-        for s, stage in enumerate(self._stages):
-            stage.to(self.stage_device(s))
+        # Only the stages this process owns are kept and moved to their device; the others are
+        # never referenced, so they are freed once the caller drops the model (see PipelineParallel).
+        stages = split(module, balance)
+        self._stages = tuple(stage.to(self.stage_device(s)) if self.owns(s) else None
+                             for s, stage in enumerate(stages))
+        self.module = module if None not in self._stages else _owned_layers(module, self._stages)
         self.track_memory = bool(track_memory)
         self.timeline: Timeline | None = None
 
@@ -137,9 +136,10 @@ class GPipe(nn.Module):
             return schedule
         if not isinstance(schedule, str):
             raise TypeError(f"schedule must be a schedule name or a Schedule, got {type(schedule).__name__}")
-        if schedule == "pipedream_async":
-            raise ValueError("schedule must be a flush schedule ('gpipe', '1f1b', 'interleaved_1f1b', "
-                             "'zero_bubble_h1'); 'pipedream_async' runs in gpipe_ref.staleness")
+        spec = schedule_spec(schedule)
+        if not spec.flush:
+            raise ValueError(f"schedule must be a flush schedule {schedule_names(flush=True)}; "
+                             f"{spec.name!r} updates asynchronously and runs in gpipe_ref.staleness")
         if num_stages % stages_per_device:
             raise ValueError(f"balance has {num_stages} stages, not a multiple of "
                              f"stages_per_device={stages_per_device}")
@@ -150,6 +150,15 @@ class GPipe(nn.Module):
             raise ValueError(f"chunks={chunks}, schedule={schedule!r}: {exc}") from None
 
     # -- placement ------------------------------------------------------------------
+    @property
+    def stages(self) -> tuple[nn.Sequential | None, ...]:
+        """The stages, in order (read-only); ``None`` for a stage another process owns."""
+        return self._stages
+
+    def owns(self, stage: int) -> bool:
+        """Whether this process runs ``stage`` (in one process: every stage)."""
+        return True
+
     def stage_device(self, stage: int) -> torch.device:
         return self.devices[self.schedule.stage_to_device[stage]]
 
@@ -170,11 +179,8 @@ class GPipe(nn.Module):
     # -- forward only -----------------------------------------------------------------
     def forward(self, inputs: Batch) -> Batch:
         """The pipelined forward pass: micro-batched, differentiable end to end."""
-        size = batch_size(inputs, "inputs")
-        if self.chunks > size:
-            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
         outputs = []
-        for x in scatter(inputs, self.chunks):
+        for x in self._scatter_inputs(inputs)[0]:
             for s, stage in enumerate(self._stages):
                 x = stage(_to(x, self.stage_device(s)))
             outputs.append(x)
@@ -191,7 +197,7 @@ class GPipe(nn.Module):
         equal ``loss_fn(module(inputs), targets).backward()``; with "sum" the
         weights are 1.
         """
-        run = _StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
+        run = StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
         if self.executor == "threads":
             run.run_threads()
         else:
@@ -199,6 +205,12 @@ class GPipe(nn.Module):
         self.timeline = run.timeline
         return run.total_loss()
 
+    def _scatter_inputs(self, inputs: Batch) -> tuple[list, int]:
+        """The micro-batches of ``inputs`` and the batch size."""
+        size = batch_size(inputs, "inputs")
+        if self.chunks > size:
+            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
+        return scatter(inputs, self.chunks), size
 
     def _prepare_step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str) -> tuple:
         """Check a step's arguments; return (micro-batch inputs, targets, loss_fn, reduction, batch size)."""
@@ -206,13 +218,22 @@ class GPipe(nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        size = batch_size(inputs, "inputs")
+        micro_inputs, size = self._scatter_inputs(inputs)
         if batch_size(targets, "targets") != size:
             raise ValueError(f"targets must have the batch size of inputs ({size}), "
                              f"got {batch_size(targets, 'targets')}")
-        if self.chunks > size:
-            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
-        return scatter(inputs, self.chunks), scatter(targets, self.chunks), loss_fn, reduction, size
+        return micro_inputs, scatter(targets, self.chunks), loss_fn, reduction, size
+
+
+def _owned_layers(module: nn.Sequential, stages: Sequence[nn.Sequential | None]) -> nn.Sequential:
+    """The owned stages' layers under their names in ``module``, so ``parameters()``,
+    ``state_dict()`` and an optimizer see only them, with the single-process keys."""
+    owned = {id(layer) for stage in stages if stage is not None for layer in stage}
+    kept = nn.Sequential()
+    for name, layer in module.named_children():
+        if id(layer) in owned:
+            kept.add_module(name, layer)
+    return kept
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -244,8 +265,16 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     param.grad = grad if param.grad is None else param.grad + grad
 
 
-class _StepRun:
-    """The tensors and clocks of one ``GPipe.step``; each method runs one action."""
+class StepRun:
+    """The tensors and clocks of one ``GPipe.step``; each method runs one action.
+
+    F, B and W are written once, here. What differs between executors is how an
+    activation or a gradient crosses a stage boundary: the four boundary hooks
+    :meth:`receive_activation`, :meth:`send_activation`, :meth:`receive_gradient`
+    and :meth:`send_gradient` are the stable seam. In one process they hand tensors
+    over in memory; ``distributed.pipeline_parallel`` overrides them with
+    ``isend``/``irecv`` and runs only the actions of its own rank.
+    """
 
     def __init__(self, pipe: GPipe, inputs: list, targets: list, loss_fn, reduction: str, size: int) -> None:
         self.pipe = pipe
@@ -254,10 +283,12 @@ class _StepRun:
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.weights = [(batch_size(x) / size) if reduction == "mean" else 1.0 for x in inputs]
         self.state: dict[tuple[int, int], _MicroState] = {}
-        self.params = [[p for p in stage.parameters() if p.requires_grad] for stage in pipe._stages]
+        self.params = [[p for p in stage.parameters() if p.requires_grad] if stage is not None else []
+                       for stage in pipe.stages]
         self.losses: dict[int, torch.Tensor] = {}
-        self.meters = [ActivationMeter(p for s, stage in enumerate(pipe._stages)
-                                       if self.schedule.stage_to_device[s] == d for p in stage.parameters())
+        self.meters = [ActivationMeter(p for s, stage in enumerate(pipe.stages)
+                                       if self.schedule.stage_to_device[s] == d and stage is not None
+                                       for p in stage.parameters())
                        for d in range(self.schedule.num_devices)]
         self.lock = threading.Lock()
         self.timeline: Timeline | None = None
@@ -265,25 +296,30 @@ class _StepRun:
     def _recording(self, meter: ActivationMeter):
         return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
 
-    # -- the three actions ---------------------------------------------------------------
-    # -- stage boundaries: in one process, activations and gradients are handed over in memory;
-    # across processes (distributed.pipeline_parallel) these four send and receive them.
+    # -- stage boundaries (the stable seam): in one process, activations and gradients are
+    # handed over in memory; across processes (distributed.pipeline_parallel) these four
+    # send and receive them.
     def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
+        """The output of ``stage - 1`` for ``microbatch`` (the input of ``stage``'s F)."""
         sender = self.state[(stage - 1, microbatch)]
         output, sender.output = sender.output, None
         return output
 
     def send_activation(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
+        """Hand ``stage``'s output for ``microbatch`` to ``stage + 1``."""
         self.state[(stage, microbatch)].output = output
 
     def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
+        """The gradient of ``stage``'s output, computed by ``stage + 1``'s B."""
         receiver = self.state[(stage + 1, microbatch)]
         grad, receiver.input_grad = receiver.input_grad, None
         return grad
 
     def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
+        """Hand the gradient of ``stage``'s input for ``microbatch`` to ``stage - 1``."""
         self.state[(stage, microbatch)].input_grad = grad
 
+    # -- the three actions ---------------------------------------------------------------
     def _checkpointed(self, microbatch: int) -> bool:
         mode = self.pipe.checkpoint
         return mode == "always" or (mode == "except_last" and microbatch < self.schedule.num_microbatches - 1)
@@ -291,7 +327,7 @@ class _StepRun:
     def _run_stage(self, stage: int, microbatch: int, x, st: _MicroState) -> None:
         """Forward through the stage's layers, keeping each layer's output (and the loss)."""
         chain = []
-        for layer in self.pipe._stages[stage]:
+        for layer in self.pipe.stages[stage]:
             x = layer(x)
             chain.append(x)
         if stage == self.schedule.num_stages - 1:
@@ -356,7 +392,7 @@ class _StepRun:
             return
         # Split backward (zero bubble): gradients of the stage input and of each
         # parameterised layer's output now; the weight gradients wait for W.
-        layers = list(self.pipe._stages[stage])
+        layers = list(self.pipe.stages[stage])
         param_layers = [j for j, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
         wanted = [j for j in param_layers if st.chain[j] is not root]
         targets = ([st.inputs] if stage > 0 else []) + [st.chain[j] for j in wanted]
@@ -373,7 +409,7 @@ class _StepRun:
     def weight(self, stage: int, microbatch: int) -> None:
         """W: each layer's weight gradients from its output's gradient (kept by B)."""
         st = self.state[(stage, microbatch)]
-        for j, layer in enumerate(self.pipe._stages[stage]):
+        for j, layer in enumerate(self.pipe.stages[stage]):
             params = [p for p in layer.parameters() if p.requires_grad]
             g = st.chain_grads.get(j)
             if not params or g is None:
@@ -402,18 +438,11 @@ class _StepRun:
 
     def run_one_at_a_time(self) -> None:
         """Simulated devices: run in a valid global order, time each action, place on device clocks."""
-        durations = {}
-        for _, action in execution_order(self.schedule):
-            began = time.perf_counter()
-            self.run(action)
-            self._sync(action)
-            durations[action] = time.perf_counter() - began
-        self.timeline = place(self.schedule, durations, unit="s", peak_memory=self._peaks())
+        self.timeline = time_one_at_a_time(self.schedule, self.run, sync=self._sync)
+        self.timeline.peak_memory = self._peaks()  # read after the run
 
     def run_threads(self, timeout: float = 600.0) -> None:
         """One worker thread per device, each running its list and waiting for dependencies."""
-        from .schedule import dependencies
-
         done = {a: threading.Event() for _, a in self.schedule.actions()}
         abort = threading.Event()
         errors: list[tuple[int, Action, BaseException, str]] = []

@@ -1,7 +1,10 @@
 """The same pipeline schedules across processes: one rank per pipeline device.
 
-Each rank builds the whole ``nn.Sequential`` (same seed), keeps the stages
-its device owns, and runs its device's action list from the
+Each rank builds the whole ``nn.Sequential`` (same seed), keeps only the
+stages its device owns (moved to its device, and the only ones ``parameters()``,
+``state_dict()`` and an optimizer see; the others are never moved and no
+longer referenced, so they are freed once the caller drops its model), and
+runs its device's action list from the
 :class:`~gpipe_ref.schedule.Schedule` in order. The actions are the
 in-process executor's (``gpipe_ref.pipeline``); only the stage boundaries
 change: an activation or a gradient whose neighbour stage lives on another
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..microbatch import Batch
-from ..pipeline import GPipe, _StepRun
+from ..pipeline import GPipe, StepRun
 from ..schedule import Schedule
 from ..timeline import Event, Timeline
 
@@ -55,18 +58,23 @@ class PipelineParallel(GPipe):
             raise ValueError(f"schedule has {wanted} devices but the pipeline group has {size} ranks; "
                              f"they must be equal (one rank per pipeline device)")
         devices = [device or _default_device()] * size
-        super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                         stages_per_device=stages_per_device, executor="threads", track_memory=track_memory)
         self.group = group
-        self.rank = dist.get_rank(group)
-
-    def local_parameters(self) -> list[nn.Parameter]:
-        """The parameters of the stages this rank owns, in Sequential order."""
-        mine = [s for s, d in enumerate(self.schedule.stage_to_device) if d == self.rank]
-        return [p for s in mine for p in self._stages[s].parameters()]
+        self.rank = dist.get_rank(group)  # read by owns() while GPipe.__init__ places the stages
+        super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                         stages_per_device=stages_per_device, executor="auto", track_memory=track_memory)
+        self.executor = "ranks"  # one process per pipeline device, no worker threads
 
     def owns(self, stage: int) -> bool:
+        """Whether this rank runs ``stage``: the schedule places it on this rank's device."""
         return self.schedule.stage_to_device[stage] == self.rank
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the stages this rank owns, in Sequential order (``parameters()`` as a list)."""
+        return list(self.parameters())
+
+    def forward(self, inputs: Batch) -> Batch:
+        raise TypeError("PipelineParallel runs a whole training step across ranks: call step(inputs, targets, "
+                        "loss_fn); a rank holds only its own stages, so it cannot run the model's forward alone")
 
     def step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str = "mean") -> torch.Tensor:
         """Run this rank's actions; returns the mini-batch loss on every rank (summed over micro-batches
@@ -89,7 +97,7 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-class _RankStepRun(_StepRun):
+class _RankStepRun(StepRun):
     """One rank's share of a step: its actions, with stage boundaries over send/recv."""
 
     def __init__(self, *args) -> None:
