@@ -23,3 +23,14 @@ def test_staleness_explorer_readout_follows_the_controls():
     ex.weight_stashing.value = True  # cached: redraws without training again
     ex.vertical_sync.value = False
     assert ex.last_redraw_s < 1.0
+
+
+def test_the_drawn_versions_are_the_ones_the_trainer_used():
+    ex = StalenessExplorer(stages=4, microbatches=5, lr=0.2, steps=2)
+    for stash, vsync in ((True, False), (False, False), (True, True)):
+        ex.weight_stashing.value, ex.vertical_sync.value = stash, vsync
+        drawn = {(e.stage, e.microbatch, e.op): e.weight_version for e in ex.timeline.events}
+        used = {(e.stage, e.microbatch, e.op): e.weight_version for e in ex.record.timeline.events}
+        assert drawn == used
+        assert {(s, i): (drawn[(s, i, "F")], drawn[(s, i, "B")]) for s, i in ex.record.versions} == \
+               {key: (f, b) for key, (f, b, _) in ex.record.versions.items()}

@@ -6,7 +6,6 @@ import time
 
 from ..schedule import pipedream_async
 from ..simulator import simulate
-from ..timeline import Timeline
 from ..viz import loss_curves_svg, running_mean, timeline_svg
 from .base import Dashboard
 
@@ -44,6 +43,7 @@ class StalenessExplorer(Dashboard):
         self._cache: dict = {}
         self.last_redraw_s = 0.0
         self.record = None
+        self.timeline = None  # the drawn timeline, each event with its weight version
         controls = [self.stages, self.microbatches, self.lr, self.weight_stashing, self.vertical_sync]
         for control in controls:
             control.observe(lambda _change: self.redraw(), names="value")
@@ -96,22 +96,14 @@ class StalenessExplorer(Dashboard):
             f"<b>{self.record.stash_peak}</b> (bound {[p - s for s in range(p)]}) &middot; final loss "
             f"<b>{final:.4g}</b> (GPipe {final_sync:.4g})"
         )
-        self.picture.value = timeline_svg(_versioned_timeline(p, m, versions), color_by="version",
+        # unit costs draw clearer than a tiny model's noisy measurement; the versions are the run's own
+        self.timeline = simulate(pipedream_async(p, m), weight_stashing=stash, vertical_sync=vsync)
+        self.picture.value = timeline_svg(self.timeline, color_by="version",
                                           title=f"{variant}, colour = weight version used")
         self.heat.value = _heat_table(versions, p, m)
         self.curves.value = loss_curves_svg({variant: running_mean(ours["losses"]),
                                              "gpipe (sync)": running_mean(sync["losses"])})
         self.last_redraw_s = time.perf_counter() - began
-
-
-def _versioned_timeline(p: int, m: int, versions: dict) -> Timeline:
-    """The schedule's timeline at unit costs (clearer than a tiny model's noisy measured one),
-    each bar coloured by the weight version the run really used for it."""
-    # TODO(lead): weight versions — rewritten after the fact here until staleness.py gives them to simulate.
-    simulated = simulate(pipedream_async(p, m))
-    events = [e._replace(weight_version=versions[(e.stage, e.microbatch)][0 if e.op == "F" else 1])
-              for e in simulated.events]
-    return Timeline(events, p, unit="cost")
 
 
 def _heat_table(versions: dict, p: int, m: int) -> str:
