@@ -24,12 +24,12 @@ from .schedule import (
     zero_bubble_h1,
 )
 from .simulator import CostModel, bubble_formula, simulate
-from .timeline import Event, Timeline
+from .timeline import Event, Timeline, Transfer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "execution_order", "gpipe", "interleaved_1f1b",
     "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate", "zero_bubble_h1",
-    "CostModel", "bubble_formula", "simulate", "Event", "Timeline",
+    "CostModel", "bubble_formula", "simulate", "Event", "Timeline", "Transfer",
 ]
