@@ -487,8 +487,10 @@ def encode(schedule: Schedule) -> EncodedSchedule:
         raise ScheduleError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
     for name, value in (("num_stages", p), ("num_microbatches", m), ("num_devices", n)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
+        try:
+            positive_int(name, value)
+        except ValueError as error:  # a broken schedule is a ScheduleError, whatever rule it breaks
+            raise ScheduleError(str(error)) from None
     if len(schedule.stage_to_device) != p:
         raise ScheduleError(
             f"stage_to_device must have one entry per stage ({p}), got {len(schedule.stage_to_device)}"
