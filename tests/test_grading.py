@@ -3,6 +3,7 @@ answer loses its exercise's points, and the grader survives what learners' noteb
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,9 +14,11 @@ import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+from gpipe_ref.grading.common import judge_fill_drain, schedule_generators
 from gpipe_ref.grading.core import Case, Exercise, forbidden_use, run_cases, same
 from gpipe_ref.grading.grader import grade_notebook
 from gpipe_ref.grading.notebooks import BEGIN, END, exercise_of, student_copy
+from gpipe_ref.schedule import SCHEDULES, gpipe, register, schedule_spec, unregister
 
 SOLUTIONS = ROOT / "solutions"
 EXERCISE_DIR = ROOT / "exercises"
@@ -423,6 +426,50 @@ def test_forbidden_library_calls_are_refused():
                            "def bubble_fraction(p, m):\n    return gpipe_ref.simulator.bubble_formula('gpipe', p, m)\n")
     assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
 
+
+def test_schedule_generators_come_from_the_registry():
+    names = schedule_generators()
+    assert names == tuple(f"gpipe_ref.schedule.{spec.build.__name__}" for spec in SCHEDULES.values()) + (
+        "gpipe_ref.schedule.make_schedule",)
+    assert "gpipe_ref.schedule.one_f_one_b" in names and "gpipe_ref.schedule.zero_bubble_h1" in names
+    for exercise_id in ("04.1", "06.1", "06.2"):
+        assert EXERCISES[exercise_id].forbidden_names() == names
+    assert EXERCISES["07.2"].forbidden_names() == names + ("gpipe_ref.playground.builtin_text",)
+
+
+def my_fill_drain(p, m):
+    """A schedule registered by a test, after the exercises were defined."""
+    return gpipe(p, m)
+
+
+def test_a_schedule_registered_later_is_refused_too():
+    register(dataclasses.replace(schedule_spec("gpipe"), name="my_fill_drain", build=my_fill_drain, aliases=()))
+    try:
+        assert f"{__name__}.my_fill_drain" in EXERCISES["04.1"].forbidden_names()
+        namespace = {"my_fill_drain": my_fill_drain}
+        exec("def gpipe_actions(p, m):\n    return [list(a) for a in my_fill_drain(p, m).per_device]\n", namespace)
+        verdict = grade("04.1", namespace)
+        assert verdict.points == 0 and f"`{__name__}.my_fill_drain`" in verdict.feedback
+    finally:
+        unregister("my_fill_drain")
+    assert f"{__name__}.my_fill_drain" not in EXERCISES["04.1"].forbidden_names()
+
+
+def test_judge_fill_drain_accepts_gpipe_and_names_what_is_wrong():
+    schedule = judge_fill_drain([list(a) for a in gpipe(3, 2).per_device], 3, 2)
+    assert schedule.per_device == gpipe(3, 2).per_device
+    assert judge_fill_drain([[]], 2, 2) == "expected a list of 2 per-device lists, got list of length 1"
+    assert judge_fill_drain("x", 2, 2) == "expected a list of 2 per-device lists, got str of length 1"
+    wrong = [list(a) for a in gpipe(2, 2).per_device]
+    wrong[1] = wrong[1][:-1]
+    assert judge_fill_drain(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for micro-batches 0..1 "
+                                                    "once each; missing ['1B1']")
+    swapped = [list(a) for a in gpipe(2, 2).per_device]
+    swapped[0][1], swapped[0][2] = swapped[0][2], swapped[0][1]
+    assert judge_fill_drain(swapped, 2, 2).startswith("device 0 runs a backward before its last forward")
+    assert judge_fill_drain(swapped, 2, 2, forwards_first=False) == (
+        "the schedule does not run: deadlock, cycle: device 0 waits at 0B0 for 1B0 (device 1); "
+        "device 1 waits at 1F1 for 0F1 (device 0)")
 
 def test_run_cases_survives_what_answers_do():
     ex = Exercise("99.1", "test", "f", 1, lambda: [], lambda: [])

@@ -16,8 +16,8 @@ from typing import Any
 from . import (ex01_data_parallel, ex02_tensor_parallel, ex03_model_parallel, ex04_gpipe, ex05_rematerialization,
                ex06_pipedream, ex07_beyond)
 from .core import Case, Exercise, Verdict, quietly, run_cases
+from .notebooks import COURSE
 
-COURSE = "gpipe-parallelism"
 NOTEBOOKS: dict[str, list[Exercise]] = {
     "01_data_parallel": ex01_data_parallel.EXERCISES,
     "02_tensor_parallel": ex02_tensor_parallel.EXERCISES,

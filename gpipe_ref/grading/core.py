@@ -57,11 +57,16 @@ class Exercise:
     cases: Callable[[], list[Case]]  # shown: check() runs these
     hidden: Callable[[], list[Case]]  # graded too: more sizes and edge cases
     kind: str = "function"  # "function" or "class"
-    forbidden: tuple[str, ...] = ()  # dotted names of library code that does the exercise
+    # dotted names of library code that does the exercise, or a function giving them when judged
+    forbidden: tuple[str, ...] | Callable[[], Sequence[str]] = ()
     timeout: float = 20.0  # seconds per case
 
     def all_cases(self) -> list[Case]:
         return list(self.cases()) + list(self.hidden())
+
+    def forbidden_names(self) -> tuple[str, ...]:
+        """The dotted names an answer may not use, computed now (a schedule registered later counts)."""
+        return tuple(self.forbidden() if callable(self.forbidden) else self.forbidden)
 
 
 @dataclass
@@ -291,7 +296,7 @@ def run_cases(exercise: Exercise, answer: Any, cases: Sequence[Case], *, timeout
             return verdict("failed", f"`{exercise.answer}` must be a class, got a {_type_name(answer)}", 0)
     elif not callable(answer):
         return verdict("failed", f"`{exercise.answer}` must be a function, got a {_type_name(answer)}", 0)
-    used = forbidden_use(answer, exercise.forbidden)
+    used = forbidden_use(answer, exercise.forbidden_names())
     if used:
         return verdict("failed", f"`{exercise.answer}` uses `{used}`, which does what this exercise asks you "
                                  f"to write: write it without it", 0)

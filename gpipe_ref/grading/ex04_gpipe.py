@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 from ..microbatch import sizes
-from ..schedule import Action, Schedule, ScheduleError, validate
 from ..simulator import CostModel, simulate
+from .common import judge_fill_drain, schedule_generators
 from .core import Case, Exercise
 
-_SCHEDULE_GENERATORS = ("gpipe_ref.schedule.gpipe", "gpipe_ref.schedule.make_schedule",
-                        "gpipe_ref.schedule.one_f_one_b", "gpipe_ref.schedule.zero_bubble_h1",
-                        "gpipe_ref.schedule.pipedream_async", "gpipe_ref.schedule.interleaved_1f1b")
-
 # -- 04.1 the GPipe schedule as per-device action lists ------------------------------------------------
-
-
-def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_first: bool = True) -> Schedule | str:
-    """The validated Schedule when ``actions`` (per-device lists) is a valid one-stage-per-device schedule of
-    ``p`` stages and ``m`` micro-batches (all forwards before any backward when ``forwards_first``), else why not."""
-    if not isinstance(actions, (list, tuple)) or len(actions) != p:
-        return f"expected a list of {p} per-device lists, got {type(actions).__name__} of length " \
-               f"{len(actions) if hasattr(actions, '__len__') else '?'}"
-    for d, device in enumerate(actions):
-        if not isinstance(device, (list, tuple)) or not all(isinstance(a, Action) for a in device):
-            return f"device {d}: expected a list of Action, got {device!r:.120}"
-        wanted = {Action(op, d, k) for op in "FB" for k in range(m)}
-        if set(device) != wanted or len(device) != 2 * m:
-            missing = sorted(map(str, wanted - set(device)))[:4]
-            extra = sorted(map(str, set(device) - wanted))[:4]
-            return f"device {d} must run F and B of stage {d} for micro-batches 0..{m - 1} once each" + \
-                   (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else "")
-        if forwards_first and any(a.op == "B" for a in device[:m]):
-            return f"device {d} runs a backward before its last forward: GPipe runs every forward first ({device})"
-    schedule = Schedule(name, p, m, p, tuple(range(p)), tuple(tuple(a) for a in actions))
-    try:
-        return validate(schedule)
-    except ScheduleError as error:
-        return f"the schedule does not run: {' '.join(str(error).split())[:300]}"
 
 
 def _gpipe_case(p: int, m: int) -> Case:
@@ -62,7 +34,7 @@ GPIPE_SCHEDULE = Exercise(
     "04.1", "The GPipe schedule as data", "gpipe_actions", 3,
     lambda: [_gpipe_case(2, 2), _gpipe_case(4, 8)],
     lambda: [_gpipe_case(1, 1), _gpipe_case(1, 5), _gpipe_case(5, 1), _gpipe_case(3, 7), _gpipe_case(8, 16)],
-    forbidden=_SCHEDULE_GENERATORS)
+    forbidden=schedule_generators)
 
 # -- 04.2 the bubble fraction -----------------------------------------------------------------------------
 

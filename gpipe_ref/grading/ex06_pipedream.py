@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..schedule import Action, one_f_one_b, pipedream_async
+from ..schedule import Action, one_f_one_b, pipedream_async, weight_versions
 from ..simulator import simulate
+from .common import judge_fill_drain, schedule_generators
 from .core import Case, Exercise
-from .ex04_gpipe import _SCHEDULE_GENERATORS, judge_fill_drain
 
 # -- 06.1 forwards before the first backward ---------------------------------------------------------------
 
@@ -22,7 +22,7 @@ WARMUP = Exercise(
     "06.1", "1F1B: forwards before the first backward", "forwards_before_first_backward", 2,
     lambda: [_warmup_case(4, 8, d) for d in range(4)],
     lambda: [_warmup_case(p, m, d) for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
-    forbidden=_SCHEDULE_GENERATORS)
+    forbidden=schedule_generators)
 
 # -- 06.2 the 1F1B schedule ---------------------------------------------------------------------------------------
 
@@ -58,14 +58,14 @@ ONE_F_ONE_B = Exercise(
     "06.2", "The 1F1B schedule", "one_f_one_b_actions", 3,
     lambda: [_one_f_one_b_case(2, 4), _one_f_one_b_case(4, 8)],
     lambda: [_one_f_one_b_case(p, m) for p, m in ((1, 1), (1, 4), (3, 1), (4, 2), (5, 7), (8, 16))],
-    forbidden=_SCHEDULE_GENERATORS)
+    forbidden=schedule_generators)
 
 # -- 06.3 PipeDream's stashed weight version and its staleness ---------------------------------------------------
 
 
 def _version_case(p: int, stage: int, microbatch: int) -> Case:
     schedule = pipedream_async(p, microbatch + p)
-    version = schedule.weight_versions[Action("F", stage, microbatch)]
+    version = weight_versions(schedule)[Action("F", stage, microbatch)]
     device = schedule.per_device[schedule.stage_to_device[stage]]
     updates_before_backward = sum(1 for a in device[:device.index(Action("B", stage, microbatch))]
                                   if a.op == "B" and a.stage == stage)

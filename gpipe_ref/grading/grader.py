@@ -146,96 +146,124 @@ def grade_notebook(path: str | os.PathLike, *, cell_timeout: float = DEFAULT_CEL
         result.error = str(error)
         return result
     result.notebook = name
-    exercises = {ex.id: ex for ex in NOTEBOOKS[name]}
-    cell_of = {exercise_of(cell): index for index, cell in _code_cells(nb) if exercise_of(cell) in exercises}
-    for ex_id in exercises:
-        if ex_id not in cell_of:
-            result.warnings.append(f"the cell of exercise {ex_id} (starting '# Exercise {ex_id}') is missing")
-    verdicts: dict[str, Verdict] = {}
-    disabled: set[str] = set()  # exercise cells replaced by `pass`
-    skipped: set[int] = set()  # course cells that fail whatever the exercises do
-    directory = Path(path).resolve().parent
-
-    def session_run(upto: int | None, grade: list[str]):
-        """Run the notebook (up to cell ``upto``) and grade ``grade``; return (trouble, cell errors)."""
-        session = _Session(nb, directory, cell_timeout, kernel_name)
-        errors: dict[str, str] = {}
-        with session.client.setup_kernel():
-            for index, cell in _code_cells(nb):
-                if upto is not None and index > upto:
-                    break
-                ex_id = exercise_of(cell)
-                if check_of(cell) or index in skipped or ex_id in disabled:
-                    continue
-                trouble = session.run(index)
-                if trouble is None:
-                    continue
-                if ex_id in exercises:
-                    if trouble.kind != "error":
-                        return trouble, errors
-                    errors[ex_id] = trouble.message  # graded below: the name may still be defined
-                    continue
-                return trouble, errors
-            for ex_id in grade:
-                ex = exercises[ex_id]
-                per_case = case_timeout or ex.timeout
-                budget = per_case * 10 + 30  # each case has its own alarm; this catches what ignores it
-                trouble = session.run(len(nb.cells) - 1,
-                                      source=f"__import__('gpipe_ref.grading', fromlist=['report'])"
-                                             f".report({ex_id!r}, globals(), {per_case!r})", timeout=budget)
-                if trouble is not None and trouble.kind != "error":
-                    verdicts[ex_id] = _blame(ex, "timeout" if trouble.kind == "timeout" else "error",
-                                             f"grading {trouble.message} (an endless loop, or code that stops "
-                                             f"the kernel?)")
-                    return _CellTrouble(-1, "grading", trouble.message), errors  # restart for the rest
-                verdicts[ex_id] = _parse_report(ex, session.last, errors.get(ex_id))
-        return None, errors
-
-    for _ in range(4 * len(exercises) + 4):  # each round settles at least one exercise or cell
-        pending = [ex_id for ex_id in exercises if ex_id not in verdicts and ex_id not in disabled]
-        if not pending:
-            break
-        trouble, _errors = session_run(None, [ex_id for ex_id in pending if ex_id in cell_of])
-        for ex_id in pending:
-            if ex_id not in cell_of and ex_id not in verdicts:
-                verdicts[ex_id] = _blame(exercises[ex_id], "not attempted", "its exercise cell is missing")
-        if trouble is None or trouble.index == -1:
-            continue
-        ex_id = exercise_of(nb.cells[trouble.index])
-        if ex_id in exercises:  # the exercise cell itself hung or killed the kernel
-            verdicts[ex_id] = _blame(exercises[ex_id], "timeout" if trouble.kind == "timeout" else "error",
-                                     f"its cell {trouble.message}; it was skipped to grade the rest")
-            disabled.add(ex_id)
-            continue
-        culprit = _find_culprit(trouble, nb, exercises, cell_of, disabled, verdicts, session_run)
-        if culprit is None:
-            skipped.add(trouble.index)
-            result.warnings.append(f"cell {trouble.index + 1} fails whatever the exercises do "
-                                   f"({trouble.kind}: {trouble.message}); it was skipped")
-        else:
-            verdicts[culprit] = _blame(exercises[culprit], "error",
-                                       f"your code broke a later cell (cell {trouble.index + 1}: "
-                                       f"{trouble.message}); it was skipped to grade the rest")
-            disabled.add(culprit)
-    result.verdicts = [verdicts.get(ex_id) or _blame(ex, "error", "could not be graded")
-                       for ex_id, ex in exercises.items()]
+    grading = _Grading(nb, NOTEBOOKS[name], Path(path).resolve().parent, result.warnings,
+                       cell_timeout=cell_timeout, case_timeout=case_timeout, kernel_name=kernel_name)
+    grading.run()
+    result.verdicts = grading.final_verdicts()
     result.seconds = time.perf_counter() - began
     return result
 
 
-def _find_culprit(trouble, nb, exercises, cell_of, disabled, verdicts, session_run) -> str | None:
-    """The exercise cell before the failing course cell whose removal lets it run."""
-    candidates = sorted((index, ex_id) for ex_id, index in cell_of.items()
-                        if index < trouble.index and ex_id not in disabled)
-    for _, ex_id in reversed(candidates):
-        disabled.add(ex_id)
-        try:
-            again, _ = session_run(trouble.index, [])
-        finally:
-            disabled.discard(ex_id)
-        if again is None or again.index != trouble.index:
-            return ex_id
-    return None
+class _Grading:
+    """Grading one notebook: the verdicts so far, the exercise cells replaced by ``pass`` and the course
+    cells skipped because they fail whatever the exercises do. Each round runs the notebook in a fresh
+    kernel and settles at least one exercise or cell."""
+
+    def __init__(self, nb, exercises, directory: Path, warnings: list[str], *, cell_timeout: float,
+                 case_timeout: float | None, kernel_name: str) -> None:
+        self.nb, self.directory, self.warnings = nb, directory, warnings
+        self.cell_timeout, self.case_timeout, self.kernel_name = cell_timeout, case_timeout, kernel_name
+        self.exercises = {ex.id: ex for ex in exercises}
+        self.cell_of = {exercise_of(cell): index for index, cell in _code_cells(nb)
+                        if exercise_of(cell) in self.exercises}
+        for ex_id in self.exercises:
+            if ex_id not in self.cell_of:
+                warnings.append(f"the cell of exercise {ex_id} (starting '# Exercise {ex_id}') is missing")
+        self.verdicts: dict[str, Verdict] = {}
+        self.disabled: set[str] = set()  # exercise cells replaced by `pass`
+        self.skipped: set[int] = set()  # course cells that fail whatever the exercises do
+
+    def run(self) -> None:
+        for _ in range(4 * len(self.exercises) + 4):  # each round settles at least one exercise or cell
+            pending = [ex_id for ex_id in self.exercises if ex_id not in self.verdicts and ex_id not in self.disabled]
+            if not pending:
+                break
+            trouble = self.session_run(None, [ex_id for ex_id in pending if ex_id in self.cell_of])
+            for ex_id in pending:
+                if ex_id not in self.cell_of and ex_id not in self.verdicts:
+                    self.verdicts[ex_id] = _blame(self.exercises[ex_id], "not attempted",
+                                                  "its exercise cell is missing")
+            if trouble is not None and trouble.index != -1:
+                self.settle(trouble)
+
+    def final_verdicts(self) -> list[Verdict]:
+        return [self.verdicts.get(ex_id) or _blame(ex, "error", "could not be graded")
+                for ex_id, ex in self.exercises.items()]
+
+    def settle(self, trouble: _CellTrouble) -> None:
+        """Blame a notebook cell's failure on its exercise, on an earlier exercise, or on the cell itself."""
+        ex_id = exercise_of(self.nb.cells[trouble.index])
+        if ex_id in self.exercises:  # the exercise cell itself hung or killed the kernel
+            self.verdicts[ex_id] = _blame(self.exercises[ex_id], "timeout" if trouble.kind == "timeout" else "error",
+                                          f"its cell {trouble.message}; it was skipped to grade the rest")
+            self.disabled.add(ex_id)
+            return
+        culprit = self.find_culprit(trouble)
+        if culprit is None:
+            self.skipped.add(trouble.index)
+            self.warnings.append(f"cell {trouble.index + 1} fails whatever the exercises do "
+                                 f"({trouble.kind}: {trouble.message}); it was skipped")
+        else:
+            self.verdicts[culprit] = _blame(self.exercises[culprit], "error",
+                                            f"your code broke a later cell (cell {trouble.index + 1}: "
+                                            f"{trouble.message}); it was skipped to grade the rest")
+            self.disabled.add(culprit)
+
+    def find_culprit(self, trouble: _CellTrouble) -> str | None:
+        """The exercise cell before the failing course cell whose removal lets it run."""
+        candidates = sorted((index, ex_id) for ex_id, index in self.cell_of.items()
+                            if index < trouble.index and ex_id not in self.disabled)
+        for _, ex_id in reversed(candidates):
+            self.disabled.add(ex_id)
+            try:
+                again = self.session_run(trouble.index, [])
+            finally:
+                self.disabled.discard(ex_id)
+            if again is None or again.index != trouble.index:
+                return ex_id
+        return None
+
+    def session_run(self, upto: int | None, grade: list[str]) -> _CellTrouble | None:
+        """Run the notebook (up to cell ``upto``) in a fresh kernel and grade ``grade``; return the trouble."""
+        session = _Session(self.nb, self.directory, self.cell_timeout, self.kernel_name)
+        errors: dict[str, str] = {}  # exercise cells that raised: graded all the same, the name may be defined
+        with session.client.setup_kernel():
+            trouble = self.run_cells(session, upto, errors)
+            if trouble is None:
+                trouble = self.grade_in(session, grade, errors)
+        return trouble
+
+    def run_cells(self, session: _Session, upto: int | None, errors: dict[str, str]) -> _CellTrouble | None:
+        for index, cell in _code_cells(self.nb):
+            if upto is not None and index > upto:
+                break
+            ex_id = exercise_of(cell)
+            if check_of(cell) or index in self.skipped or ex_id in self.disabled:
+                continue
+            trouble = session.run(index)
+            if trouble is None:
+                continue
+            if ex_id in self.exercises and trouble.kind == "error":
+                errors[ex_id] = trouble.message
+                continue
+            return trouble
+        return None
+
+    def grade_in(self, session: _Session, grade: list[str], errors: dict[str, str]) -> _CellTrouble | None:
+        for ex_id in grade:
+            ex = self.exercises[ex_id]
+            per_case = self.case_timeout or ex.timeout
+            budget = per_case * 10 + 30  # each case has its own alarm; this catches what ignores it
+            trouble = session.run(len(self.nb.cells) - 1,
+                                  source=f"__import__('gpipe_ref.grading', fromlist=['report'])"
+                                         f".report({ex_id!r}, globals(), {per_case!r})", timeout=budget)
+            if trouble is not None and trouble.kind != "error":
+                self.verdicts[ex_id] = _blame(ex, "timeout" if trouble.kind == "timeout" else "error",
+                                              f"grading {trouble.message} (an endless loop, or code that stops "
+                                              f"the kernel?)")
+                return _CellTrouble(-1, "grading", trouble.message)  # restart for the rest
+            self.verdicts[ex_id] = _parse_report(ex, session.last, errors.get(ex_id))
+        return None
 
 
 def _parse_report(ex, cell, cell_error: str | None) -> Verdict:

@@ -1,0 +1,38 @@
+"""What several exercise modules share: judging a hand-written schedule, and the generators learners may not call."""
+
+from __future__ import annotations
+
+from ..schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
+
+__all__ = ["judge_fill_drain", "schedule_generators"]
+
+
+def schedule_generators() -> tuple[str, ...]:
+    """Dotted names of every registered schedule's generator and of ``make_schedule``, read from the
+    registry when called, so that an exercise also refuses a schedule registered after it was defined."""
+    names = [f"{spec.build.__module__}.{spec.build.__qualname__}" for spec in SCHEDULES.values()]
+    return tuple(dict.fromkeys([*names, "gpipe_ref.schedule.make_schedule"]))
+
+
+def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_first: bool = True) -> Schedule | str:
+    """The validated Schedule when ``actions`` (per-device lists) is a valid one-stage-per-device schedule of
+    ``p`` stages and ``m`` micro-batches (all forwards before any backward when ``forwards_first``), else why not."""
+    if not isinstance(actions, (list, tuple)) or len(actions) != p:
+        return f"expected a list of {p} per-device lists, got {type(actions).__name__} of length " \
+               f"{len(actions) if hasattr(actions, '__len__') else '?'}"
+    for d, device in enumerate(actions):
+        if not isinstance(device, (list, tuple)) or not all(isinstance(a, Action) for a in device):
+            return f"device {d}: expected a list of Action, got {device!r:.120}"
+        wanted = {Action(op, d, k) for op in "FB" for k in range(m)}
+        if set(device) != wanted or len(device) != 2 * m:
+            missing = sorted(map(str, wanted - set(device)))[:4]
+            extra = sorted(map(str, set(device) - wanted))[:4]
+            return f"device {d} must run F and B of stage {d} for micro-batches 0..{m - 1} once each" + \
+                   (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else "")
+        if forwards_first and any(a.op == "B" for a in device[:m]):
+            return f"device {d} runs a backward before its last forward: GPipe runs every forward first ({device})"
+    schedule = Schedule(name, p, m, p, tuple(range(p)), tuple(tuple(a) for a in actions))
+    try:
+        return validate(schedule)
+    except ScheduleError as error:
+        return f"the schedule does not run: {' '.join(str(error).split())[:300]}"
