@@ -50,9 +50,6 @@ class ActivationMeter:
         self.live = 0
         self.peak = 0
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def _acquire(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         nbytes, address = tensor.nbytes, tensor.data_ptr()
         if nbytes == 0 or address in self._ignore:

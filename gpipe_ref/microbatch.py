@@ -16,8 +16,9 @@ import torch
 Batch = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
-def _check_batch(batch: object, name: str = "batch") -> int:
-    """Return the batch size; raise if ``batch`` is not a tensor or a tuple of tensors."""
+def batch_size(batch: Batch, name: str = "batch") -> int:
+    """Size of dim 0, checked to be the same for every tensor of a tuple; raise if ``batch`` is not a
+    tensor or a tuple of tensors."""
     tensors = batch if isinstance(batch, tuple) else (batch,)
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(f"{name} must be a tensor or a tuple of tensors, got {type(batch).__name__}"
@@ -31,15 +32,10 @@ def _check_batch(batch: object, name: str = "batch") -> int:
     return sizes.pop()
 
 
-def batch_size(batch: Batch, name: str = "batch") -> int:
-    """Size of dim 0, checked to be the same for every tensor of a tuple."""
-    return _check_batch(batch, name)
-
-
 def scatter(batch: Batch, chunks: int) -> list[Batch]:
     """Split ``batch`` (a tensor or a tuple of tensors) into ``chunks``
     micro-batches along dim 0; sizes differ by at most one."""
-    size = _check_batch(batch)
+    size = batch_size(batch)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= max(size, 1):
         raise ValueError(f"chunks must be an integer from 1 to the batch size {size}, got {chunks!r}")
     if isinstance(batch, tuple):
@@ -59,5 +55,5 @@ def gather(outputs: Sequence[Batch]) -> Batch:
 
 def sizes(batch: Batch, chunks: int) -> list[int]:
     """The micro-batch sizes :func:`scatter` would produce."""
-    size = _check_batch(batch)
+    size = batch_size(batch)
     return [size // chunks + (1 if i < size % chunks else 0) for i in range(chunks)]

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .checks import positive_int
+
 
 def mlp(width: int = 64, depth: int = 8, *, seed: int = 0, activation: type[nn.Module] = nn.ReLU) -> nn.Sequential:
     """``depth`` blocks of (Linear(width, width), activation) as one flat ``nn.Sequential``
     (2 x depth layers), initialised from ``seed``."""
-    for name, value in (("width", width), ("depth", depth)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    positive_int("width", width)
+    positive_int("depth", depth)
     torch.manual_seed(seed)
     return nn.Sequential(*[layer for _ in range(depth) for layer in (nn.Linear(width, width), activation())])
 

@@ -44,6 +44,56 @@ def test_ring_schedule_by_hand():
     assert [ring_chunk_to_send(0, k, 4, "reduce_scatter") for k in range(3)] == [0, 3, 2]
 
 
+def _simulate_ring(n: int) -> list[list[frozenset]]:
+    """Run ring all-reduce's index arithmetic on sets: held[r][c] is whose chunk c rank r has summed.
+
+    Every step checks what the real collective relies on: the chunk a rank receives is the one its left
+    neighbour sends (``(send - 1) % n``, as ``ring_all_reduce`` computes it), and no contribution is added twice."""
+    held = [[frozenset({r}) for _ in range(n)] for r in range(n)]
+    for phase in ("reduce_scatter", "all_gather"):
+        for step in range(n - 1):
+            sends = [ring_chunk_to_send(r, step, n, phase) for r in range(n)]
+            payload = [held[r][sends[r]] for r in range(n)]
+            for r in range(n):
+                left = (r - 1) % n
+                receive = (sends[r] - 1) % n
+                assert sends[left] == receive, (phase, step, r)
+                if phase == "reduce_scatter":
+                    assert not held[r][receive] & payload[left], (step, r)  # never counted twice
+                    held[r][receive] = held[r][receive] | payload[left]
+                else:
+                    held[r][receive] = payload[left]
+        if phase == "reduce_scatter":  # rank r now holds the full sum of chunk r + 1
+            assert all(held[r][(r + 1) % n] == frozenset(range(n)) for r in range(n))
+    return held
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_ring_indices_sum_every_chunk_on_every_rank(n):
+    held = _simulate_ring(n)
+    assert held == [[frozenset(range(n))] * n] * n
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_ring_chunk_to_send_forwards_what_arrived_last(n):
+    # step by step, not by formula: a rank first sends its own chunk r (reduce-scatter) or the chunk r + 1 it
+    # holds complete (all-gather), then always forwards the chunk that arrived from its left at the step before
+    for r in range(n):
+        for phase, first in (("reduce_scatter", r), ("all_gather", (r + 1) % n)):
+            expected, chunk = [], first
+            for _ in range(n - 1):
+                expected.append(chunk)
+                left_sent = ring_chunk_to_send((r - 1) % n, len(expected) - 1, n, phase)
+                chunk = left_sent  # what arrived is what goes out next
+            assert [ring_chunk_to_send(r, k, n, phase) for k in range(n - 1)] == expected, (phase, r)
+    assert ring_chunk_to_send(0, 0, n, "reduce_scatter") == 0 and ring_chunk_to_send(n - 1, 0, n, "all_gather") == 0
+
+
+def test_ring_chunk_to_send_bad_phase():
+    with pytest.raises(ValueError) as info:
+        ring_chunk_to_send(0, 0, 4, "broadcast")
+    assert str(info.value) == "phase must be one of ('reduce_scatter', 'all_gather'), got 'broadcast'"
+
 def _mismatched(rank, world_size):
     ring_all_reduce(torch.zeros(3 + rank))
 

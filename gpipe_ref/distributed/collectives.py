@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..checks import one_of
+
+RING_PHASES = ("reduce_scatter", "all_gather")
+
 
 def ring_chunk_to_send(rank: int, step: int, world_size: int, phase: str) -> int:
     """Which chunk ``rank`` sends at ``step`` (0-based) of the reduce-scatter or all-gather phase."""
-    if phase == "reduce_scatter":
-        return (rank - step) % world_size
-    if phase == "all_gather":
-        return (rank - step + 1) % world_size
-    raise ValueError(f"phase must be 'reduce_scatter' or 'all_gather', got {phase!r}")
+    one_of("phase", phase, RING_PHASES)
+    return (rank - step) % world_size if phase == "reduce_scatter" else (rank - step + 1) % world_size
 
 
 def check_same_shape(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..checks import positive_int
+
 
 @dataclass
 class ProcessGrid:
@@ -28,22 +30,23 @@ class ProcessGrid:
     @property
     def coords(self) -> tuple[int, int, int]:
         """(pp index, dp index, tp index) of this rank."""
-        return grid_coords(self.rank, self.dp, self.tp, self.pp)
+        return grid_coords(self.rank, self.dp, self.tp)
 
 
-def grid_coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+def grid_coords(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """(pp index, dp index, tp index) of ``rank``: tp varies fastest, then dp, then pp."""
     return rank // (dp * tp), (rank // tp) % dp, rank % tp
 
 
 def grid_rank(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int) -> int:
+    """The rank at grid coordinates (pp_index, dp_index, tp_index): the inverse of :func:`grid_coords`."""
     return pp_index * dp * tp + dp_index * tp + tp_index
 
 
 def make_grid(dp: int = 1, tp: int = 1, pp: int = 1) -> ProcessGrid:
     """Create the data-, tensor- and pipeline-parallel groups (every rank must call this)."""
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        positive_int(name, value)
     world = dist.get_world_size()
     if dp * tp * pp != world:
         raise ValueError(f"dp*tp*pp must equal the world size {world}, got {dp}*{tp}*{pp} = {dp * tp * pp}")

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..checks import positive_int
+
 
 class RankError(RuntimeError):
     """A rank raised or hung; ``rank`` names it and the message holds its traceback."""
@@ -83,8 +85,7 @@ def _child(fn, rank, world_size, args, backend, port, timeout, results, stack_di
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
            timeout: float = 60.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results in rank order."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    positive_int("world_size", world_size)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:

@@ -1,0 +1,95 @@
+"""checks.py: every argument check accepts what it should and refuses with "NAME must be RULE, got VALUE"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpipe_ref.checks import fraction, integer, non_negative, number, one_of, positive, positive_int
+
+NAN, INF = float("nan"), float("inf")
+
+
+def refused(check, *args, message: str, **kwargs) -> None:
+    with pytest.raises(ValueError) as info:
+        check(*args, **kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("value,minimum", [(0, 0), (7, 0), (-3, -3), (2**70, 1), (1, 1)])
+def test_integer_accepts_and_returns_the_value(value, minimum):
+    assert integer("n", value, minimum) == value and type(integer("n", value, minimum)) is int
+
+
+@pytest.mark.parametrize("value,shown", [(-1, "-1"), (True, "True"), (False, "False"), (1.0, "1.0"), (NAN, "nan"),
+                                         ("1", "'1'"), (None, "None")])
+def test_integer_refuses_below_the_minimum_bools_floats_nan_and_other_types(value, shown):
+    refused(integer, "n", value, message=f"n must be an integer >= 0, got {shown}")
+
+
+def test_integer_boundary_is_the_minimum():
+    assert integer("stages", 3, 3) == 3
+    refused(integer, "stages", 2, 3, message="stages must be an integer >= 3, got 2")
+
+
+def test_positive_int():
+    assert positive_int("chunks", 1) == 1 and positive_int("chunks", 64) == 64
+    refused(positive_int, "chunks", 0, message="chunks must be an integer >= 1, got 0")
+    refused(positive_int, "chunks", -2, message="chunks must be an integer >= 1, got -2")
+    refused(positive_int, "chunks", True, message="chunks must be an integer >= 1, got True")
+    refused(positive_int, "chunks", 2.0, message="chunks must be an integer >= 1, got 2.0")
+    refused(positive_int, "chunks", NAN, message="chunks must be an integer >= 1, got nan")
+    refused(positive_int, "chunks", "4", message="chunks must be an integer >= 1, got '4'")
+
+
+def test_number():
+    assert number("x", 0) == 0 and number("x", 2.5) == 2.5 and number("x", INF) == INF
+    assert number("x", -1.5, -2) == -1.5 and number("x", 3, 2, strict=True) == 3
+    refused(number, "x", -0.1, message="x must be a number >= 0, got -0.1")
+    refused(number, "x", 2, 2, strict=True, message="x must be a number > 2, got 2")
+    refused(number, "x", 0.25, 0.5, message="x must be a number >= 0.5, got 0.25")
+    refused(number, "x", NAN, message="x must be a number >= 0, got nan")
+    refused(number, "x", True, message="x must be a number >= 0, got True")
+    refused(number, "x", "1", message="x must be a number >= 0, got '1'")
+    refused(number, "x", None, message="x must be a number >= 0, got None")
+
+
+def test_non_negative():
+    assert non_negative("cost", 0) == 0 and non_negative("cost", 0.0) == 0.0 and non_negative("cost", 3) == 3
+    refused(non_negative, "cost", -1e-9, message="cost must be a number >= 0, got -1e-09")
+    refused(non_negative, "cost", NAN, message="cost must be a number >= 0, got nan")
+    refused(non_negative, "cost", False, message="cost must be a number >= 0, got False")
+    refused(non_negative, "cost", [1], message="cost must be a number >= 0, got [1]")
+
+
+def test_positive():
+    assert positive("lr", 1e-12) == 1e-12 and positive("lr", 3) == 3 and positive("lr", INF) == INF
+    refused(positive, "lr", 0, message="lr must be a number > 0, got 0")
+    refused(positive, "lr", 0.0, message="lr must be a number > 0, got 0.0")
+    refused(positive, "lr", -2, message="lr must be a number > 0, got -2")
+    refused(positive, "lr", NAN, message="lr must be a number > 0, got nan")
+    refused(positive, "lr", True, message="lr must be a number > 0, got True")
+    refused(positive, "lr", "0.1", message="lr must be a number > 0, got '0.1'")
+
+
+def test_fraction():
+    assert fraction("efficiency", 1) == 1 and fraction("efficiency", 0.5) == 0.5
+    assert fraction("efficiency", math.ulp(0.0)) == math.ulp(0.0)  # (0, 1]: anything above 0
+    for bad, shown in [(0, "0"), (0.0, "0.0"), (1.0000001, "1.0000001"), (-0.5, "-0.5"), (NAN, "nan"),
+                       (INF, "inf"), (True, "True"), ("0.5", "'0.5'"), (None, "None")]:
+        refused(fraction, "efficiency", bad, message=f"efficiency must be a number in (0, 1], got {shown}")
+
+
+def test_one_of():
+    assert one_of("mode", "never", ("always", "never")) == "never"
+    assert one_of("backend", None, ["gloo", None]) is None
+    assert one_of("mode", "a", iter(["a", "b"])) == "a"  # any iterable, read once
+    assert one_of("mode", "b", {"b": 1}) == "b"  # a dict's keys
+    refused(one_of, "mode", "sometimes", ("always", "never"),
+            message="mode must be one of ('always', 'never'), got 'sometimes'")
+    refused(one_of, "mode", "A", ["a"], message="mode must be one of ('a',), got 'A'")  # case matters
+    refused(one_of, "mode", ["a"], ("a",), message="mode must be one of ('a',), got ['a']")
+    refused(one_of, "mode", ["a"], frozenset({"a"}), message="mode must be one of ('a',), got ['a']")  # unhashable
+    refused(one_of, "mode", float("nan"), (NAN,), message="mode must be one of (nan,), got nan")  # NaN equals nothing
+    refused(one_of, "mode", "x", (), message="mode must be one of (), got 'x'")
