@@ -53,16 +53,16 @@ class SchedulePlayground(Dashboard):
             self.verdict.value = f"<span style='color:#b00'>{error}</span>"
 
     def redraw(self) -> None:
-        """Judge and simulate the typed schedule."""
+        """Judge and simulate the typed schedule. The verdict is set last, so a page that shows
+        the new verdict already shows its highlights, timeline and table (widgets update in order)."""
         result = self.analysis = analyse(self.text.value)
         self.run_result.value = ""
         self.run.disabled = not result.valid
         if not result.valid:
-            self.verdict.value = f"<b style='color:#b00'>&#10007; {html.escape(result.verdict())}</b>"
             self.marked.value = result.highlighted_html() if result.offending else ""
             self.picture.value = self.table.value = ""
+            self.verdict.value = f"<b style='color:#b00'>&#10007; {html.escape(result.verdict())}</b>"
             return
-        self.verdict.value = f"<b style='color:#070'>&#10003; {html.escape(result.verdict())}</b>"
         self.marked.value = ""
         self.picture.value = timeline_svg(result.timeline, title="your schedule")
         t = result.timeline
@@ -71,6 +71,7 @@ class SchedulePlayground(Dashboard):
         self.table.value = ("<table><tr><th>schedule</th><th>bubble</th><th>peak in flight per device</th></tr>"
                             + "".join(f"<tr><td>{n}</td><td>{b:.2%}</td><td>{p}</td></tr>" for n, b, p in rows)
                             + "</table>")
+        self.verdict.value = f"<b style='color:#070'>&#10003; {html.escape(result.verdict())}</b>"
 
     def run_executor(self) -> float | None:
         """Run the typed schedule on GPipe (simulated devices); show the gradient difference from one device."""
