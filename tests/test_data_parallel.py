@@ -77,6 +77,17 @@ def test_data_parallel_timeline_keeps_all_reduces_apart_from_compute():
     assert timeline.busy(0) == pytest.approx(compute)  # the all-reduces are not compute
     assert timeline.bubble_fraction == pytest.approx(1 - compute / timeline.makespan)
     assert 0 <= timeline.overlap(0) <= timeline.comm_time(0)
+    merged = []  # the all-reduces' union, then its intersection with F and B, by hand
+    for t in sorted(timeline.comm, key=lambda t: t.start):
+        if merged and t.start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t.end)
+        else:
+            merged.append([t.start, t.end])
+    assert timeline.comm_time(0) == pytest.approx(sum(end - start for start, end in merged))
+    hidden = sum(max(0.0, min(e.end, end) - max(e.start, start)) for e in timeline.events for start, end in merged)
+    assert timeline.overlap(0) == pytest.approx(hidden)
+    assert timeline.exposed_comm(0) == pytest.approx(timeline.comm_time(0) - hidden)
+    assert timeline.comm[0].start < timeline.events[-1].end  # bucket 0 is reduced while the backward runs
 
 
 def _ddp_with_an_unused_layer(rank, world_size):

@@ -15,6 +15,7 @@ def test_scatter_gives_exactly_chunks_pieces_differing_by_at_most_one(n, chunks)
     assert len(parts) == chunks
     assert [len(p) for p in parts] == sizes(x, chunks)
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [len(p) for p in parts] == [n // chunks + 1] * (n % chunks) + [n // chunks] * (chunks - n % chunks)
     assert torch.equal(gather(parts), x)
 
 

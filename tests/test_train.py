@@ -45,6 +45,8 @@ def test_train_command_line():
                              "--microbatches", "4", "--reference"], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("loss") >= 4 and "largest difference" in result.stdout
+    steps = [line.split() for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [(words[:2], words[2]) for words in steps] == [(["step", str(k)], "loss") for k in range(3)]  # one per step
     worst = float(result.stdout.rsplit("largest difference", 1)[1].strip())
     assert worst <= 1e-5
 
