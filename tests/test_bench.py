@@ -28,8 +28,12 @@ def test_quick_bench_writes_json_and_plot(tmp_path):
         assert KEYS <= set(case), case
         if not case.get("skipped"):
             assert case["ours_s"] > 0 and case["ratio"] > 0
+            if "ours_min_max_s" in case:  # timed cases: a median of the repetitions
+                low, high = case["ours_min_max_s"]
+                assert low <= case["ours_s"] <= high
     speedups = [c for c in data["cases"] if "speedup" in c]
     assert all(c["theory"] == 2 * c["config"]["microbatches"] / (c["config"]["microbatches"] + 1) for c in speedups)
+    assert all(abs(c["ratio"] - c["speedup"] / c["theory"]) <= 1e-12 for c in speedups)
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert "targets met:" in result.stdout
 

@@ -52,9 +52,11 @@ def test_a_registered_schedule_is_offered_everywhere(lifo):
     _, commands = build_parsers()  # CLI choices are read when the parser is built
     for command in ("simulate", "train"):
         assert "gpipe_lifo" in commands[command].format_help()
-    plan = estimate(ModelConfig(layers=8, hidden=256, heads=8, batch=16, seq_len=128, vocab=1000),
-                    ClusterConfig(gpus=4), dp=1, tp=1, pp=4, schedule="gpipe_lifo")
-    assert plan.schedule == "gpipe_lifo" and plan.memory["activations"] > 0
+    sizes = dict(dp=1, tp=1, pp=4)
+    model, cluster = ModelConfig(layers=8, hidden=256, heads=8, batch=16, seq_len=128, vocab=1000), ClusterConfig(gpus=4)
+    plan = estimate(model, cluster, schedule="gpipe_lifo", **sizes)
+    assert plan.schedule == "gpipe_lifo"  # same memory formula as GPipe's, so the same plan otherwise
+    assert plan.memory == estimate(model, cluster, schedule="gpipe", **sizes).memory
     assert f"{__name__}.last_in_first_out" in schedule_generators()  # learners may not call it
 
 

@@ -68,6 +68,10 @@ def test_chrome_trace_has_one_named_track_per_device(tmp_path):
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == 12 and {e["tid"] for e in spans} == {0, 1, 2}
     assert all(e["dur"] > 0 and e["ts"] >= 0 and e["pid"] == 0 for e in spans)
+    # one cost unit is drawn as 1 ms = 1000 us: F costs 1, a full B 2
+    simulated = {e.label: e for e in simulate(gpipe(3, 2)).events}
+    assert all(e["dur"] == (1000.0 if e["cat"] == "F" else 2000.0) for e in spans)
+    assert all(e["ts"] == simulated[e["name"]].start * 1000.0 for e in spans)
     assert spans[0]["name"] in {"0F0"} and spans[0]["cat"] == "F"
 
 
