@@ -234,8 +234,9 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     losses, times = [], []
     if variant in ("gpipe", "1f1b"):
         schedule = (gpipe if variant == "gpipe" else one_f_one_b)(stages, microbatches)
-        step_time = simulate(schedule, cost).makespan
-        last_forward_end = {e.microbatch: e.end for e in simulate(schedule, cost).events
+        simulated = simulate(schedule, cost)
+        step_time = simulated.makespan
+        last_forward_end = {e.microbatch: e.end for e in simulated.events
                             if e.op == "F" and e.stage == stages - 1}
         for k in range(steps):
             chunk = slice(k * microbatches, (k + 1) * microbatches)

@@ -10,7 +10,7 @@ read the same way.
 
 The bubble fraction is the share of device time spent not computing,
 ``1 - compute / (num_devices * makespan)`` (GPipe, Huang et al. 2019,
-sec. 2.2); time a device only communicates counts as bubble.
+sec. 2.3); time a device only communicates counts as bubble.
 """
 
 from __future__ import annotations

@@ -206,5 +206,5 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-__all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "checkpoint_modes", "config_from_args", "train_reference",
-           "train_worker", "run", "asdict"]
+__all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "checkpoint_modes", "config_from_args",
+           "train_reference", "train_worker", "run", "asdict"]
