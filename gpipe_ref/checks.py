@@ -7,6 +7,7 @@ reads the same: ``"chunks must be an integer >= 1, got 0"``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, TypeVar
 
 __all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "one_of"]
@@ -26,28 +27,31 @@ def positive_int(name: str, value: object) -> int:
     return integer(name, value, 1)
 
 
-def number(name: str, value: object, minimum: float = 0.0, *, strict: bool = False) -> float:
-    """A real number ``>= minimum`` (``> minimum`` when ``strict``); NaN is refused."""
+def number(name: str, value: object, minimum: float = 0.0, *, strict: bool = False,
+           finite: bool = True) -> float:
+    """A real number ``>= minimum`` (``> minimum`` when ``strict``). NaN is always refused,
+    infinity unless ``finite=False`` (a limit that may be "none")."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (
         value > minimum if strict else value >= minimum)  # NaN fails both comparisons
-    if not ok:
+    if not ok or (finite and not math.isfinite(value)):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-        raise ValueError(f"{name} must be a number {bound}, got {value!r}")
+        kind = "a finite number" if finite else "a number"
+        raise ValueError(f"{name} must be {kind} {bound}, got {value!r}")
     return value
 
 
 def non_negative(name: str, value: object) -> float:
-    """A number >= 0 (a cost, a time)."""
+    """A finite number >= 0 (a cost, a time)."""
     return number(name, value, 0.0)
 
 
 def positive(name: str, value: object) -> float:
-    """A number > 0 (a learning rate, a timeout)."""
+    """A finite number > 0 (a learning rate, a timeout)."""
     return number(name, value, 0.0, strict=True)
 
 
 def fraction(name: str, value: object) -> float:
-    """A number in (0, 1] (an efficiency, a usable share)."""
+    """A number in (0, 1] (an efficiency, a usable share); NaN fails the comparison."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
     return value

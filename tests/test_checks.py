@@ -44,33 +44,39 @@ def test_positive_int():
 
 
 def test_number():
-    assert number("x", 0) == 0 and number("x", 2.5) == 2.5 and number("x", INF) == INF
+    assert number("x", 0) == 0 and number("x", 2.5) == 2.5 and number("x", 1e308) == 1e308
+    assert number("x", INF, finite=False) == INF  # a limit that may be "none"
+    refused(number, "x", INF, message="x must be a finite number >= 0, got inf")
+    refused(number, "x", -INF, -INF, message="x must be a finite number >= -inf, got -inf")
+    refused(number, "x", NAN, finite=False, message="x must be a number >= 0, got nan")
     assert number("x", -1.5, -2) == -1.5 and number("x", 3, 2, strict=True) == 3
-    refused(number, "x", -0.1, message="x must be a number >= 0, got -0.1")
-    refused(number, "x", 2, 2, strict=True, message="x must be a number > 2, got 2")
-    refused(number, "x", 0.25, 0.5, message="x must be a number >= 0.5, got 0.25")
-    refused(number, "x", NAN, message="x must be a number >= 0, got nan")
-    refused(number, "x", True, message="x must be a number >= 0, got True")
-    refused(number, "x", "1", message="x must be a number >= 0, got '1'")
-    refused(number, "x", None, message="x must be a number >= 0, got None")
+    refused(number, "x", -0.1, message="x must be a finite number >= 0, got -0.1")
+    refused(number, "x", 2, 2, strict=True, message="x must be a finite number > 2, got 2")
+    refused(number, "x", 0.25, 0.5, message="x must be a finite number >= 0.5, got 0.25")
+    refused(number, "x", NAN, message="x must be a finite number >= 0, got nan")
+    refused(number, "x", True, message="x must be a finite number >= 0, got True")
+    refused(number, "x", "1", message="x must be a finite number >= 0, got '1'")
+    refused(number, "x", None, message="x must be a finite number >= 0, got None")
 
 
 def test_non_negative():
     assert non_negative("cost", 0) == 0 and non_negative("cost", 0.0) == 0.0 and non_negative("cost", 3) == 3
-    refused(non_negative, "cost", -1e-9, message="cost must be a number >= 0, got -1e-09")
-    refused(non_negative, "cost", NAN, message="cost must be a number >= 0, got nan")
-    refused(non_negative, "cost", False, message="cost must be a number >= 0, got False")
-    refused(non_negative, "cost", [1], message="cost must be a number >= 0, got [1]")
+    refused(non_negative, "cost", -1e-9, message="cost must be a finite number >= 0, got -1e-09")
+    refused(non_negative, "cost", INF, message="cost must be a finite number >= 0, got inf")
+    refused(non_negative, "cost", NAN, message="cost must be a finite number >= 0, got nan")
+    refused(non_negative, "cost", False, message="cost must be a finite number >= 0, got False")
+    refused(non_negative, "cost", [1], message="cost must be a finite number >= 0, got [1]")
 
 
 def test_positive():
-    assert positive("lr", 1e-12) == 1e-12 and positive("lr", 3) == 3 and positive("lr", INF) == INF
-    refused(positive, "lr", 0, message="lr must be a number > 0, got 0")
-    refused(positive, "lr", 0.0, message="lr must be a number > 0, got 0.0")
-    refused(positive, "lr", -2, message="lr must be a number > 0, got -2")
-    refused(positive, "lr", NAN, message="lr must be a number > 0, got nan")
-    refused(positive, "lr", True, message="lr must be a number > 0, got True")
-    refused(positive, "lr", "0.1", message="lr must be a number > 0, got '0.1'")
+    assert positive("lr", 1e-12) == 1e-12 and positive("lr", 3) == 3
+    refused(positive, "lr", 0, message="lr must be a finite number > 0, got 0")
+    refused(positive, "lr", 0.0, message="lr must be a finite number > 0, got 0.0")
+    refused(positive, "lr", -2, message="lr must be a finite number > 0, got -2")
+    refused(positive, "lr", INF, message="lr must be a finite number > 0, got inf")
+    refused(positive, "lr", NAN, message="lr must be a finite number > 0, got nan")
+    refused(positive, "lr", True, message="lr must be a finite number > 0, got True")
+    refused(positive, "lr", "0.1", message="lr must be a finite number > 0, got '0.1'")
 
 
 def test_fraction():

@@ -146,11 +146,11 @@ def test_async_events_carry_weight_versions():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"forward": -1.0}, "forward must be a number >= 0, got -1.0"),
-    ({"backward_input": -0.5}, "backward_input must be a number >= 0, got -0.5"),
-    ({"comm": float("nan")}, "comm must be a number >= 0, got nan"),
-    ({"backward_weight": "1"}, "backward_weight must be a number >= 0, got '1'"),
-    ({"stage_scale": (1.0, -2.0)}, r"stage_scale\[1\] must be a number >= 0, got -2.0"),
+    ({"forward": -1.0}, "forward must be a finite number >= 0, got -1.0"),
+    ({"backward_input": -0.5}, "backward_input must be a finite number >= 0, got -0.5"),
+    ({"comm": float("nan")}, "comm must be a finite number >= 0, got nan"),
+    ({"backward_weight": "1"}, "backward_weight must be a finite number >= 0, got '1'"),
+    ({"stage_scale": (1.0, -2.0)}, r"stage_scale\[1\] must be a finite number >= 0, got -2.0"),
 ])
 def test_cost_model_rejects_bad_costs(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -106,7 +106,7 @@ def test_async_learns_faster_per_sample_and_loss_falls_tenfold():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="lr must be a number > 0, got 0"):
+    with pytest.raises(ValueError, match="lr must be a finite number > 0, got 0"):
         StagedTrainer(default_model(), [2, 2, 2, 2], 0)
     with pytest.raises(TypeError, match="module must be an nn.Sequential"):
         StagedTrainer(nn.Linear(2, 2), [1], 0.1)
