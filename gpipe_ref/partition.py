@@ -15,6 +15,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .checks import non_negative, positive_int
+
 
 def _check_sequential(module: object) -> nn.Sequential:
     if not isinstance(module, nn.Sequential):
@@ -48,14 +50,18 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     return stages
 
 
+def _check_partitions(partitions: object, layers: int) -> None:
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= layers:
+        raise ValueError(f"partitions must be an integer from 1 to the number of layers {layers}, got {partitions!r}")
+
+
 def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
     """The contiguous split of ``costs`` into ``partitions`` non-empty parts that
     minimises the largest part's sum; returns the part sizes."""
     n = len(costs)
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= n:
-        raise ValueError(f"partitions must be an integer from 1 to the number of layers {n}, got {partitions!r}")
-    if any(c < 0 for c in costs):
-        raise ValueError(f"costs must be >= 0, got {list(costs)}")
+    _check_partitions(partitions, n)
+    for i, c in enumerate(costs):
+        non_negative(f"costs[{i}]", c)
 
     prefix = [0.0]
     for c in costs:
@@ -99,11 +105,14 @@ def balance_by_params(module: nn.Sequential, partitions: int) -> list[int]:
     return partition_costs(costs, partitions)
 
 
-def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int, repeats: int = 3) -> list[int]:
-    """Balance by measured forward + backward time per layer (median of ``repeats``) on ``sample``."""
+def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Each layer's forward + backward time in seconds on ``sample`` (median of ``repeats``).
+
+    The model's ``.grad`` is left untouched: gradients are computed and dropped."""
     _check_sequential(module)
     if not isinstance(sample, torch.Tensor):
         raise TypeError(f"sample must be a tensor, got {type(sample).__name__}")
+    positive_int("repeats", repeats)
     costs = []
     x = sample
     for layer in module:
@@ -113,11 +122,18 @@ def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int
             began = time.perf_counter()
             out = layer(inp)
             wrt = [t for t in (inp, *layer.parameters()) if t.requires_grad]
-            if out.requires_grad and wrt:  # gradients computed and dropped: the model's .grad stays untouched
+            if out.requires_grad and wrt:
                 torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
             times.append(time.perf_counter() - began)
         costs.append(sorted(times)[len(times) // 2])
         x = out.detach()
-    return partition_costs(costs, partitions)
+    return costs
+
+
+def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int, repeats: int = 3) -> list[int]:
+    """Balance by measured forward + backward time per layer (:func:`layer_times`)."""
+    _check_sequential(module)
+    _check_partitions(partitions, len(module))  # before spending time measuring
+    return partition_costs(layer_times(module, sample, repeats), partitions)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.partition import balance_by_params, balance_by_time, partition_costs, split
+from gpipe_ref.partition import balance_by_params, balance_by_time, layer_times, partition_costs, split
 
 
 def _largest_part(costs, part_sizes):
@@ -57,10 +57,27 @@ def test_split_and_balance_by_params():
         balance_by_params(nn.Linear(2, 2), 1)
 
 
-def test_balance_by_time_separates_the_slow_layers():
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.ReLU(), nn.ReLU(), nn.ReLU(), nn.ReLU())
-    balance = balance_by_time(model, torch.randn(256, 512), 2)
-    assert balance[0] == 1 and sum(balance) == 6  # the two matmuls dominate: one per stage
-    assert all(p.grad is None for p in model.parameters())  # profiling leaves the model untouched
+def test_layer_times_measures_each_layer_and_leaves_the_model_untouched():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    times = layer_times(model, torch.randn(32, 64), repeats=3)
+    assert len(times) == 3 and all(isinstance(t, float) and t > 0 for t in times)
+    assert all(p.grad is None for p in model.parameters())  # gradients computed and dropped
     with pytest.raises(TypeError, match="sample must be a tensor, got list"):
-        balance_by_time(model, [1], 2)
+        layer_times(model, [1])
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        layer_times(model, torch.randn(2, 64), repeats=0)
+
+
+def test_balance_by_time_partitions_the_measured_times(monkeypatch):
+    """Which layer is slower is a measurement (the benchmark's business, flaky under load);
+    what balance_by_time adds is the exact partition of those times."""
+    import gpipe_ref.partition as partition
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU(), nn.ReLU(), nn.ReLU(), nn.ReLU())
+    measured = [5.0, 5.0, 0.1, 0.1, 0.1, 0.1]
+    monkeypatch.setattr(partition, "layer_times", lambda module, sample, repeats: measured)
+    assert balance_by_time(model, torch.randn(4, 8), 2) == partition_costs(measured, 2) == [1, 5]
+    with pytest.raises(ValueError, match="partitions must be an integer from 1 to the number of layers 6, got 7"):
+        balance_by_time(model, torch.randn(4, 8), 7)
+    with pytest.raises(ValueError, match=r"costs\[1\] must be a finite number >= 0, got nan"):
+        partition_costs([1.0, float("nan")], 2)
