@@ -7,7 +7,12 @@ import re
 from gpipe_ref.widgets.staleness import StalenessExplorer
 
 
-def test_staleness_explorer_readout_follows_the_controls():
+def test_staleness_explorer_readout_follows_the_controls(monkeypatch):
+    import gpipe_ref.staleness as staleness
+
+    trained = []
+    convergence = staleness.convergence
+    monkeypatch.setattr(staleness, "convergence", lambda variant, **kw: trained.append(variant) or convergence(variant, **kw))
     ex = StalenessExplorer(stages=2, microbatches=4, lr=0.2, steps=4)
     text = re.sub(r"<[^>]+>", "", ex.readout.value)
     assert "weight stashing on" in text and "versions held per stage [2, 1]" in text
@@ -20,9 +25,10 @@ def test_staleness_explorer_readout_follows_the_controls():
     assert "vertical sync on" in re.sub(r"<[^>]+>", "", ex.readout.value)
     ex.microbatches.value = 6
     assert ex.heat.value.count("<td") == 2 * 6 and "<svg" in ex.picture.value and "<polyline" in ex.curves.value
+    assert trained == ["pipedream_stash", "gpipe", "pipedream_no_stash", "pipedream_vertical_sync"]
     ex.weight_stashing.value = True  # cached: redraws without training again
     ex.vertical_sync.value = False
-    assert ex.last_redraw_s < 1.0
+    assert len(trained) == 4 and "weight stashing on" in re.sub(r"<[^>]+>", "", ex.readout.value)
 
 
 def test_the_drawn_versions_are_the_ones_the_trainer_used():
