@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
+from typing import NamedTuple
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gpipe_ref.distributed import RankError, launch
-from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
+from gpipe_ref.distributed.pipeline_parallel import PipelineParallel, TiedParameter
 from gpipe_ref.models import mlp, regression_data
 
 pytestmark = pytest.mark.timeout(240)
@@ -104,3 +109,382 @@ def _forward_refused(rank, world_size):
 def test_forward_alone_is_refused_with_a_clear_error():
     with pytest.raises(RankError, match="call step"):
         launch(_forward_refused, 2, timeout=30)
+
+
+# -- tied parameters: one Parameter used by stages on several ranks ----------------------------------
+
+WIDTH, VOCAB = 5, 7
+
+
+class Case(NamedTuple):
+    """A float64 model of blocks (Linear uses[i], Tanh): a Linear used twice is a tied layer;
+    (i, j) in ties gives Linear j the weight of Linear i (tied weights, own biases). lm=True
+    puts an Embedding first and ties the output Linear to it (tied input/output embeddings)."""
+
+    uses: tuple
+    balance: tuple  # blocks per stage
+    schedule: str = "gpipe"
+    chunks: int = 2
+    checkpoint: str = "never"
+    v: int = 1  # stages per rank
+    ties: tuple = ()
+    lm: bool = False
+    seed: int = 0
+
+
+def _build(case: Case):
+    """The model, its balance in layers, two batches and the loss: the same in every process."""
+    torch.manual_seed(case.seed)
+    linears = [nn.Linear(WIDTH, WIDTH, dtype=torch.float64) for _ in range(max(case.uses + sum(case.ties, ())) + 1)]
+    for i, j in case.ties:
+        linears[j].weight = linears[i].weight
+    layers = [layer for u in case.uses for layer in (linears[u], nn.Tanh())]
+    balance = [2 * blocks for blocks in case.balance]
+    generator = torch.Generator().manual_seed(case.seed + 1)
+    if case.lm:
+        embedding = nn.Embedding(VOCAB, WIDTH, dtype=torch.float64)
+        head = nn.Linear(WIDTH, VOCAB, bias=False, dtype=torch.float64)
+        head.weight = embedding.weight
+        layers = [embedding, *layers, head]
+        balance[0] += 1
+        balance[-1] += 1
+        batches = [(torch.randint(VOCAB, (7, 3), generator=generator),) * 2 for _ in range(2)]
+
+        def loss_fn(logits, tokens):
+            return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens.reshape(-1))
+    else:
+        batches = [(torch.randn(7, WIDTH, dtype=torch.float64, generator=generator),
+                    torch.randn(7, WIDTH, dtype=torch.float64, generator=generator)) for _ in range(2)]
+        loss_fn = nn.MSELoss()
+    return nn.Sequential(*layers), balance, batches, loss_fn
+
+
+def _stage_weights(case: Case) -> list[list[int]]:
+    """Which Linear weight each stage uses (the blocks of its balance)."""
+    weight = {j: i for i, j in case.ties}
+    starts = [sum(case.balance[:s]) for s in range(len(case.balance) + 1)]
+    return [[weight.get(u, u) for u in case.uses[starts[s]:starts[s + 1]]] for s in range(len(case.balance))]
+
+
+def _random_cases(count: int, seed: int) -> list[Case]:
+    """Random 2-rank cases with at least one weight used on both ranks. Zero bubble's split
+    backward cannot yet run a weight used twice within one stage (a limit of gpipe_ref.pipeline's
+    W action), so those cases use it in different stages only."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        schedule, v = rng.choice([("gpipe", 1), ("1f1b", 1), ("zero_bubble_h1", 1), ("interleaved_1f1b", 2)])
+        balance = tuple(rng.randint(1, 2) for _ in range(2 * v))
+        linears = rng.randint(1, sum(balance))
+        uses = tuple(rng.randrange(linears) for _ in range(sum(balance)))
+        ties = (tuple(sorted(rng.sample(range(linears), 2))),) if linears > 1 and rng.random() < 0.5 else ()
+        chunks = rng.choice([2, 4]) if v == 2 else rng.randint(1, 4)
+        case = Case(uses, balance, schedule, chunks, rng.choice(["never", "always", "except_last"]), v, ties,
+                    seed=len(cases))
+        stages = _stage_weights(case)
+        on_ranks = [{w for s, ws in enumerate(stages) if s % 2 == rank for w in ws} for rank in range(2)]
+        doubled = any(len(set(ws)) < len(ws) for ws in stages)
+        if on_ranks[0] & on_ranks[1] and not (schedule == "zero_bubble_h1" and doubled):
+            cases.append(case)
+    return cases
+
+
+GRADIENT_CASES = [
+    Case(uses=(0, 1, 0), balance=(2, 1), chunks=3),  # one Linear in stage 0 and stage 1
+    Case(uses=(0, 1), balance=(1, 1), schedule="1f1b", chunks=2, lm=True),  # tied input/output embeddings
+    Case(uses=(0, 1, 2, 3), balance=(1, 1, 1, 1), schedule="interleaved_1f1b", v=2, chunks=4,
+         ties=((0, 2),)),  # weights tied within rank 0 (stages 0 and 2)
+    Case(uses=(0, 0, 1), balance=(2, 1), schedule="1f1b", chunks=3),  # a Linear twice within stage 0
+    Case(uses=(0, 1, 2), balance=(1, 2), schedule="zero_bubble_h1", chunks=3, checkpoint="always",
+         ties=((0, 2),)),
+] + _random_cases(8, seed=13)
+
+TRAINING_CASES = [  # (case, optimizer): model[0]'s parameter (first Linear, or the Embedding) is tied across ranks
+    (Case(uses=(0, 1, 0), balance=(2, 1), schedule="1f1b", chunks=3, checkpoint="except_last"), "sgd"),
+    (Case(uses=(0, 1, 2, 0), balance=(2, 2), schedule="zero_bubble_h1", chunks=2), "adam"),
+    (Case(uses=(0, 1), balance=(1, 1), chunks=3, lm=True), "adam"),
+]
+
+
+def _optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+@contextlib.contextmanager
+def _counting(names=("new_group", "all_reduce", "broadcast")):
+    """Count this process's calls of torch.distributed functions (as PipelineParallel calls them)."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _named(model: nn.Module, params, attribute: str | None = None) -> dict[str, torch.Tensor]:
+    """The parameters (or their .grad) under their names in the full model."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: (getattr(p, attribute) if attribute else p).detach().clone() for p in params
+            if not attribute or getattr(p, attribute) is not None}
+
+
+def _pipe_for(case: Case, model, balance, **kwargs):
+    return PipelineParallel(model, balance, chunks=case.chunks, schedule=case.schedule, stages_per_device=case.v,
+                            checkpoint=case.checkpoint, **kwargs)
+
+
+def _tied_two_ranks(rank, world_size):
+    gradients = []
+    for case in GRADIENT_CASES:  # two steps without zero_grad: the second accumulates onto the first
+        model, balance, batches, loss_fn = _build(case)
+        with _counting() as counts:
+            pipe = _pipe_for(case, model, balance)
+            grads = []
+            for x, y in batches:
+                pipe.step(x, y, loss_fn)
+                grads.append(_named(model, pipe.parameters(), "grad"))
+        gradients.append((pipe.tied, grads, dict(counts), pipe.extra_repr()))
+    trained = []
+    for case, optimizer_name in TRAINING_CASES:
+        model, balance, batches, loss_fn = _build(case)
+        if rank == 1:  # a copy that starts different is overwritten by rank 0's at construction
+            with torch.no_grad():
+                model[0].weight.add_(0.5)
+        pipe = _pipe_for(case, model, balance)
+        optimizer = _optimizer(optimizer_name, pipe.parameters())
+        for x, y in [*batches, batches[0]]:  # three steps
+            optimizer.zero_grad()
+            pipe.step(x, y, loss_fn)
+            optimizer.step()
+        trained.append(_named(model, pipe.parameters()))
+    with _counting() as counts:  # no tied weights: no group, no all-reduce, one broadcast (the loss)
+        pipe = PipelineParallel(mlp(16, 4, seed=3), [4, 4], chunks=2)
+        pipe.step(*regression_data(4, 16, seed=0), nn.MSELoss())
+    return gradients, trained, (pipe.tied, dict(counts), pipe.extra_repr())
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(_tied_two_ranks, 2, timeout=120)
+
+
+def _single_process_grads(case: Case) -> list[dict[str, torch.Tensor]]:
+    model, _, batches, loss_fn = _build(case)
+    grads = []
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        grads.append(_named(model, model.parameters(), "grad"))
+    return grads
+
+
+def test_tied_parameters_get_the_single_process_gradient_on_every_rank(two_ranks):
+    for c, case in enumerate(GRADIENT_CASES):
+        expected = _single_process_grads(case)
+        tied = two_ranks[0][0][c][0]
+        for step in range(2):
+            holders: dict[str, list[int]] = {}
+            for rank, (gradients, _, _) in enumerate(two_ranks):
+                assert gradients[c][0] == tied, case  # every rank lists the same ties
+                for name, grad in gradients[c][1][step].items():
+                    holders.setdefault(name, []).append(rank)
+                    assert (grad - expected[step][name]).abs().max().item() <= 1e-12, (case, step, name)
+                    # every copy is the same bits
+                    assert torch.equal(grad, two_ranks[holders[name][0]][0][c][1][step][name]), (case, name)
+            assert sorted(holders) == sorted(expected[step]), case
+            shared = {name: tuple(ranks) for name, ranks in holders.items() if len(ranks) > 1}
+            assert shared == {t.name: t.ranks for t in tied if len(t.ranks) > 1}, case
+            assert bool(shared) == (c not in (2, 3)), case  # all but cases 2 and 3 tie across the ranks
+
+
+def test_tied_parameters_are_listed_with_their_stages_and_ranks(two_ranks):
+    gradients = two_ranks[0][0]
+    assert gradients[0][0] == (TiedParameter("0.weight", (0, 1), (0, 1)), TiedParameter("0.bias", (0, 1), (0, 1)))
+    assert gradients[0][3].endswith(", tied: 0.weight on stages [0, 1] (ranks [0, 1]); "
+                                    "0.bias on stages [0, 1] (ranks [0, 1])")
+    assert gradients[1][0] == (TiedParameter("0.weight", (0, 1), (0, 1)),)  # the embedding and the output layer
+    assert gradients[2][0] == (TiedParameter("0.weight", (0, 2), (0,)),)  # within rank 0: nothing to reduce
+    assert gradients[3][0] == ()  # used twice by one stage: autograd adds the two uses
+    assert gradients[4][0] == (TiedParameter("0.weight", (0, 1), (0, 1)),)
+    tied, _, extra = two_ranks[0][2]
+    assert tied == () and "tied" not in extra
+
+
+def test_tied_parameters_cost_one_all_reduce_per_step_and_untied_models_nothing(two_ranks):
+    for rank, (gradients, _, untied) in enumerate(two_ranks):
+        # one bucket over the whole pipeline group: no new group, one broadcast at construction
+        # (plus the loss's per step), one all-reduce per step
+        assert gradients[0][2] == {"new_group": 0, "all_reduce": 2, "broadcast": 3}
+        assert gradients[2][2] == {"new_group": 0, "all_reduce": 0, "broadcast": 2}  # tied within a rank
+        assert gradients[3][2] == {"new_group": 0, "all_reduce": 0, "broadcast": 2}
+        assert untied[1] == {"new_group": 0, "all_reduce": 0, "broadcast": 1}
+
+
+def _single_process_training(case: Case, optimizer_name: str) -> dict[str, torch.Tensor]:
+    model, _, batches, loss_fn = _build(case)
+    optimizer = _optimizer(optimizer_name, model.parameters())
+    for x, y in [*batches, batches[0]]:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return _named(model, model.parameters())
+
+
+def test_tied_copies_start_equal_and_train_like_one_process(two_ranks):
+    for c, (case, optimizer_name) in enumerate(TRAINING_CASES):
+        expected = _single_process_training(case, optimizer_name)
+        held = [result[1][c] for result in two_ranks]
+        assert sorted({name for params in held for name in params}) == sorted(expected)
+        for params in held:
+            for name, value in params.items():
+                assert (value - expected[name]).abs().max().item() <= 1e-12, (case, optimizer_name, name)
+        shared = sorted(set(held[0]) & set(held[1]))
+        assert "0.weight" in shared
+        assert all(torch.equal(held[0][name], held[1][name]) for name in shared)  # the copies stay identical
+
+
+def _tied_four_ranks(rank, world_size):
+    results = {}
+    # The pipeline spans the world: stages 0 and 3 share Linear 0; ranks 0 and 3 get a group of
+    # their own, which all four ranks create.
+    for label, case in [("gpipe", Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), chunks=4)),
+                        ("1f1b", Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), schedule="1f1b", chunks=3,
+                                      checkpoint="always"))]:
+        model, balance, batches, loss_fn = _build(case)
+        with _counting() as counts:
+            pipe = _pipe_for(case, model, balance)
+            grads = []
+            for x, y in batches:
+                pipe.step(x, y, loss_fn)
+                grads.append(_named(model, pipe.parameters(), "grad"))
+        results[label] = (pipe.tied, grads, dict(counts))
+    case = Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), schedule="1f1b", chunks=3)
+    model, balance, batches, loss_fn = _build(case)
+    pipe = _pipe_for(case, model, balance)
+    optimizer = _optimizer("adam", pipe.parameters())
+    for x, y in [*batches, batches[0]]:
+        optimizer.zero_grad()
+        pipe.step(x, y, loss_fn)
+        optimizer.step()
+    results["adam"] = _named(model, pipe.parameters())
+    with _counting() as counts:
+        PipelineParallel(mlp(16, 4, seed=3), [2, 2, 2, 2], chunks=2)
+    results["untied"] = dict(counts)
+    # A pipeline on ranks 1-3 of the world (rank 0 idle): stages 0 and 2 (global ranks 1 and 3)
+    # share a Linear; no group can be made by all ranks here, so the pipeline group reduces it.
+    pipeline_group = dist.new_group([1, 2, 3])
+    if rank > 0:
+        case = Case(uses=(0, 1, 0), balance=(1, 1, 1), schedule="1f1b", chunks=3)
+        model, balance, batches, loss_fn = _build(case)
+        if rank == 3:
+            with torch.no_grad():
+                model[0].weight.add_(0.5)  # broadcast over: global rank 1's copy wins
+        with _counting() as counts:
+            pipe = _pipe_for(case, model, balance, group=pipeline_group)
+            grads = []
+            for x, y in batches:
+                pipe.step(x, y, loss_fn)
+                grads.append(_named(model, pipe.parameters(), "grad"))
+        results["subgroup"] = (pipe.tied, grads, dict(counts))
+    return results
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch(_tied_four_ranks, 4, timeout=180)
+
+
+def _check_gradients(case: Case, per_rank: list[list[dict]], expected_holders: dict[str, list[int]]) -> None:
+    expected = _single_process_grads(case)
+    for step in range(2):
+        holders: dict[str, list[int]] = {}
+        for rank, grads in enumerate(per_rank):
+            for name, grad in grads[step].items():
+                holders.setdefault(name, []).append(rank)
+                assert (grad - expected[step][name]).abs().max().item() <= 1e-12, (case, step, name, rank)
+        assert sorted(holders) == sorted(expected[step])
+        assert {n: r for n, r in holders.items() if len(r) > 1} == expected_holders
+
+
+def test_a_weight_tied_by_the_first_and_last_of_four_stages(four_ranks):
+    for label, case in [("gpipe", Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), chunks=4)),
+                        ("1f1b", Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), schedule="1f1b", chunks=3,
+                                      checkpoint="always"))]:
+        tied = (TiedParameter("0.weight", (0, 3), (0, 3)), TiedParameter("0.bias", (0, 3), (0, 3)))
+        assert all(result[label][0] == tied for result in four_ranks)
+        _check_gradients(case, [result[label][1] for result in four_ranks], {"0.weight": [0, 3], "0.bias": [0, 3]})
+        # every rank creates the group of ranks 0 and 3 (torch requires it); only they reduce and broadcast
+        assert [result[label][2] for result in four_ranks] == [
+            {"new_group": 1, "all_reduce": 2 * (rank in (0, 3)), "broadcast": 2 + (rank in (0, 3))}
+            for rank in range(4)]
+    assert [result["untied"]["new_group"] for result in four_ranks] == [0, 0, 0, 0]
+
+
+def test_four_stage_tie_trains_like_one_process(four_ranks):
+    expected = _single_process_training(Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), schedule="1f1b",
+                                             chunks=3), "adam")
+    held = [result["adam"] for result in four_ranks]
+    for params in held:
+        for name, value in params.items():
+            assert (value - expected[name]).abs().max().item() <= 1e-12, name
+    assert torch.equal(held[0]["0.weight"], held[3]["0.weight"]) and "0.weight" not in held[1]
+
+
+def test_a_pipeline_on_part_of_the_world_reduces_over_its_own_group(four_ranks):
+    case = Case(uses=(0, 1, 0), balance=(1, 1, 1), schedule="1f1b", chunks=3)
+    results = [result["subgroup"] for result in four_ranks[1:]]
+    assert all(tied == (TiedParameter("0.weight", (0, 2), (0, 2)), TiedParameter("0.bias", (0, 2), (0, 2)))
+               for tied, _, _ in results)
+    # pipeline ranks 0 and 2 hold it (global ranks 1 and 3); rank 3's different copy was replaced
+    _check_gradients(case, [grads for _, grads, _ in results], {"0.weight": [0, 2], "0.bias": [0, 2]})
+    # no new group: the whole pipeline group reduces, pipeline rank 1 adding zeros
+    assert [counts for _, _, counts in results] == [{"new_group": 0, "all_reduce": 2, "broadcast": 3}] * 3
+
+
+def _tied_refused(rank, world_size):
+    messages = []
+    batch_norm = nn.BatchNorm1d(4)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = nn.Parameter(a.weight.data)  # a second Parameter on the same storage, not a tie
+    c = nn.Linear(4, 4)
+    for model, balance in [(nn.Sequential(batch_norm, nn.Linear(4, 4), batch_norm), [2, 1]),
+                           (nn.Sequential(a, nn.Tanh(), b), [2, 1]),
+                           (nn.Sequential(c, nn.Linear(4, 4, bias=False), nn.Linear(4, 4)), [2, 1])]:
+        if model[0] is c:  # a bias viewing another layer's weight: two tensors of one storage
+            model[2].bias = nn.Parameter(c.weight.data[0])
+        try:
+            PipelineParallel(model, balance, chunks=2)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    # A buffer shared by two stages of one rank is fine (stages 0 and 2 of an interleaved schedule).
+    pipe = PipelineParallel(nn.Sequential(batch_norm, nn.Tanh(), batch_norm, nn.Tanh()), [1, 1, 1, 1], chunks=2,
+                            schedule="interleaved_1f1b", stages_per_device=2)
+    return messages, pipe.tied
+
+
+def test_what_a_per_rank_copy_cannot_keep_in_sync_is_refused():
+    for messages, tied in launch(_tied_refused, 2, timeout=60):
+        assert messages == [
+            "buffer '0.running_mean' is used by stages [0, 1] on ranks [0, 1]: PipelineParallel cannot keep a "
+            "buffer shared across ranks in sync (each rank would update its own copy); give each stage its own "
+            "module, or put these stages on one rank",
+            "'0.weight' and '2.weight' are different tensors sharing one storage, used on ranks [0, 1]: each rank "
+            "would update only its own copy; tie weights as one Parameter instead (e.g. head.weight = "
+            "embedding.weight), whose gradients PipelineParallel sums",
+            "'0.weight' and '2.bias' are different tensors sharing one storage, used on ranks [0, 1]: each rank "
+            "would update only its own copy; tie weights as one Parameter instead (e.g. head.weight = "
+            "embedding.weight), whose gradients PipelineParallel sums",
+        ]
+        assert tied == (TiedParameter("0.weight", (0, 2), (0,)), TiedParameter("0.bias", (0, 2), (0,)))

@@ -19,18 +19,32 @@ schedules, whose ranks exchange activations and gradients in both
 directions, match them on gloo. NCCL ignores tags and matches messages in
 order, which holds for one stage per rank; interleaved schedules over NCCL
 are untested here.
+
+Tied weights: a parameter used by stages on several ranks (one layer placed
+twice, or input and output embeddings sharing a weight, Press & Wolf 2017)
+exists once per rank, and each rank's backward gives only its own stages'
+share of its gradient. As Megatron-LM does for its "embedding group" (the
+first and last stages; Shoeybi et al. 2019 tie these embeddings), the shares
+are summed by an all-reduce over the ranks that share the parameter at the
+end of each step, so every copy holds the single-process gradient. The copies
+start equal (broadcast from the lowest sharing rank at construction), so the
+same optimizer keeps them equal. ``pipe.tied`` lists the tied parameters. A
+buffer shared across ranks, or two different tensors sharing one storage, is
+refused at construction: each rank would update its own copy.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..microbatch import Batch
+from ..partition import split
 from ..pipeline import GPipe, StepRun
 from ..schedule import Schedule
 from ..timeline import Event, Timeline
@@ -39,12 +53,35 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _HEADER = 10  # dtype code, ndim, up to 8 dimensions
 
 
+class TiedParameter(NamedTuple):
+    """A parameter that several stages use (tied weights): its first name in the
+    model, the stages that use it and their ranks in the pipeline group."""
+
+    name: str
+    stages: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+
+@dataclass
+class _TiedBucket:
+    """The tied parameters of one dtype shared by the same ranks: one all-reduce per step."""
+
+    ranks: tuple[int, ...]  # the ranks that hold them
+    group: object  # the process group that reduces them
+    joins: bool  # whether this rank takes part in the collective
+    src: int  # global rank of the lowest sharing rank, broadcast at construction
+    params: list  # the parameter, or None on a rank that holds no stage using it
+    shapes: list[torch.Size]
+    dtype: torch.dtype
+
+
 class PipelineParallel(GPipe):
     """``GPipe`` with one rank per pipeline device (build it on every rank of ``group``).
 
     ``group`` is the pipeline-parallel group (default: the world); its rank
     ``d`` is the schedule's device ``d``. The schedule's device count must
-    equal the group size.
+    equal the group size. Parameters used by stages on several ranks are
+    listed in ``tied`` and their gradients summed over those ranks by ``step``.
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
@@ -63,6 +100,10 @@ class PipelineParallel(GPipe):
         super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                          stages_per_device=stages_per_device, executor="auto", track_memory=track_memory)
         self.executor = "ranks"  # one process per pipeline device, no worker threads
+        ties = _find_ties(module, self.balance, self.schedule.stage_to_device)
+        self.tied: tuple[TiedParameter, ...] = tuple(tie for tie, _ in ties)
+        self._tied_buckets = self._make_buckets(ties)
+        self._broadcast_tied()
 
     def owns(self, stage: int) -> bool:
         """Whether this rank runs ``stage``: the schedule places it on this rank's device."""
@@ -79,16 +120,141 @@ class PipelineParallel(GPipe):
     def step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str = "mean") -> torch.Tensor:
         """Run this rank's actions; returns the mini-batch loss on every rank (summed over micro-batches
         on the last stage's rank and broadcast). ``inputs`` matter on the rank of stage 0,
-        ``targets`` on the rank of the last stage; passing the full batch everywhere is simplest."""
+        ``targets`` on the rank of the last stage; passing the full batch everywhere is simplest.
+        A tied parameter's gradient is summed over the ranks that share it (see ``tied``)."""
         run = _RankStepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
+        earlier = self._take_tied_grads()
         run.run_rank()
+        self._reduce_tied_grads(earlier)
         self.timeline = run.timeline
         last_rank = self.schedule.stage_to_device[-1]
         loss = run.total_loss() if self.rank == last_rank else torch.zeros(())
         loss = loss.detach().reshape(()).to(torch.float32).cpu()
-        dist.broadcast(loss, dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank,
-                       group=self.group)
+        dist.broadcast(loss, self._global_rank(last_rank), group=self.group)
         return loss
+
+    def extra_repr(self) -> str:
+        ties = "; ".join(f"{t.name} on stages {list(t.stages)} (ranks {list(t.ranks)})" for t in self.tied)
+        return super().extra_repr() + (f", tied: {ties}" if ties else "")
+
+
+    # -- tied parameters: the same Parameter in stages on several ranks ------------------------
+    def _global_rank(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def _make_buckets(self, ties: list[tuple[TiedParameter, nn.Parameter]]) -> list[_TiedBucket]:
+        """Group the parameters tied across ranks by (ranks, dtype); pick each bucket's process group.
+
+        Ranks sharing the whole pipeline group reduce over it (no new group). Otherwise, when the
+        pipeline group is the world, every rank is building this pipe now, so each calls
+        ``new_group`` for the same rank lists in the same order, as torch requires. A pipeline on
+        part of the world (next to data parallelism) cannot make all ranks call it, so it reduces
+        over its own group, the ranks that do not hold the parameter adding zeros."""
+        size = dist.get_world_size(self.group)
+        spans_world = size == dist.get_world_size()
+        keyed: dict[tuple, list[nn.Parameter]] = {}
+        for tie, param in ties:
+            if len(tie.ranks) > 1:
+                keyed.setdefault((tie.ranks, param.dtype), []).append(param)
+        groups: dict[tuple[int, ...], tuple] = {}
+        buckets = []
+        for (ranks, dtype), params in keyed.items():
+            if ranks not in groups:
+                if len(ranks) == size or not spans_world:
+                    groups[ranks] = (self.group, True)
+                else:
+                    groups[ranks] = (dist.new_group([self._global_rank(r) for r in ranks]), self.rank in ranks)
+            group, joins = groups[ranks]
+            held = self.rank in ranks
+            buckets.append(_TiedBucket(ranks, group, joins, self._global_rank(ranks[0]),
+                                       [p if held else None for p in params], [p.shape for p in params], dtype))
+        return buckets
+
+    def _flat(self, bucket: _TiedBucket, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """One buffer: each tensor flattened (zeros where absent), then one 0/1 flag per tensor."""
+        device = self.devices[self.rank]
+        parts = [t.reshape(-1) if t is not None else torch.zeros(shape.numel(), dtype=bucket.dtype, device=device)
+                 for t, shape in zip(tensors, bucket.shapes)]
+        flags = torch.tensor([float(t is not None) for t in tensors], dtype=bucket.dtype, device=device)
+        return torch.cat(parts + [flags])
+
+    def _unflat(self, bucket: _TiedBucket, flat: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        count = len(bucket.shapes)
+        pieces = flat[:-count].split([shape.numel() for shape in bucket.shapes])
+        return [(piece.view(shape), flag) for piece, shape, flag in zip(pieces, bucket.shapes, flat[-count:].tolist())]
+
+    @torch.no_grad()
+    def _broadcast_tied(self) -> None:
+        """Start every copy of a tied parameter from the lowest sharing rank's values."""
+        for bucket in self._tied_buckets:
+            if not bucket.joins:
+                continue
+            flat = self._flat(bucket, [p.detach() if p is not None else None for p in bucket.params])
+            dist.broadcast(flat, bucket.src, group=bucket.group)
+            for p, (value, _) in zip(bucket.params, self._unflat(bucket, flat)):
+                if p is not None:
+                    p.copy_(value)
+
+    def _take_tied_grads(self) -> list[list]:
+        """Set the tied parameters' gradients aside (None in their place), so the step's
+        all-reduce sums only this step's shares; gradients accumulated earlier come back after."""
+        earlier = []
+        for bucket in self._tied_buckets:
+            earlier.append([p.grad if p is not None else None for p in bucket.params])
+            for p in bucket.params:
+                if p is not None:
+                    p.grad = None
+        return earlier
+
+    @torch.no_grad()
+    def _reduce_tied_grads(self, earlier: list[list]) -> None:
+        """Sum each tied parameter's gradient shares over the ranks that share it (Megatron-LM's
+        all-reduce of the embedding group); a parameter no stage gave a gradient keeps None."""
+        for bucket, before in zip(self._tied_buckets, earlier):
+            if not bucket.joins:
+                continue
+            flat = self._flat(bucket, [p.grad if p is not None else None for p in bucket.params])
+            dist.all_reduce(flat, group=bucket.group)
+            for p, old, (total, shares) in zip(bucket.params, before, self._unflat(bucket, flat)):
+                if p is None:
+                    continue
+                if shares == 0:  # no stage gave it a gradient this step
+                    p.grad = old
+                else:
+                    p.grad = total if old is None else old.add_(total)
+
+
+def _find_ties(module: nn.Sequential, balance: Sequence[int],
+               placement: Sequence[int]) -> list[tuple[TiedParameter, nn.Parameter]]:
+    """The parameters used by more than one stage (found by identity, in ``named_parameters``
+    order, so every rank lists the same ones), with the parameter. Refuses what a per-rank copy
+    cannot keep right: a buffer used on several ranks, two tensors sharing storage across ranks."""
+    stages_of: dict[int, list[int]] = {}
+    for s, stage in enumerate(split(module, balance)):
+        for tensor in [*stage.parameters(), *stage.buffers()]:
+            stages_of.setdefault(id(tensor), []).append(s)
+
+    def ranks(tensor: torch.Tensor) -> list[int]:
+        return sorted({placement[s] for s in stages_of.get(id(tensor), [])})
+
+    for name, buffer in module.named_buffers():
+        if len(ranks(buffer)) > 1:
+            raise ValueError(f"buffer {name!r} is used by stages {stages_of[id(buffer)]} on ranks {ranks(buffer)}: "
+                             f"PipelineParallel cannot keep a buffer shared across ranks in sync (each rank would "
+                             f"update its own copy); give each stage its own module, or put these stages on one rank")
+    by_storage: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.numel() and tensor.untyped_storage().data_ptr():
+            by_storage.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append((name, tensor))
+    for sharing in by_storage.values():
+        used_on = sorted({r for _, t in sharing for r in ranks(t)})
+        if len(sharing) > 1 and len(used_on) > 1:
+            names = " and ".join(repr(name) for name, _ in sharing)
+            raise ValueError(f"{names} are different tensors sharing one storage, used on ranks {used_on}: each "
+                             f"rank would update only its own copy; tie weights as one Parameter instead "
+                             f"(e.g. head.weight = embedding.weight), whose gradients PipelineParallel sums")
+    return [(TiedParameter(name, tuple(stages_of[id(p)]), tuple(ranks(p))), p)
+            for name, p in module.named_parameters() if len(stages_of.get(id(p), [])) > 1]
 
 
 def _default_device() -> torch.device:
