@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.distributed import launch
-from gpipe_ref.distributed.data_parallel import DataParallel, assign_buckets, naive_data_parallel_step
+from gpipe_ref.distributed import RankError, launch
+from gpipe_ref.distributed.data_parallel import (DataParallel, assign_buckets, naive_data_parallel_step,
+                                                 parameters_reached)
 from gpipe_ref.models import mlp, regression_data
 
 pytestmark = pytest.mark.timeout(240)
@@ -57,7 +61,7 @@ def test_data_parallel_equals_single_process(world_size, bucket_cap_mb, accumula
     record_property("worst_weight_difference", worst)
     assert worst <= 1e-6
     buckets, allreduces = results[0][1], results[0][2]
-    assert buckets == (1 if bucket_cap_mb == 25.0 else 6) and allreduces == buckets
+    assert buckets == (1 if bucket_cap_mb == 25.0 else 6) and allreduces == buckets + 1  # + the used flags
 
 
 def _ddp_timeline(rank, world_size):
@@ -70,9 +74,13 @@ def _ddp_timeline(rank, world_size):
 def test_data_parallel_timeline_keeps_all_reduces_apart_from_compute():
     timeline = launch(_ddp_timeline, 2)[0]
     assert timeline.num_devices == 1 and [e.op for e in timeline.events] == ["F", "B"]
-    assert [t.name for t in timeline.comm] == [f"all-reduce bucket {b}" for b in range(6)]
+    names = [f"all-reduce bucket {b}" for b in range(6)] + ["all-gather used parameters"]
+    assert [t.name for t in timeline.comm] == names
     assert all(t.device == 0 for t in timeline.comm)
-    assert sum(t.bytes for t in timeline.comm) == sum(p.numel() * 4 for p in mlp(32, 3, seed=1).parameters())
+    params = list(mlp(32, 3, seed=1).parameters())
+    assert sum(t.bytes for t in timeline.comm[:-1]) == sum(p.numel() * 4 for p in params)
+    assert timeline.comm[-1].bytes == 2 * len(params)  # one byte per parameter and rank
+    assert timeline.comm[-1].start >= max(t.end for t in timeline.comm[:-1])  # after every bucket is in
     compute = timeline.events[-1].end - timeline.events[0].start
     assert timeline.busy(0) == pytest.approx(compute)  # the all-reduces are not compute
     assert timeline.bubble_fraction == pytest.approx(1 - compute / timeline.makespan)
@@ -90,26 +98,218 @@ def test_data_parallel_timeline_keeps_all_reduces_apart_from_compute():
     assert timeline.comm[0].start < timeline.events[-1].end  # bucket 0 is reduced while the backward runs
 
 
-def _ddp_with_an_unused_layer(rank, world_size):
-    class TwoHeads(nn.Module):
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _ddp_with_an_unused_layer(rank, world_size, find_unused_parameters):
+    replica = DataParallel(TwoHeads(), bucket_cap_mb=25, find_unused_parameters=find_unused_parameters)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    grads = []
+    try:
+        for preset in (None, torch.full((4, 4), 7.0 + rank)):  # no gradient yet, then one from before
+            replica.zero_grad(set_to_none=True)
+            replica.module.unused.weight.grad = preset
+            replica(x).square().sum().backward()
+            grads.append((replica.module.used.weight.grad.clone(), replica.module.unused.weight.grad,
+                          replica.module.unused.bias.grad))
+    except RuntimeError as error:
+        return str(error)
+    return grads
+
+
+def test_a_parameter_unused_on_every_rank_keeps_its_gradient_as_torch_ddp_does():
+    a, b = launch(_ddp_with_an_unused_layer, 2, True)
+    model = TwoHeads()  # one process, the two ranks' losses averaged
+    xs = [torch.randn(4, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    (sum(model(x).square().sum() for x in xs) / 2).backward()
+    for (used_a, _, bias_a), (used_b, _, bias_b) in zip(a, b):
+        torch.testing.assert_close(used_a, model.used.weight.grad)
+        assert torch.equal(used_a, used_b)
+        assert bias_a is None and bias_b is None
+    assert a[0][1] is None and b[0][1] is None  # never had a gradient: still None
+    # a gradient from before stays as it was on each rank, not averaged (torch's DDP does the same)
+    assert torch.equal(a[1][1], torch.full((4, 4), 7.0)) and torch.equal(b[1][1], torch.full((4, 4), 8.0))
+
+
+def test_a_parameter_unused_on_every_rank_is_an_error_without_find_unused_parameters():
+    messages = launch(_ddp_with_an_unused_layer, 2, False, timeout=30)
+    assert messages[0] == messages[1] == (
+        "DataParallel: parameters got no gradient in this backward pass (rank 0: unused.weight, unused.bias; "
+        "rank 1: unused.weight, unused.bias), so the all-reduced gradients would be wrong. Pass "
+        "find_unused_parameters=True to DataParallel if some parameters do not take part in every step's loss.")
+
+
+def _many_unused(rank, world_size):
+    class Deep(nn.Module):
         def __init__(self):
             super().__init__()
-            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.used, self.dead = nn.Linear(2, 2), nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
 
         def forward(self, x):
             return self.used(x)
 
-    torch.manual_seed(0)
-    replica = DataParallel(TwoHeads(), bucket_cap_mb=25)
-    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
-    replica(x).square().sum().backward()
-    return replica.module.used.weight.grad, replica.module.unused.weight.grad
+    replica = DataParallel(Deep())
+    try:
+        replica(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
 
 
-def test_data_parallel_with_a_parameter_that_gets_no_gradient():
-    (a, a_unused), (b, b_unused) = launch(_ddp_with_an_unused_layer, 2)
-    torch.testing.assert_close(a, b)  # averaged although the bucket never filled
-    assert a_unused.abs().max() == 0 and b_unused.abs().max() == 0
+def test_the_error_lists_at_most_ten_parameters_per_rank():
+    names = ", ".join(f"dead.{k}.{kind}" for k in range(5) for kind in ("weight", "bias"))
+    assert launch(_many_unused, 2, timeout=30)[1].startswith(
+        f"DataParallel: parameters got no gradient in this backward pass (rank 0: {names} and 2 more; "
+        f"rank 1: {names} and 2 more), so")
+
+
+class Branchy(nn.Module):
+    """A trunk, a branch taken only when asked (per rank and step), a head; the output is a dict."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, use_branch):
+        h = torch.tanh(self.trunk(x))
+        if use_branch:
+            h = h + self.branch(h)
+        return {"prediction": self.head(h)}
+
+
+# A case is a list of micro-steps (data seed, ranks that take the branch); all but the last run under no_sync.
+CASES = {"rank 0 only": [(0, {0})], "rank 1 only": [(1, {1})], "every rank": [(2, {0, 1})],
+         "no rank": [(3, set())], "rank 0 only again": [(4, {0})],
+         "rank 1 only, in the no_sync micro-step": [(5, {1}), (6, set())]}
+TINY = 1e-4  # MB: every parameter gets a bucket of its own
+
+
+def _branchy_loss(model, seed, rank, use_branch):
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    return nn.MSELoss()(model(x, use_branch)["prediction"], y)
+
+
+def _branchy_grads(model):
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _ddp_branchy(rank, world_size, bucket_cap_mb, find_unused_parameters, cases):
+    replica = DataParallel(Branchy(), bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters)
+    results = {"buckets": replica.buckets}
+    for name, steps in cases.items():
+        replica.zero_grad(set_to_none=True)
+        try:
+            for k, (seed, branch_ranks) in enumerate(steps):
+                with replica.no_sync() if k < len(steps) - 1 else contextlib.nullcontext():
+                    _branchy_loss(replica, seed, rank, rank in branch_ranks).backward()
+            results[name] = _branchy_grads(replica.module)
+        except RuntimeError as error:
+            results[name] = str(error)
+    return results
+
+
+def _branchy_reference(steps, world_size=2):
+    """One process: DDP averages the ranks' losses, so the reference is the mean of the per-shard losses."""
+    model = Branchy()
+    for seed, branch_ranks in steps:
+        (sum(_branchy_loss(model, seed, r, r in branch_ranks) for r in range(world_size)) / world_size).backward()
+    return _branchy_grads(model)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [TINY, 25.0])
+def test_find_unused_parameters_gives_the_single_process_gradients(bucket_cap_mb, record_property):
+    rank0, rank1 = launch(_ddp_branchy, 2, bucket_cap_mb, True, CASES)
+    assert rank0["buckets"] == ([[5], [4], [3], [2], [1], [0]] if bucket_cap_mb == TINY else [[5, 4, 3, 2, 1, 0]])
+    worst = 0.0
+    for name, steps in CASES.items():
+        expected = _branchy_reference(steps)
+        for param, grad in expected.items():
+            a, b = rank0[name][param], rank1[name][param]
+            if grad is None:  # the branch, used on no rank: torch's DDP leaves its .grad None as well
+                assert a is None and b is None, (name, param)
+                continue
+            assert torch.equal(a, b), (name, param)  # the replicas stay identical
+            torch.testing.assert_close(a, grad, msg=lambda m: f"{name}, {param}: {m}")
+            worst = max(worst, (a - grad).abs().max().item())
+    assert expected["branch.weight"] is not None  # the no_sync case did use the branch, on rank 1
+    record_property("worst_gradient_difference", worst)
+
+
+def test_a_parameter_unused_on_some_ranks_is_an_error_on_every_rank_without_find_unused_parameters():
+    cases = {"rank 0 only": [(0, {0})], "every rank": [(2, {0, 1})], "rank 1 only": [(1, {1})],
+             "rank 1 only, in no_sync": [(5, {1}), (6, set())], "every rank, in no_sync": [(5, {0, 1}), (6, set())]}
+    rank0, rank1 = launch(_ddp_branchy, 2, TINY, False, cases, timeout=30)  # a hang would fail here
+    message = ("DataParallel: parameters got no gradient in this backward pass (rank {}: branch.weight, "
+               "branch.bias), so the all-reduced gradients would be wrong. Pass find_unused_parameters=True to "
+               "DataParallel if some parameters do not take part in every step's loss.")
+    assert rank0["rank 0 only"] == rank1["rank 0 only"] == message.format(1)
+    assert rank0["rank 1 only"] == rank1["rank 1 only"] == message.format(0)
+    assert rank0["rank 1 only, in no_sync"] == rank1["rank 1 only, in no_sync"] == message.format(0)
+    for param, grad in _branchy_reference(cases["every rank"]).items():  # after an error the next step is right
+        torch.testing.assert_close(rank0["every rank"][param], grad)
+        assert torch.equal(rank0["every rank"][param], rank1["every rank"][param])
+    for param, grad in _branchy_reference(cases["every rank, in no_sync"]).items():  # an accumulated gradient counts
+        torch.testing.assert_close(rank0["every rank, in no_sync"][param], grad)
+        assert torch.equal(rank0["every rank, in no_sync"][param], rank1["every rank, in no_sync"][param])
+
+
+def test_an_unused_parameter_stops_launch_with_the_message():
+    def fail_on_rank_0(rank, world_size):
+        replica = DataParallel(Branchy(), bucket_cap_mb=TINY)
+        _branchy_loss(replica, 0, rank, rank == 1).backward()
+
+    with pytest.raises(RankError, match=r"no gradient in this backward pass \(rank 0: branch.weight, branch.bias\)"):
+        launch(fail_on_rank_0, 2, timeout=30)
+
+
+def _gradient_around_the_output(rank, world_size):
+    replica = DataParallel(Branchy(), bucket_cap_mb=TINY, find_unused_parameters=True)
+    loss = _branchy_loss(replica, 0, rank, False) + replica.module.branch.weight.sum()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_a_gradient_that_bypasses_the_output_is_refused_with_find_unused_parameters():
+    assert launch(_gradient_around_the_output, 2, timeout=30) == 2 * [
+        "DataParallel: parameter 'branch.weight' got a gradient, but the output of forward does not reach it; "
+        "with find_unused_parameters=True the loss may use parameters only through forward's output"]
+
+
+def test_parameters_reached_walks_the_autograd_graph_to_the_leaves():
+    model = Branchy()
+    without = parameters_reached([model(torch.randn(2, 8), False)["prediction"]])
+    with_branch = parameters_reached([model(torch.randn(2, 8), True)["prediction"]])
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert sorted(names[i] for i in without) == ["head.bias", "head.weight", "trunk.bias", "trunk.weight"]
+    assert sorted(names[i] for i in with_branch) == sorted(names.values())
+    assert parameters_reached([model.head.weight]) == {id(model.head.weight)}  # a leaf returned as is
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a finite number > 0, got nan"),
+    ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a finite number > 0, got inf"),
+    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a finite number > 0, got 0"),
+    ({"bucket_cap_mb": "25"}, ValueError, "bucket_cap_mb must be a finite number > 0, got '25'"),
+    ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True or False, got 'yes'"),
+    ({"find_unused_parameters": 1}, TypeError, "find_unused_parameters must be True or False, got 1"),
+    ({"group": "world"}, TypeError, "group must be a torch.distributed.ProcessGroup or None, got str"),
+    ({}, RuntimeError, "DataParallel needs torch.distributed initialised on every rank first"),
+])
+def test_data_parallel_refuses_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        DataParallel(nn.Linear(2, 2), **kwargs)
+    with pytest.raises(TypeError, match="module must be an nn.Module, got function"):
+        DataParallel(lambda x: x)
 
 
 def test_bucket_assignment_is_reverse_order_and_capped():

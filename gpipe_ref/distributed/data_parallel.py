@@ -137,17 +137,47 @@ class DataParallel(nn.Module):
     gradients appear in the backward pass; a full bucket is flattened and
     all-reduced asynchronously while the backward continues. At the end of the
     backward every bucket is waited for and the average copied back.
+
+    Every rank must issue the same all-reduces in the same order, so buckets go
+    out strictly in bucket order (Li et al. 2020, sec. 3.2.3): a full bucket
+    waits for the ones before it. A parameter without a gradient on some rank
+    holds its bucket back there; at the end of the backward that rank sends the
+    buckets still waiting, the missing gradients as zeros, and the ranks
+    exchange which parameters they used (one small all-gather, drawn in the
+    timeline). Then, as torch's ``DistributedDataParallel``:
+
+    * ``find_unused_parameters=False``: a parameter without a gradient on any
+      rank is an error on every rank, naming it and the rank (torch raises at the
+      next forward, after one step with wrong gradients; here no step sees them).
+    * ``find_unused_parameters=True``: after each forward the output's autograd
+      graph is walked to find the parameters it does not reach; they count as
+      ready (contributing zero) as soon as the backward starts, so no bucket
+      waits for them. A parameter used on some ranks gets the average over all
+      ranks; one used on no rank ("globally unused") keeps its ``.grad`` as it
+      was, None if it had none.
+
+    As with torch's DDP, a rank whose loss uses no parameter at all never
+    starts its all-reduces: the others wait (``launch``'s timeout reports it).
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
+                 find_unused_parameters: bool = False) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         positive("bucket_cap_mb", bucket_cap_mb)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"find_unused_parameters must be True or False, got {find_unused_parameters!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallel needs torch.distributed initialised on every rank first: start the "
+                               "ranks with gpipe_ref.distributed.launch or torchrun (init_from_env)")
         self.module = module
         self.group = group
+        self.find_unused_parameters = find_unused_parameters
         self.world_size = dist.get_world_size(group)
-        params = [p for p in module.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         shapes = [tuple(p.shape) for p in module.parameters()]
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, shapes, group=group)
@@ -157,25 +187,34 @@ class DataParallel(nn.Module):
         with torch.no_grad():  # every replica starts from rank 0's weights
             for p in module.parameters():
                 dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        self.buckets = assign_buckets([p.numel() * p.element_size() for p in params], bucket_cap_mb)
-        self._params = params
-        self._bucket_of = {id(params[i]): b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self.buckets = assign_buckets([p.numel() * p.element_size() for p in self._params], bucket_cap_mb)
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self._sync = True
+        self._used: set[int] = set()  # parameters with a gradient since the last all-reduce (no_sync included)
+        self._unused: set[int] = set()  # parameters the last forward's output does not reach
         self._reset()
         self.timeline: Timeline | None = None  # of the last step: this rank's compute, its all-reduces in .comm
-        for p in params:
+        for p in self._params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _reset(self) -> None:
         """Fresh bookkeeping for the next backward pass."""
         self._pending = [len(bucket) for bucket in self.buckets]
-        self._works, self._callback_queued, self._done = [], False, {}
+        self._next_bucket = 0  # buckets are all-reduced in this order on every rank
+        self._works, self._started, self._done = [], False, {}
         self._t0 = time.perf_counter()
         self._forward_end = 0.0
 
     def forward(self, *args, **kwargs):
         self._reset()
         output = self.module(*args, **kwargs)
+        self._unused = set()
+        if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
+            reached = parameters_reached([t for t in _tensors_in(output) if t.requires_grad])
+            self._unused = {i for i, p in enumerate(self._params) if id(p) not in reached}
         self._forward_end = time.perf_counter() - self._t0
         return output
 
@@ -189,50 +228,132 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        i = self._index[id(param)]
+        self._used.add(i)
         if not self._sync:
             return
-        if not self._callback_queued:  # run _finish once, when the whole backward is done
+        if not self._started:  # the first gradient of this backward: run _finish at its end
+            self._started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
-        b = self._bucket_of[id(param)]
-        self._pending[b] -= 1
-        if self._pending[b] == 0:  # the bucket is full: start its all-reduce now, overlapping the backward
-            flat = torch.cat([self._params[i].grad.reshape(-1) for i in self.buckets[b]])
-            start = time.perf_counter() - self._t0
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            work.get_future().add_done_callback(lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
-            self._works.append((b, flat, work, start))
+            for j in self._unused:  # the parameters the output does not reach are ready now, as zeros
+                self._mark_ready(j)
+        if i in self._unused:  # its bucket may be on the wire already, with zeros for it
+            self._used, self._unused = set(), set()
+            self._reset()
+            raise RuntimeError(f"DataParallel: parameter '{self._names[i]}' got a gradient, but the output of "
+                               "forward does not reach it; with find_unused_parameters=True the loss may use "
+                               "parameters only through forward's output")
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        """Parameter ``i``'s gradient is final; all-reduce every bucket that is now full, in bucket order."""
+        self._pending[self._bucket_of[i]] -= 1
+        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+
+    def _launch(self, b: int) -> None:
+        """Flatten bucket ``b`` (zeros for a parameter without gradient) and start its all-reduce."""
+        params = [self._params[i] for i in self.buckets[b]]
+        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params])
+        start = time.perf_counter() - self._t0
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        work.get_future().add_done_callback(lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
+        self._works.append((b, flat, work, start))
+        self._next_bucket = b + 1
+
+    def _used_by_rank(self) -> torch.Tensor:
+        """``used[r, i]``: did rank ``r`` get a gradient for parameter ``i`` since the last all-reduce?
+        (torch all-reduces a bitmap; gathering it also says which rank.)"""
+        mine = torch.zeros(len(self._params), dtype=torch.uint8)
+        mine[sorted(self._used)] = 1
+        mine = mine.to(self._params[0].device)  # where the gradients are, so NCCL can carry it too
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return torch.stack(everyone).bool().cpu()
 
     def _finish(self) -> None:
         backward_end = time.perf_counter() - self._t0
-        # A parameter that got no gradient leaves its bucket incomplete: treat its gradient as zero
-        # and reduce the bucket now, so replicas stay equal (every rank must skip the same parameters,
-        # as with DDP's find_unused_parameters; a data-dependent choice would mismatch the collectives).
-        for b, pending in enumerate(self._pending):
-            if pending > 0:
-                for i in self.buckets[b]:
-                    if self._params[i].grad is None:
-                        self._params[i].grad = torch.zeros_like(self._params[i])
-                flat = torch.cat([self._params[i].grad.reshape(-1) for i in self.buckets[b]])
-                start = time.perf_counter() - self._t0
-                self._works.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True), start))
-        events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
+        while self._next_bucket < len(self.buckets):  # held back by a missing gradient: send it as zeros
+            self._launch(self._next_bucket)
         transfers = []
-        link_free = 0.0  # the process group runs its all-reduces one after another
+        link_free = 0.0  # the process group runs its collectives one after another
         for b, flat, work, ready in self._works:
             work.wait()
             done = self._done.get(b, time.perf_counter() - self._t0)
             transfers.append(Transfer(0, f"all-reduce bucket {b}", min(max(ready, link_free), done), done,
                                       bytes=flat.numel() * flat.element_size()))
             link_free = done
+        start = time.perf_counter() - self._t0
+        used = self._used_by_rank()
+        transfers.append(Transfer(0, "all-gather used parameters", start, time.perf_counter() - self._t0,
+                                  bytes=used.numel()))
+        self._used = set()
+        if not self.find_unused_parameters and not used.all():
+            self._reset()
+            raise RuntimeError(f"DataParallel: parameters got no gradient in this backward pass "
+                               f"({self._missing(used)}), so the all-reduced gradients would be wrong. Pass "
+                               "find_unused_parameters=True to DataParallel if some parameters do not take part "
+                               "in every step's loss.")
+        somewhere = used.any(dim=0)  # a parameter used on no rank keeps its .grad as it was
+        for b, flat, _, _ in self._works:
             flat /= self.world_size
             offset = 0
             for i in self.buckets[b]:
-                grad = self._params[i].grad
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+                p, n = self._params[i], self._params[i].numel()
+                if somewhere[i]:
+                    average = flat[offset:offset + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = average.clone()
+                    else:
+                        p.grad.copy_(average)
+                offset += n
+        events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
         self.timeline = Timeline(events, 1, unit="s", comm=transfers)
         self._reset()
+
+    def _missing(self, used: torch.Tensor, most: int = 10) -> str:
+        """'rank 1: branch.weight, branch.bias; rank 3: ...': the parameters each rank has no gradient for."""
+        parts = []
+        for r in range(self.world_size):
+            names = [name for name, ok in zip(self._names, used[r].tolist()) if not ok]
+            if names:
+                rank = dist.get_global_rank(self.group, r) if self.group is not None else r
+                more = f" and {len(names) - most} more" if len(names) > most else ""
+                parts.append(f"rank {rank}: {', '.join(names[:most])}{more}")
+        return "; ".join(parts)
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """The tensors in a forward's output: a tensor, or lists, tuples and dicts of them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    return []
+
+
+def parameters_reached(outputs: list[torch.Tensor]) -> set[int]:
+    """``id``s of the leaf tensors (parameters) a backward from ``outputs`` would give a gradient.
+
+    torch has no public "parameters reached" query, so this walks the autograd
+    graph, as DDP's ``find_unused_parameters`` does: from each output's
+    ``grad_fn`` along ``next_functions`` to the ``AccumulateGrad`` nodes, whose
+    ``variable`` is the leaf (Li et al. 2020, sec. 3.2.3; torch's DDP docs).
+    """
+    reached = {id(t) for t in outputs if t.grad_fn is None and t.requires_grad}  # a leaf returned as is
+    stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # only AccumulateGrad nodes have one
+        if leaf is not None:
+            reached.add(id(leaf))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
 
 
 def assign_buckets(sizes_in_bytes: list[int], bucket_cap_mb: float) -> list[list[int]]:
