@@ -16,16 +16,22 @@ sec. 2.3); time a device only communicates counts as bubble.
 from __future__ import annotations
 
 import json
+import math
 import os
+from operator import attrgetter
 from typing import Iterable, Mapping, NamedTuple
 
-from .checks import one_of, positive_int
+from .checks import integer, non_negative, one_of, positive_int
 from .schedule import OPS, Action
 
 # Chrome-trace timestamps are microseconds. Measured runs are in seconds; a
 # simulated cost unit is drawn as one millisecond so Perfetto's ruler reads well.
 _US_PER_UNIT = {"s": 1e6, "cost": 1e3}
 _COMM_CATEGORY = "comm"  # the Chrome-trace category of a Transfer
+
+# Timeline.to_text refuses more than this: a grid of more rows, or more actions, is unreadable and slow to build.
+TEXT_MAX_DEVICES = 64
+TEXT_MAX_ACTIONS = 100_000
 
 
 class Event(NamedTuple):
@@ -70,6 +76,22 @@ class Transfer(NamedTuple):
         return self.end - self.start
 
 
+def _is_finite(value: object) -> bool:
+    """A real number (not a bool), neither NaN nor infinite."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class _Index(NamedTuple):
+    """What the per-device methods read, built once per Timeline (:meth:`Timeline._index`)."""
+
+    key: tuple  # the ids and lengths of the lists it was built from
+    events: dict[int, list[Event]]  # device -> its compute events in start order
+    comm: dict[int, list[Transfer]]  # device -> its transfers in start order
+    origin: float
+    makespan: float
+    busy: float  # compute time summed over every device
+
+
 def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by the intervals (overlaps counted once)."""
     total, reach = 0.0, float("-inf")
@@ -112,12 +134,45 @@ class Timeline:
             if not isinstance(t, Transfer):
                 raise TypeError(f"comm must hold Transfer records, got {type(t).__name__}")
             self._check_span(t, "transfer")
+        self._cache: _Index | None = None
 
     def _check_span(self, item: Event | Transfer, kind: str) -> None:
-        if not 0 <= item.device < self.num_devices:
-            raise ValueError(f"{kind} {item} is on device {item.device}, but devices are 0..{self.num_devices - 1}")
-        if item.end < item.start:
+        device, start, end = item.device, item.start, item.end
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
+            raise ValueError(f"{kind} {item} is on device {device!r}, but devices are 0..{self.num_devices - 1}")
+        try:
+            finite = -math.inf < start <= end < math.inf  # NaN fails every comparison
+        except TypeError:
+            finite = False
+        if finite:
+            return
+        if all(_is_finite(t) for t in (start, end)):
             raise ValueError(f"{kind} {item} ends before it starts")
+        raise ValueError(f"{kind} {item} must start and end at finite times, got start={start!r}, end={end!r}")
+
+    def _index(self) -> "_Index":
+        """Per-device lists and the time range, built once (the lists are read-only after
+        construction): each per-device method is then linear in that device's events, so
+        asking every device costs O(events), not O(devices x events)."""
+        key = (id(self.events), len(self.events), id(self.comm), len(self.comm))
+        if self._cache is None or self._cache.key != key:
+            events: dict[int, list[Event]] = {}
+            for e in sorted(self.events, key=attrgetter("start")):
+                events.setdefault(e.device, []).append(e)
+            comm: dict[int, list[Transfer]] = {}
+            for t in sorted(self.comm, key=attrgetter("start")):
+                comm.setdefault(t.device, []).append(t)
+            spans = self._spans()
+            origin = min((e.start for e in spans), default=0.0)
+            last = max((e.end for e in spans), default=origin)
+            busy = sum(e.end - e.start for e in self.events)
+            self._cache = _Index(key, events, comm, origin, last - origin, busy)
+        return self._cache
+
+    def _device(self, device: object) -> int:
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
+            raise ValueError(f"device must be an integer in 0..{self.num_devices - 1}, got {device!r}")
+        return device
 
     def __repr__(self) -> str:
         comm = f", {len(self.comm)} transfers" if self.comm else ""
@@ -139,24 +194,21 @@ class Timeline:
     @property
     def origin(self) -> float:
         """The first start, of compute or communication."""
-        return min((e.start for e in self._spans()), default=0.0)
+        return self._index().origin
 
     @property
     def makespan(self) -> float:
         """Time from the first start to the last end, communication included (a step
         ends when its last all-reduce does)."""
-        spans = self._spans()
-        if not spans:
-            return 0.0
-        return max(e.end for e in spans) - self.origin
+        return self._index().makespan
 
     def on_device(self, device: int) -> list[Event]:
         """The device's compute events in start order."""
-        return sorted((e for e in self.events if e.device == device), key=lambda e: e.start)
+        return list(self._index().events.get(self._device(device), ()))
 
     def busy(self, device: int) -> float:
         """Total time the device computes (communication is not compute)."""
-        return sum(e.duration for e in self.events if e.device == device)
+        return sum(e.end - e.start for e in self._index().events.get(self._device(device), ()))
 
     def utilisation(self, device: int) -> float:
         """Compute time / makespan for one device (communication is not compute)."""
@@ -167,25 +219,24 @@ class Timeline:
     def bubble_fraction(self) -> float:
         """Device-time not computing / (num_devices x makespan): time a device only
         communicates, or waits for communication, counts as bubble."""
-        span = self.makespan
-        if not span:
+        index = self._index()
+        if not index.makespan:
             return 0.0
-        busy = sum(e.duration for e in self.events)
-        return 1.0 - busy / (self.num_devices * span)
+        return 1.0 - index.busy / (self.num_devices * index.makespan)
 
     # -- communication -------------------------------------------------------------
     def on_comm(self, device: int) -> list[Transfer]:
         """The device's transfers in start order."""
-        return sorted((t for t in self.comm if t.device == device), key=lambda t: t.start)
+        return list(self._index().comm.get(self._device(device), ()))
 
     def comm_time(self, device: int) -> float:
         """Time the device communicates (overlapping transfers counted once)."""
-        return _union_length((t.start, t.end) for t in self.comm if t.device == device)
+        return _union_length((t.start, t.end) for t in self.on_comm(device))
 
     def overlap(self, device: int) -> float:
         """Communication time hidden under the device's compute."""
-        compute = [(e.start, e.end) for e in self.events if e.device == device]
-        comm = [(t.start, t.end) for t in self.comm if t.device == device]
+        compute = [(e.start, e.end) for e in self.on_device(device)]
+        comm = [(t.start, t.end) for t in self.on_comm(device)]
         return _intersection_length(compute, comm)
 
     def exposed_comm(self, device: int) -> float:
@@ -203,9 +254,7 @@ class Timeline:
         """
         held_from: dict[tuple[int, int], float] = {}
         released_at: dict[tuple[int, int], float] = {}
-        for e in self.events:
-            if e.device != device:
-                continue
+        for e in self._index().events.get(self._device(device), ()):
             key = (e.stage, e.microbatch)
             if e.op == "F":
                 held_from[key] = e.end
@@ -238,7 +287,17 @@ class Timeline:
         device, time running on from one band to the next. Only a grid of
         more than 4096 cells gets a wider quantum; the header then says how
         many actions share a cell with a later one and are not shown.
+
+        More than ``TEXT_MAX_DEVICES`` (64) devices or ``TEXT_MAX_ACTIONS``
+        (100000) actions is too large to read as text: ValueError, pointing
+        to :meth:`to_chrome_trace`.
         """
+        positive_int("max_width", max_width)
+        if self.num_devices > TEXT_MAX_DEVICES or len(self.events) > TEXT_MAX_ACTIONS:
+            raise ValueError(
+                f"the text timeline of {self.num_devices} devices and {len(self.events)} actions is too large to "
+                f"print (limit {TEXT_MAX_DEVICES} devices and {TEXT_MAX_ACTIONS} actions); write a Chrome trace "
+                f"with Timeline.to_chrome_trace(path) and open it in ui.perfetto.dev")
         if not self.events:
             return "\n".join(f"device {d} |" for d in range(self.num_devices))
         origin, span = self.origin, self.makespan
@@ -307,67 +366,142 @@ class Timeline:
     @classmethod
     def from_chrome_trace(cls, path: str | os.PathLike) -> "Timeline":
         """Read a trace written by :meth:`to_chrome_trace` (or any Chrome trace
-        whose complete events are named like ``1F0``); comm tracks come back as ``comm``."""
-        raw, meta = _load_trace(path)
-        unit = meta.get("unit", "s")
-        if unit not in _US_PER_UNIT:
-            raise ValueError(f"path {str(path)!r}: unit must be one of {tuple(_US_PER_UNIT)}, got {unit!r}")
+        whose complete events are named like ``1F0``); comm tracks come back as ``comm``.
+
+        Complete (``"ph": "X"``) events are read, others skipped. Every error is a
+        ValueError naming the path and the field: ``"t.json: traceEvents[3].ts must
+        be a finite number, got nan"``.
+        """
+        where = str(path)
+        raw, meta, list_name = _load_trace(path)
+        unit = one_of(f"{where}: otherData.gpipe_ref.unit", meta.get("unit", "s"), tuple(_US_PER_UNIT))
+        num_devices = meta.get("num_devices")
+        if num_devices is not None:
+            positive_int(f"{where}: otherData.gpipe_ref.num_devices", num_devices)
         scale = _US_PER_UNIT[unit]
         events, comm = [], []
-        for item in raw:
-            if not isinstance(item, dict) or item.get("ph") != "X":
-                continue
-            if item.get("cat") == _COMM_CATEGORY:
-                comm.append(_transfer_from_trace(item, scale, path))
-            else:
-                events.append(_event_from_trace(item, scale, path))
+        for i, item in enumerate(raw):
+            name = f"{where}: {list_name}[{i}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{name} must be an object (a trace event), got {_kind(item)}")
+            if item.get("ph") != "X":
+                continue  # metadata, instant and other events carry no pipeline action
+            span = _transfer_from_trace(item, scale, name) if item.get("cat") == _COMM_CATEGORY \
+                else _event_from_trace(item, scale, name)
+            if num_devices is not None and span.device >= num_devices:
+                field = "args.device" if isinstance(span, Transfer) else "tid"
+                raise ValueError(f"{name}.{field} is device {span.device}, but otherData.gpipe_ref.num_devices "
+                                 f"is {num_devices} (devices 0..{num_devices - 1})")
+            (comm if isinstance(span, Transfer) else events).append(span)
         if not events and not comm:
-            raise ValueError(f"path {str(path)!r} is a JSON file but holds no pipeline events "
-                             f"(complete 'X' events named like '1F0')")
-        num_devices = int(meta.get("num_devices", max(e.device for e in [*events, *comm]) + 1))
+            raise ValueError(f"{where}: holds no pipeline events (complete 'X' events named like '1F0')")
+        if num_devices is None:
+            num_devices = max(e.device for e in [*events, *comm]) + 1
         return cls(events, num_devices, unit=unit, comm=comm)
 
 
-def _load_trace(path: str | os.PathLike) -> tuple[list, dict]:
-    """The trace's event list and its gpipe_ref metadata (empty for other tools' traces)."""
+def _kind(value: object) -> str:
+    """How an error names a JSON value's type."""
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(
+        type(value), "a number")
+
+
+def _load_trace(path: str | os.PathLike) -> tuple[list, dict, str]:
+    """The trace's event list, its gpipe_ref metadata (empty for other tools' traces) and
+    the list's name in messages ("traceEvents", or "" for a bare list)."""
+    where = str(path)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"path {str(path)!r} is not a readable Chrome trace JSON file: {exc}") from exc
-    raw = doc.get("traceEvents") if isinstance(doc, dict) else doc
-    if not isinstance(raw, list):
-        raise ValueError(f"path {str(path)!r} is not a Chrome trace: expected a list of events "
-                         f"or an object with 'traceEvents'")
-    meta = doc.get("otherData", {}).get("gpipe_ref", {}) if isinstance(doc, dict) else {}
-    return raw, meta
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not a Chrome trace (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not a Chrome trace (not JSON: {exc})") from None
+    except RecursionError:  # json recurses once per nested list or object
+        raise ValueError(f"{where}: not a Chrome trace (JSON nested too deep)") from None
+    if isinstance(doc, list):
+        return doc, {}, ""
+    if not isinstance(doc, dict) or "traceEvents" not in doc:
+        got = "an object without 'traceEvents'" if isinstance(doc, dict) else _kind(doc)
+        raise ValueError(f"{where}: not a Chrome trace: expected a list of events or an object with "
+                         f"'traceEvents', got {got}")
+    if not isinstance(doc["traceEvents"], list):
+        raise ValueError(f"{where}: traceEvents must be a list of events, got {_kind(doc['traceEvents'])}")
+    other = doc.get("otherData", {})
+    if not isinstance(other, dict):
+        raise ValueError(f"{where}: otherData must be an object, got {_kind(other)}")
+    meta = other.get("gpipe_ref", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: otherData.gpipe_ref must be an object, got {_kind(meta)}")
+    return doc["traceEvents"], meta, "traceEvents"
 
 
-def _event_from_trace(item: dict, scale: float, path: str | os.PathLike) -> Event:
+def _field(item: dict, key: str, name: str) -> object:
+    """``item[key]``, or a ValueError naming the missing field."""
+    if key not in item:
+        raise ValueError(f"{name} has no {key!r}")
+    return item[key]
+
+
+def _finite(name: str, value: object) -> float:
+    """A finite number of any sign (a Chrome-trace timestamp)."""
+    if not _is_finite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def _args(item: dict, name: str) -> dict:
+    args = item.get("args")
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise ValueError(f"{name}.args must be an object, got {_kind(args)}")
+    return args
+
+
+def _times(item: dict, scale: float, name: str) -> tuple[float, float]:
+    """Start and end in the timeline's unit from the event's ``ts`` and ``dur`` (microseconds)."""
+    ts = _finite(f"{name}.ts", _field(item, "ts", name))
+    dur = non_negative(f"{name}.dur", _field(item, "dur", name))
+    if not math.isfinite(ts + dur):
+        raise ValueError(f"{name}: ts + dur must be a finite number, got {ts + dur!r}")
+    return ts / scale, (ts + dur) / scale
+
+
+def _event_from_trace(item: dict, scale: float, name: str) -> Event:
     """A compute event from a complete ('X') trace event, by its args or its ``1F0`` name."""
-    try:
-        args = item.get("args") or {}
-        action = Action.parse(item["name"]) if "op" not in args else None
-        return Event(
-            device=int(item["tid"]),
-            stage=int(args["stage"]) if action is None else action.stage,
-            op=str(args["op"]) if action is None else action.op,
-            microbatch=int(args["microbatch"]) if action is None else action.microbatch,
-            start=float(item["ts"]) / scale,
-            end=(float(item["ts"]) + float(item["dur"])) / scale,
-            weight_version=args.get("weight_version"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"path {str(path)!r}: event {item!r} is not a pipeline action: {exc}") from exc
+    args = _args(item, name)
+    device = integer(f"{name}.tid", _field(item, "tid", name), 0)
+    if "op" in args:
+        op = one_of(f"{name}.args.op", args["op"], OPS)
+        stage = integer(f"{name}.args.stage", _field(args, "stage", f"{name}.args"), 0)
+        microbatch = integer(f"{name}.args.microbatch", _field(args, "microbatch", f"{name}.args"), 0)
+    else:
+        label = _field(item, "name", name)
+        try:
+            action = Action.parse(label)
+        except ValueError:
+            raise ValueError(f"{name}.name must name a pipeline action like '1F0' (stage, F/B/W, micro-batch), "
+                             f"got {label!r}") from None
+        op, stage, microbatch = action.op, action.stage, action.microbatch
+    version = args.get("weight_version")
+    if version is not None:
+        integer(f"{name}.args.weight_version", version, 0)
+    start, end = _times(item, scale, name)
+    return Event(device, stage, op, microbatch, start, end, version)
 
 
-def _transfer_from_trace(item: dict, scale: float, path: str | os.PathLike) -> Transfer:
+def _transfer_from_trace(item: dict, scale: float, name: str) -> Transfer:
     """A transfer from a complete ('X') trace event of the comm category."""
-    try:
-        args = item.get("args") or {}
-        size = args.get("bytes")
-        return Transfer(device=int(args["device"]), name=str(item["name"]), start=float(item["ts"]) / scale,
-                        end=(float(item["ts"]) + float(item["dur"])) / scale,
-                        bytes=None if size is None else int(size))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"path {str(path)!r}: event {item!r} is not a transfer: {exc}") from exc
+    args = _args(item, name)
+    device = integer(f"{name}.args.device", _field(args, "device", f"{name}.args"), 0)
+    label = _field(item, "name", name)
+    if not isinstance(label, str):
+        raise ValueError(f"{name}.name must be a string, got {label!r}")
+    size = args.get("bytes")
+    if size is not None:
+        integer(f"{name}.args.bytes", size, 0)
+    start, end = _times(item, scale, name)
+    return Transfer(device, label, start, end, size)

@@ -91,23 +91,77 @@ def test_chrome_trace_from_other_tools_is_read_by_name(tmp_path):
     assert t.num_devices == 2 and t.events[0].action.stage == 1 and t.makespan == pytest.approx(1e-5)
 
 
+def _x(**changes) -> dict:
+    """A complete trace event for action 0F0 on device 0, with ``changes`` (None deletes a key)."""
+    event = {"name": "0F0", "ph": "X", "ts": 0, "dur": 1, "tid": 0, **changes}
+    return {k: v for k, v in event.items() if v is not None}
+
+
+def _meta(**gpipe_ref) -> dict:
+    return {"traceEvents": [], "otherData": {"gpipe_ref": gpipe_ref}}
+
+
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize("content,message", [
-    ("not json at all", "is not a readable Chrome trace JSON file"),
-    ('{"hello": 1}', "is not a Chrome trace: expected a list of events"),
-    ('{"traceEvents": []}', "holds no pipeline events"),
-    ('[{"name": "matmul", "ph": "X", "ts": 0, "dur": 1, "tid": 0}]', "is not a pipeline action"),
-    ('{"traceEvents": [], "otherData": {"gpipe_ref": {"unit": "parsecs"}}}', "unit must be one of"),
+    ("not json at all", "not a Chrome trace (not JSON: Expecting value: line 1 column 1 (char 0))"),
+    ("[" * 100000 + "]" * 100000, "not a Chrome trace (JSON nested too deep)"),
+    (5, "not a Chrome trace: expected a list of events or an object with 'traceEvents', got a number"),
+    ({"hello": 1}, "not a Chrome trace: expected a list of events or an object with 'traceEvents', "
+                   "got an object without 'traceEvents'"),
+    ({"traceEvents": {}}, "traceEvents must be a list of events, got an object"),
+    ({"traceEvents": []}, "holds no pipeline events (complete 'X' events named like '1F0')"),
+    ({"traceEvents": [], "otherData": []}, "otherData must be an object, got a list"),
+    ({"traceEvents": [], "otherData": {"gpipe_ref": 3}}, "otherData.gpipe_ref must be an object, got a number"),
+    (_meta(unit="parsecs"), "otherData.gpipe_ref.unit must be one of ('s', 'cost'), got 'parsecs'"),
+    (_meta(num_devices="x"), "otherData.gpipe_ref.num_devices must be an integer >= 1, got 'x'"),
+    (_meta(num_devices=-1), "otherData.gpipe_ref.num_devices must be an integer >= 1, got -1"),
+    (_meta(num_devices=2.5), "otherData.gpipe_ref.num_devices must be an integer >= 1, got 2.5"),
+    ({"traceEvents": [_x(tid=1)], "otherData": {"gpipe_ref": {"num_devices": 1}}},
+     "traceEvents[0].tid is device 1, but otherData.gpipe_ref.num_devices is 1 (devices 0..0)"),
+    ([5], "[0] must be an object (a trace event), got a number"),
+    ([_x(), _x(ts=NAN)], "[1].ts must be a finite number, got nan"),
+    ({"traceEvents": [{"ph": "M"}, _x(ts=NAN)]}, "traceEvents[1].ts must be a finite number, got nan"),
+    ([_x(ts=INF)], "[0].ts must be a finite number, got inf"),
+    ([_x(dur=-1)], "[0].dur must be a finite number >= 0, got -1"),
+    ([_x(dur=NAN)], "[0].dur must be a finite number >= 0, got nan"),
+    ([_x(dur=INF)], "[0].dur must be a finite number >= 0, got inf"),
+    ([_x(ts=1e308, dur=1e308)], "[0]: ts + dur must be a finite number, got inf"),
+    ([_x(ts=None)], "[0] has no 'ts'"),
+    ([_x(tid=None)], "[0] has no 'tid'"),
+    ([_x(name=None)], "[0] has no 'name'"),
+    ([_x(tid="a")], "[0].tid must be an integer >= 0, got 'a'"),
+    ([_x(tid=-1)], "[0].tid must be an integer >= 0, got -1"),
+    ([_x(tid=1.5)], "[0].tid must be an integer >= 0, got 1.5"),
+    ([_x(name="matmul")], "[0].name must name a pipeline action like '1F0' (stage, F/B/W, micro-batch), "
+                          "got 'matmul'"),
+    ([_x(args=[])], "[0].args must be an object, got a list"),
+    ([_x(args={"op": "C", "stage": 0, "microbatch": 0})], "[0].args.op must be one of ('F', 'B', 'W'), got 'C'"),
+    ([_x(args={"op": "F", "stage": -1, "microbatch": 0})], "[0].args.stage must be an integer >= 0, got -1"),
+    ([_x(args={"op": "F", "stage": 0})], "[0].args has no 'microbatch'"),
+    ([_x(args={"weight_version": "v1"})], "[0].args.weight_version must be an integer >= 0, got 'v1'"),
+    ([_x(name="all-reduce", cat="comm", tid=1)], "[0].args has no 'device'"),
+    ([_x(name="ar", cat="comm", args={"device": 0, "bytes": -5})], "[0].args.bytes must be an integer >= 0, got -5"),
+    ([_x(name=3, cat="comm", args={"device": 0})], "[0].name must be a string, got 3"),
 ])
-def test_from_chrome_trace_rejects_non_traces(tmp_path, content, message):
+def test_from_chrome_trace_names_the_path_and_the_field(tmp_path, content, message):
     path = tmp_path / "bad.json"
-    path.write_text(content)
-    with pytest.raises(ValueError, match=message):
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError) as error:
         Timeline.from_chrome_trace(path)
+    assert str(error.value) == f"{path}: {message}"
 
 
-def test_from_chrome_trace_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="missing.json' is not a readable Chrome trace"):
-        Timeline.from_chrome_trace(tmp_path / "missing.json")
+def test_from_chrome_trace_unreadable_files(tmp_path):
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    for name, message in (("missing.json", "cannot read the file: No such file or directory"),
+                          ("binary.json", "not a Chrome trace (not UTF-8 text: invalid start byte at byte 0)"),
+                          ("", "cannot read the file: Is a directory")):
+        path = tmp_path / name
+        with pytest.raises(ValueError) as error:
+            Timeline.from_chrome_trace(path)
+        assert str(error.value) == f"{path}: {message}"
 
 
 def test_to_text_one_row_per_device_and_width_limit():
@@ -129,6 +183,62 @@ def test_timeline_bad_input():
         Timeline([], 1, unit="ms")
     with pytest.raises(ValueError, match="ends before it starts"):
         Timeline([Event(0, 0, "F", 0, 2, 1)], 1)
+
+
+@pytest.mark.parametrize("event,message", [
+    (Event(0, 0, "F", 0, NAN, 1.0), "event Event(device=0, stage=0, op='F', microbatch=0, start=nan, end=1.0, "
+                                    "weight_version=None) must start and end at finite times, got start=nan, end=1.0"),
+    (Event(0, 0, "F", 0, 0.0, INF), "event Event(device=0, stage=0, op='F', microbatch=0, start=0.0, end=inf, "
+                                    "weight_version=None) must start and end at finite times, got start=0.0, end=inf"),
+    (Event(0, 0, "F", 0, "a", 1), "event Event(device=0, stage=0, op='F', microbatch=0, start='a', end=1, "
+                                  "weight_version=None) must start and end at finite times, got start='a', end=1"),
+    (Event("0", 0, "F", 0, 0, 1), "event Event(device='0', stage=0, op='F', microbatch=0, start=0, end=1, "
+                                  "weight_version=None) is on device '0', but devices are 0..0"),
+    (Transfer(0, "ar", 0.0, NAN), "transfer Transfer(device=0, name='ar', start=0.0, end=nan, bytes=None) "
+                                  "must start and end at finite times, got start=0.0, end=nan"),
+])
+def test_timeline_refuses_non_finite_times_and_odd_devices(event, message):
+    with pytest.raises(ValueError) as error:
+        Timeline([], 1, comm=[event]) if isinstance(event, Transfer) else Timeline([event], 1)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("method", ["on_device", "busy", "utilisation", "on_comm", "comm_time", "overlap",
+                                    "exposed_comm", "in_flight", "peak_in_flight"])
+@pytest.mark.parametrize("device", [2, -1, "0", 1.0, True])
+def test_per_device_methods_check_the_device(method, device):
+    with pytest.raises(ValueError) as error:
+        getattr(simulate(gpipe(2, 2)), method)(device)
+    assert str(error.value) == f"device must be an integer in 0..1, got {device!r}"
+
+
+def test_per_device_answers_follow_a_replaced_event_list():
+    t = simulate(gpipe(2, 2))
+    assert t.busy(0) == 6.0 and t.makespan == 9.0
+    t.events = t.events[:1]  # the per-device index is rebuilt for the new list
+    assert t.busy(0) == 1.0 and t.busy(1) == 0.0 and t.makespan == 1.0 and t.on_device(0) == t.events
+
+
+def test_to_text_refuses_what_is_too_large_to_read():
+    from gpipe_ref.timeline import TEXT_MAX_ACTIONS, TEXT_MAX_DEVICES
+
+    assert (TEXT_MAX_DEVICES, TEXT_MAX_ACTIONS) == (64, 100_000)
+    assert len(simulate(gpipe(64, 1)).to_text().splitlines()) > 64  # at the limit: printed
+    advice = "write a Chrome trace with Timeline.to_chrome_trace(path) and open it in ui.perfetto.dev"
+    with pytest.raises(ValueError) as error:
+        simulate(gpipe(65, 1)).to_text()
+    assert str(error.value) == ("the text timeline of 65 devices and 130 actions is too large to print "
+                                f"(limit 64 devices and 100000 actions); {advice}")
+    with pytest.raises(ValueError) as error:
+        simulate(gpipe(2, 25001)).to_text()
+    assert str(error.value) == ("the text timeline of 2 devices and 100004 actions is too large to print "
+                                f"(limit 64 devices and 100000 actions); {advice}")
+    with pytest.raises(ValueError) as error:
+        Timeline([], 10**9).to_text()  # no events, but a billion rows
+    assert str(error.value).startswith("the text timeline of 1000000000 devices and 0 actions is too large")
+    with pytest.raises(ValueError) as error:
+        simulate(gpipe(2, 2)).to_text(max_width=0)
+    assert str(error.value) == "max_width must be an integer >= 1, got 0"
 
 
 def test_num_microbatches_counts_the_highest_index():
@@ -194,10 +304,3 @@ def test_chrome_trace_puts_comm_on_its_own_track_and_reads_it_back(tmp_path):
     assert [(x.device, x.name, x.bytes) for x in back.comm] == [(x.device, x.name, x.bytes) for x in t.comm]
     assert [x.start for x in back.comm] == pytest.approx([x.start for x in t.comm])
     assert back.bubble_fraction == pytest.approx(t.bubble_fraction) and back.overlap(0) == pytest.approx(1.0)
-
-
-def test_from_chrome_trace_rejects_a_comm_event_without_its_device(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps([{"name": "all-reduce", "cat": "comm", "ph": "X", "ts": 0, "dur": 1, "tid": 1}]))
-    with pytest.raises(ValueError, match="is not a transfer"):
-        Timeline.from_chrome_trace(path)
