@@ -4,10 +4,13 @@ GPipe (Huang et al. 2019) splits an ``nn.Sequential`` into consecutive stages
 (sec. 2.1), cuts each mini-batch into micro-batches (sec. 2.2), and runs the
 micro-batches through the stages so that the devices work at the same time.
 Gradients of all micro-batches add up and the optimizer steps once per
-mini-batch, so training is the same as on one device (for layers without
-batch statistics: BatchNorm sees micro-batches, and recomputation updates its
-running statistics twice). Re-materialization (sec. 2.3) keeps only each
-stage's input per micro-batch and recomputes the rest in the backward pass.
+mini-batch, so training is the same as running the model on the micro-batches
+in turn: the same as on one device, except that BatchNorm normalises each
+micro-batch with its own statistics and updates its running statistics once
+per micro-batch. Re-materialization (sec. 2.3) keeps only each stage's input
+per micro-batch and recomputes the rest in the backward pass, only to rebuild
+the activations: the recomputation replays the forward's random draws and
+buffers and leaves no side effect (running statistics are updated once).
 
 Any flush :class:`~gpipe_ref.schedule.Schedule` runs here (GPipe's
 fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
@@ -54,6 +57,7 @@ class _MicroState:
     chain: list[torch.Tensor] = field(default_factory=list)  # outputs of each layer (+ the loss, last stage)
     token: object = None  # the meter's count of the held input
     rng_state: tuple | None = None  # to replay dropout identically when recomputing
+    buffers: list[torch.Tensor] = field(default_factory=list)  # the buffers the forward started from, ditto
     output: torch.Tensor | None = None  # sent to the next stage (detached)
     input_grad: torch.Tensor | None = None  # sent to the previous stage
     chain_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # for W: grad of each layer output
@@ -101,10 +105,18 @@ class GPipe(nn.Module):
         one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
         one_of("executor", executor, EXECUTORS)
         positive_int("stages_per_device", stages_per_device)
+        if not isinstance(track_memory, bool):
+            raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
         if balance is None:
             if devices is None:
                 raise ValueError("balance must be given (layers per stage, e.g. [2, 2]) when devices is None")
-            balance = balance_by_params(module, len(devices) * stages_per_device)
+            resolve_devices(devices, 1)  # a list of devices, at least one
+            num_stages = len(devices) * stages_per_device
+            if num_stages > len(module):
+                raise ValueError(f"devices must list at most {len(module) // stages_per_device} devices when "
+                                 f"balance is None ({len(module)} layers, stages_per_device={stages_per_device}, "
+                                 f"a layer per stage at least), got {len(devices)}")
+            balance = balance_by_params(module, num_stages)
         balance = check_balance(module, balance)
         self.schedule = self._build_schedule(schedule, len(balance), chunks, stages_per_device)
         self.chunks = self.schedule.num_microbatches
@@ -119,7 +131,7 @@ class GPipe(nn.Module):
         self._stages = tuple(stage.to(self.stage_device(s)) if self.owns(s) else None
                              for s, stage in enumerate(stages))
         self.module = module if None not in self._stages else _owned_layers(module, self._stages)
-        self.track_memory = bool(track_memory)
+        self.track_memory = track_memory
         self.timeline: Timeline | None = None
 
     @staticmethod
@@ -191,10 +203,11 @@ class GPipe(nn.Module):
         """Run every F/B/W action of the schedule on ``inputs`` and accumulate
         gradients into the parameters (call your optimizer afterwards).
 
-        ``loss_fn(output, target)`` is applied per micro-batch. With
-        ``reduction="mean"`` (a mean-reduced loss) micro-batch ``i`` of size
-        ``n_i`` is weighted ``n_i / N``, so the returned loss and the gradients
-        equal ``loss_fn(module(inputs), targets).backward()``; with "sum" the
+        ``loss_fn(output, target)`` is applied per micro-batch and must return
+        a scalar tensor that depends on ``output``. With ``reduction="mean"``
+        (a mean-reduced loss) micro-batch ``i`` of size ``n_i`` is weighted
+        ``n_i / N``, so the returned loss and the gradients equal
+        ``loss_fn(module(inputs), targets).backward()``; with "sum" the
         weights are 1.
         """
         run = StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
@@ -209,13 +222,12 @@ class GPipe(nn.Module):
         """The micro-batches of ``inputs`` and the batch size."""
         size = batch_size(inputs, "inputs")
         if self.chunks > size:
-            raise ValueError(f"chunks={self.chunks} is larger than the batch size {size}")
+            raise ValueError(f"chunks must be at most the batch size of inputs ({size}), got {self.chunks}")
         return scatter(inputs, self.chunks), size
 
     def _prepare_step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str) -> tuple:
         """Check a step's arguments; return (micro-batch inputs, targets, loss_fn, reduction, batch size)."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        one_of("reduction", reduction, ("mean", "sum"))
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         micro_inputs, size = self._scatter_inputs(inputs)
@@ -265,6 +277,64 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     param.grad = grad if param.grad is None else param.grad + grad
 
 
+def _requires_grad(batch: Batch) -> bool:
+    tensors = batch if isinstance(batch, tuple) else (batch,)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_loss(loss, output: Batch, stage: int) -> None:
+    """The loss must be what ``loss.backward()`` accepts: one value, with a graph back to the output."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor (the micro-batch's loss reduced to one value, "
+                         f"e.g. by nn.MSELoss(); step's reduction then weights the micro-batches), got a tensor "
+                         f"of shape {tuple(loss.shape)}")
+    if not torch.is_grad_enabled():  # a checkpointed forward: checked when it is recomputed
+        return
+    if not _requires_grad(output):
+        raise ValueError(f"the model's output does not require grad: stage {stage}'s output depends on no "
+                         f"trainable parameter" + (" nor on its input" if stage > 0 else "")
+                         + ", so the loss has no gradient")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn's result does not depend on the model's output (requires_grad is False): "
+                         "return the loss computed from the output, without .detach(), .item() or torch.tensor()")
+
+
+# Re-materialization must rebuild the activations and nothing else (GPipe sec. 2.3). A layer that updates a
+# buffer in its forward (BatchNorm's running statistics and num_batches_tracked) would update it a second
+# time when recomputed, and would recompute from a later state than its forward saw. So a checkpointed
+# forward keeps a copy of the stage's buffers, and the recomputation runs on that copy, as it replays the
+# random draws: same outputs as the forward, and the real buffers are left untouched. Swapping the buffer
+# objects, rather than restoring their values in place, keeps references to them valid and leaves the
+# version counters alone (BatchNorm's graph saves its running statistics and checks their version).
+def _buffer_slots(stage: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    return [(module, name, buffer) for module in stage.modules()
+            for name, buffer in module.named_buffers(recurse=False)]
+
+
+def _copy_buffers(stage: nn.Module) -> list[torch.Tensor]:
+    """A copy of each buffer of ``stage`` (one copy for a buffer registered under two names)."""
+    copies: dict[int, torch.Tensor] = {}
+    for _, _, buffer in _buffer_slots(stage):
+        if id(buffer) not in copies:
+            copies[id(buffer)] = buffer.detach().clone()
+    return [copies[id(buffer)] for _, _, buffer in _buffer_slots(stage)]
+
+
+@contextlib.contextmanager
+def _buffers_replaced(stage: nn.Module, copies: list[torch.Tensor]):
+    """Run the block with ``stage``'s buffers replaced by ``copies``; then put the real ones back."""
+    slots = _buffer_slots(stage)
+    for (module, name, _), copy in zip(slots, copies, strict=True):
+        setattr(module, name, copy)
+    try:
+        yield
+    finally:
+        for module, name, buffer in slots:
+            setattr(module, name, buffer)
+
+
 class StepRun:
     """The tensors and clocks of one ``GPipe.step``; each method runs one action.
 
@@ -310,13 +380,14 @@ class StepRun:
         self.state[(stage, microbatch)].output = output
 
     def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
-        """The gradient of ``stage``'s output, computed by ``stage + 1``'s B."""
+        """The gradient of ``stage``'s output, computed by ``stage + 1``'s B (``None``: no gradient)."""
         receiver = self.state[(stage + 1, microbatch)]
         grad, receiver.input_grad = receiver.input_grad, None
         return grad
 
     def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
-        """Hand the gradient of ``stage``'s input for ``microbatch`` to ``stage - 1``."""
+        """Hand the gradient of ``stage``'s input for ``microbatch`` to ``stage - 1``; ``None`` when
+        none flows back (the stage's output does not depend on its input), as ``allow_unused`` gives."""
         self.state[(stage, microbatch)].input_grad = grad
 
     # -- the three actions ---------------------------------------------------------------
@@ -330,9 +401,15 @@ class StepRun:
         for layer in self.pipe.stages[stage]:
             x = layer(x)
             chain.append(x)
-        if stage == self.schedule.num_stages - 1:
+        if stage < self.schedule.num_stages - 1:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"stage {stage} must return a tensor (the activation sent to the next stage), got "
+                                f"{type(x).__name__}; tuples are accepted as pipeline inputs, not between stages")
+        else:
             target = _to(self.targets[microbatch], self.pipe.stage_device(stage))
-            chain.append(self.loss_fn(x, target) * self.weights[microbatch])
+            loss = self.loss_fn(x, target)
+            _check_loss(loss, x, stage)
+            chain.append(loss * self.weights[microbatch])
         st.chain = chain
 
     def forward(self, stage: int, microbatch: int) -> None:
@@ -350,14 +427,12 @@ class StepRun:
             # state to the end of the stage, so the recomputation can replay the same draws.
             with _RNG_LOCK, torch.no_grad():
                 st.rng_state = _rng_state(device)
+                st.buffers = _copy_buffers(self.pipe.stages[stage])
                 self._run_stage(stage, microbatch, x, st)
         else:
             with self._recording(meter):
                 self._run_stage(stage, microbatch, x, st)
         out = st.chain[-1]
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"stage {stage} must return a tensor (the activation sent to the next stage), got "
-                            f"{type(out).__name__}; tuples are accepted as pipeline inputs, not between stages")
         if stage == self.schedule.num_stages - 1:
             with self.lock:
                 self.losses[microbatch] = out.detach()
@@ -371,19 +446,25 @@ class StepRun:
         st = self.state[(stage, microbatch)]
         meter = self.meters[self.schedule.stage_to_device[stage]]
         last = stage == self.schedule.num_stages - 1
-        if self._checkpointed(microbatch):  # recompute the stage with autograd on
+        if self._checkpointed(microbatch):  # recompute the stage with autograd on, from the forward's state
             device = self.pipe.stage_device(stage)
             with _RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                    self._recording(meter):
+                    self._recording(meter), _buffers_replaced(self.pipe.stages[stage], st.buffers):
                 _set_rng_state(device, st.rng_state)
                 self._run_stage(stage, microbatch, st.inputs, st)
         root = st.chain[-1]
-        grad = None if last else self.receive_gradient(stage, microbatch).to(root.device)
+        grad = None if last else self.receive_gradient(stage, microbatch)
+        if grad is None and not last:
+            # No gradient reaches this output (a later stage ignores its input or gets an integer tensor):
+            # as loss.backward() on the plain model, this and the earlier stages' .grad stay untouched.
+            if stage > 0:
+                self.send_gradient(stage, microbatch, None)
+            self._release(stage, microbatch)
+            return
+        grad = None if last else grad.to(root.device)
+        wants_input = stage > 0 and st.inputs.requires_grad  # an integer activation has no gradient
         if not self.split_backward:
-            leaves = list(self.params[stage])
-            wants_input = stage > 0 and st.inputs.requires_grad
-            if wants_input:
-                leaves.append(st.inputs)
+            leaves = list(self.params[stage]) + ([st.inputs] if wants_input else [])
             if leaves and root.requires_grad:
                 torch.autograd.backward(root, grad, inputs=leaves)
             if stage > 0:
@@ -395,12 +476,14 @@ class StepRun:
         layers = list(self.pipe.stages[stage])
         param_layers = [j for j, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
         wanted = [j for j in param_layers if st.chain[j] is not root]
-        targets = ([st.inputs] if stage > 0 else []) + [st.chain[j] for j in wanted]
+        targets = ([st.inputs] if wants_input else []) + [st.chain[j] for j in wanted]
         grads = (torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)
                  if targets and root.requires_grad else [None] * len(targets))
+        input_grad = None  # None: the stage's output does not depend on its input
+        if wants_input:
+            input_grad, grads = grads[0], grads[1:]
         if stage > 0:
-            self.send_gradient(stage, microbatch, grads[0])
-            grads = grads[1:]
+            self.send_gradient(stage, microbatch, input_grad)
         st.chain_grads = dict(zip(wanted, grads))
         for j in param_layers:  # layers whose output is the stage output itself (later layers may be
             if st.chain[j] is root:  # identities): its gradient is the one that came from the next stage
@@ -422,7 +505,7 @@ class StepRun:
     def _release(self, stage: int, microbatch: int) -> None:
         """Drop what the micro-batch kept on this stage (activations, graph, held input)."""
         st = self.state[(stage, microbatch)]
-        st.chain, st.chain_grads, st.token, st.rng_state, st.inputs = [], {}, None, None, None
+        st.chain, st.chain_grads, st.token, st.rng_state, st.buffers, st.inputs = [], {}, None, None, [], None
 
     def run(self, action: Action) -> None:
         {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action.stage, action.microbatch)

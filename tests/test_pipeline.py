@@ -209,6 +209,154 @@ def test_recomputation_replays_the_same_random_draws_with_threads():
         assert sorted(forward) == pytest.approx(sorted(replay))
 
 
+# -- buffers: re-materialization rebuilds activations and has no other effect (GPipe sec. 2.3) --------
+class _CountsForwards(nn.Module):
+    """Scales by how many forwards it has run, a buffer it updates: its output depends on its state, so a
+    recomputation must start from the state the forward saw, and must not count itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.calls.clone()  # saves a copy for backward, as spectral_norm does: later forwards may run first
+
+
+def stateful_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(), _CountsForwards(),
+                         nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, WIDTH))
+
+
+def run_microbatches_in_turn(model: nn.Sequential, x, y, chunks: int, loss_fn) -> torch.Tensor:
+    """The plain model in train mode on micro-batch j = 0, 1, ... of GPipe's split, each weighted n_j / N."""
+    loss = 0.0
+    for xj, yj in zip(scatter(x, chunks), scatter(y, chunks)):
+        lj = loss_fn(model(xj), yj) * (len(xj) / len(x))
+        lj.backward()
+        loss += lj.item()
+    return torch.tensor(loss)
+
+
+# How the running statistics advance during a step: GPipe's kwargs and the plain run it must equal.
+# Today BatchNorm updates them per micro-batch; torchgpipe's DeferredBatchNorm (a later issue: once per
+# mini-batch) will be one more entry here.
+STATISTICS = {"per_microbatch": ({}, run_microbatches_in_turn)}
+
+
+def stateful_cases(schedule: str):
+    """(balance, chunks, stages_per_device) for ``stateful_model``'s 7 layers."""
+    if schedule == "interleaved_1f1b":  # chunks a multiple of the device count
+        return [([3, 4], c, 2) for c in (1, 2, 4)] + [([2, 2, 2, 1], c, 2) for c in (2, 4)]
+    return [(balance, c, 1) for balance in ([7], [3, 4], [2, 2, 3], [2, 2, 2, 1]) for c in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("statistics", sorted(STATISTICS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1", "interleaved_1f1b"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("executor", ["threads", "simulated"])
+def test_buffers_and_gradients_equal_the_plain_model_on_each_microbatch(statistics, schedule, checkpoint,
+                                                                        executor):
+    """BatchNorm's num_batches_tracked, running_mean and running_var (and a forward counter) after each of 3
+    SGD steps, the loss and the gradients: as the plain model run on the micro-batches in turn."""
+    kwargs, reference_run = STATISTICS[statistics]
+    loss_fn = nn.MSELoss()
+    for balance, chunks, v in stateful_cases(schedule):
+        reference, model = stateful_model(0), stateful_model(0)
+        pipe = GPipe(model, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                     stages_per_device=v, executor=executor, **kwargs)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        torch.manual_seed(1)
+        for step in range(3):
+            x, y = torch.randn(10, WIDTH), torch.randn(10, WIDTH)  # micro-batches of 3, 3, 2, 2 for chunks=4
+            case = (balance, chunks, v, step)
+            expected = reference_run(reference, x, y, chunks, loss_fn)
+            torch.testing.assert_close(pipe.step(x, y, loss_fn), expected, atol=1e-6, rtol=1e-5, msg=str(case))
+            assert model[1].num_batches_tracked.item() == model[5].num_batches_tracked.item() == \
+                chunks * (step + 1), case
+            assert model[3].calls.item() == chunks * (step + 1), case
+            for (name, a), (_, b) in zip(reference.named_buffers(), model.named_buffers(), strict=True):
+                assert torch.equal(b, a), (name, case)  # the same updates in the same order: the same bits
+            for (name, a), (_, b) in zip(reference.named_parameters(), model.named_parameters(), strict=True):
+                torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=f"{name} {case}")
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def test_one_recomputed_step_updates_batchnorm_statistics_once():
+    """The issue's cases: m=4 "except_last" counted 7 batches, m=1 "always" counted 2 with running_mean off."""
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    for chunks, checkpoint in [(4, "except_last"), (1, "always")]:
+        reference, model = stateful_model(3), stateful_model(3)
+        run_microbatches_in_turn(reference, x, y, chunks, nn.MSELoss())
+        GPipe(model, [2, 5], chunks=chunks, checkpoint=checkpoint).step(x, y, nn.MSELoss())
+        assert model[1].num_batches_tracked.item() == chunks
+        assert torch.equal(model[1].running_mean, reference[1].running_mean)
+        assert torch.equal(model[1].running_var, reference[1].running_var)
+
+
+def test_recomputation_leaves_the_buffer_objects_in_place_and_sees_the_forwards_state():
+    model = stateful_model(4)
+    buffers = [id(b) for b in model.buffers()]
+    seen = []  # (grad enabled, input, output) of the second BatchNorm: the recomputation repeats the forward
+    model[5].register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), i[0].clone(), o.clone())))
+    GPipe(model, [4, 3], chunks=2, checkpoint="always").step(torch.randn(6, WIDTH), torch.randn(6, WIDTH),
+                                                            nn.MSELoss())
+    assert [id(b) for b in model.buffers()] == buffers
+    forwards = [(i, o) for grad, i, o in seen if not grad]
+    recomputed = [(i, o) for grad, i, o in seen if grad]
+    assert len(forwards) == len(recomputed) == 2
+    for i, o in forwards:  # each forward is recomputed once, to the same bits
+        assert sum(torch.equal(i, ri) and torch.equal(o, ro) for ri, ro in recomputed) == 1
+
+
+# -- no gradient flows back through a stage ------------------------------------------------------
+class _Zeros(nn.Module):
+    """Ignores its input: the layers before it get no gradient (``.grad`` stays None in torch)."""
+
+    def forward(self, x):
+        return torch.zeros(x.shape[0], WIDTH)
+
+
+class _ArgMax(nn.Module):
+    """An integer activation: no gradient crosses it."""
+
+    def forward(self, x):
+        return x.argmax(dim=1)
+
+
+def _no_gradient_models():
+    torch.manual_seed(0)
+    zeros = [nn.Linear(WIDTH, WIDTH), nn.ReLU(), _Zeros(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)]
+    argmax = [nn.Linear(WIDTH, WIDTH), _ArgMax(), nn.Embedding(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH),
+              nn.Linear(WIDTH, WIDTH)]
+    return {"zeros": zeros, "argmax": argmax}
+
+
+@pytest.mark.parametrize("layers", ["zeros", "argmax"])
+@pytest.mark.parametrize("balance", [[2, 3], [2, 1, 2], [3, 2], [1, 1, 1, 2]])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("executor", ["threads", "simulated"])
+def test_a_stage_no_gradient_crosses_leaves_earlier_gradients_none(layers, balance, schedule, checkpoint, executor):
+    """As ``loss.backward()`` on the plain model: the layers before the cut get ``.grad`` None (not zeros,
+    which an optimizer's weight decay or momentum would act on), the layers after it their usual gradients."""
+    reference, model = (nn.Sequential(*_no_gradient_models()[layers]) for _ in range(2))
+    x, y = torch.randn(6, WIDTH), torch.randn(6, WIDTH)
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint, schedule=schedule, executor=executor)
+    torch.testing.assert_close(pipe.step(x, y, nn.MSELoss()), expected.detach())
+    assert reference[0].weight.grad is None  # the torch semantics the pipeline must reproduce
+    for (name, a), (_, b) in zip(reference.named_parameters(), model.named_parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None, name
+        else:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_a_tuple_between_stages_is_refused_clearly():
     class Pair(nn.Module):
         def forward(self, x):
@@ -361,6 +509,21 @@ def test_calibrate_recovers_a_cost_model_exactly():
     (lambda m: GPipe(m, None), ValueError, "balance must be given"),
     (lambda m: GPipe(m, [3, 3], devices="cpu"), TypeError, "devices must be a list of devices"),
     (lambda m: GPipe(m, [3, 3], devices=["tpu", "cpu"]), ValueError, "devices entry 'tpu' is not a device"),
+    (lambda m: GPipe(m, [3, 3], chunks=2.0), ValueError, r"chunks must be an integer >= 1, got 2\.0"),
+    (lambda m: GPipe(m, [3, 3], chunks=True), ValueError, "chunks must be an integer >= 1, got True"),
+    (lambda m: GPipe(m, [3.0, 3]), ValueError, r"balance must hold integers, got \[3\.0, 3\]"),
+    (lambda m: GPipe(m, [3, 3], checkpoint=None), ValueError,
+     r"checkpoint must be one of \('always', 'except_last', 'never'\), got None"),
+    (lambda m: GPipe(m, [3, 3], stages_per_device=0), ValueError, "stages_per_device must be an integer >= 1, got 0"),
+    (lambda m: GPipe(m, [3, 3], schedule=None), TypeError,
+     "schedule must be a schedule name or a Schedule, got NoneType"),
+    (lambda m: GPipe(m, [3, 3], track_memory="no"), TypeError, "track_memory must be True or False, got 'no'"),
+    (lambda m: GPipe(m, None, devices=2), TypeError, "devices must be a list of devices .* got 2"),
+    (lambda m: GPipe(m, None, devices=["cpu"] * 7), ValueError,
+     r"devices must list at most 6 devices when balance is None \(6 layers, stages_per_device=1, a layer per "
+     r"stage at least\), got 7"),
+    (lambda m: GPipe(m, None, devices=["cpu"] * 4, stages_per_device=2), ValueError,
+     "devices must list at most 3 devices when balance is None .* got 4"),
 ])
 def test_bad_constructor_input(make, error, message):
     with pytest.raises(error, match=message):
@@ -385,18 +548,74 @@ def test_cuda_devices_without_a_gpu_are_refused():
 def test_bad_step_input():
     pipe = GPipe(random_model(0, 6), [3, 3], chunks=4)
     loss = nn.MSELoss()
-    with pytest.raises(ValueError, match="chunks=4 is larger than the batch size 3"):
+    with pytest.raises(ValueError, match=r"chunks must be at most the batch size of inputs \(3\), got 4"):
         pipe.step(torch.randn(3, WIDTH), torch.randn(3, WIDTH), loss)
     with pytest.raises(TypeError, match="inputs must be a tensor or a tuple of tensors, got list"):
         pipe.step([torch.randn(4, WIDTH)], torch.randn(4, WIDTH), loss)
     with pytest.raises(ValueError, match=r"targets must have the batch size of inputs \(8\), got 6"):
         pipe.step(torch.randn(8, WIDTH), torch.randn(6, WIDTH), loss)
-    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+    with pytest.raises(ValueError, match=r"reduction must be one of \('mean', 'sum'\), got 'avg'"):
         pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), loss, reduction="avg")
+    with pytest.raises(ValueError, match=r"reduction must be one of \('mean', 'sum'\), got None"):
+        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), loss, reduction=None)
+    with pytest.raises(TypeError, match="loss_fn must be callable, got NoneType"):
+        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), None)
     with pytest.raises(TypeError, match="GPipe places its stages itself: pass devices"):
         pipe.to("cpu")
     with pytest.raises(TypeError, match="pass devices=\\['cuda:0', ...\\] instead of .cuda\\(\\)"):
         pipe.cuda()
+
+
+class _Mse(nn.Module):
+    def forward(self, output, target):
+        return ((output - target) ** 2).mean()
+
+
+@pytest.mark.parametrize("loss_fn,error,message", [
+    (lambda y, t: 1.0, TypeError, "loss_fn must return a scalar tensor, got float"),
+    (lambda y, t: ((y - t) ** 2).mean().item(), TypeError, "loss_fn must return a scalar tensor, got float"),
+    (lambda y, t: None, TypeError, "loss_fn must return a scalar tensor, got NoneType"),
+    (nn.MSELoss(reduction="none"), ValueError,
+     r"loss_fn must return a scalar tensor \(the micro-batch's loss reduced to one value, e\.g\. by nn\.MSELoss\(\); "
+     r"step's reduction then weights the micro-batches\), got a tensor of shape \(4, 8\)"),
+    (lambda y, t: ((y - t) ** 2).mean().detach(), ValueError,
+     r"loss_fn's result does not depend on the model's output \(requires_grad is False\): return the loss "
+     r"computed from the output, without \.detach\(\), \.item\(\) or torch\.tensor\(\)"),
+    (lambda y, t: torch.tensor(1.0), ValueError, r"loss_fn's result does not depend on the model's output"),
+])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("executor", ["threads", "simulated"])
+def test_a_bad_loss_fn_result_names_the_loss_fn(loss_fn, error, message, checkpoint, executor):
+    pipe = GPipe(random_model(0, 4), [2, 2], chunks=2, checkpoint=checkpoint, executor=executor)
+    if executor == "threads":  # the worker's error, raised by the main thread naming the device
+        error, message = RuntimeError, "device 1 failed while running 1[FB][01]: .*" + message
+    with pytest.raises(error, match=message):
+        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), loss_fn)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_loss_module_and_a_one_element_loss_are_accepted():
+    reference = random_model(0, 4)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    nn.MSELoss()(reference(x), y).backward()
+    for loss_fn in (_Mse(), lambda out, t: ((out - t) ** 2).mean().reshape(1)):  # torch's backward takes both
+        model = random_model(0, 4)
+        GPipe(model, [2, 2], chunks=2).step(x, y, loss_fn)
+        for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_model_output_without_grad_is_refused(checkpoint):
+    # the last stage ignores its input and has no parameter: loss.backward() would fail on the plain model too
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), _Zeros())
+    with pytest.raises(ValueError, match="the model's output does not require grad: stage 1's output depends on "
+                                         "no trainable parameter nor on its input, so the loss has no gradient"):
+        GPipe(model, [2, 1], chunks=2, checkpoint=checkpoint).step(torch.randn(4, WIDTH), torch.randn(4, WIDTH),
+                                                                    nn.MSELoss())
+    frozen = random_model(0, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="stage 0's output depends on no trainable parameter, so the loss"):
+        GPipe(frozen, [2], checkpoint=checkpoint).step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), nn.MSELoss())
 
 
 def test_a_failing_stage_is_named_with_its_device():
