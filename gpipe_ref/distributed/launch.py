@@ -4,15 +4,28 @@
 notebook work: fork does not pickle them), initialises the default process
 group (gloo on CPU, NCCL when every rank can have its own GPU), runs
 ``fn(rank, world_size, *args)`` and returns the ranks' return values in rank
-order. If a rank raises, the others are stopped and the error names the rank
-with its traceback; a rank that hangs past ``timeout`` is reported with the
-stack it hangs in. Under torchrun the same worker code runs without it:
-:func:`init_from_env` joins the group torchrun describes.
+order. Under torchrun the same worker code runs without it: :func:`init_from_env`
+joins the group torchrun describes.
+
+When a run goes wrong, the error names the rank that went wrong first:
+
+* a rank that dies without returning a result (``os._exit``, a signal, a crash)
+  is named with its exit code or signal. It comes before any error its peers
+  then raise: "Connection reset by peer" in a collective is a consequence;
+* otherwise the rank that raised first is named, with its traceback;
+* a rank that hangs past ``timeout`` is named with the stack it hangs in.
+
+The launcher watches the ranks' result pipes and their processes together, and
+after a first failure waits a moment (``_GRACE``) for an earlier cause to show.
+Each rank leads its own process group (POSIX), so whatever it starts (a
+``subprocess``, a forked helper) ends with it: on success, error and timeout
+alike each group gets SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -22,17 +35,22 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..checks import positive_int
+from ..checks import positive, positive_int
+
+_POSIX = os.name == "posix"  # process groups, SIGUSR1 stack dumps
+_GRACE = 1.0  # seconds to wait, after a first failure, for an earlier death to show
+_STOP_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 
 
 class RankError(RuntimeError):
-    """A rank raised or hung; ``rank`` names it and the message holds its traceback."""
+    """A rank raised, died or hung; ``rank`` names it and the message says how (with its traceback)."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
@@ -57,10 +75,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, args, backend, port, timeout, results, stack_dir) -> None:
+def _child(fn, rank, world_size, args, backend, port, timeout, writer, stack_dir) -> None:
+    if _POSIX:
+        os.setpgid(0, 0)  # lead a process group: what this rank starts is stopped with it
     torch.set_num_threads(1)  # a forked child that computes after its parent did hangs in OpenMP otherwise
     stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    if _POSIX:
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         if "nccl" in backend:
             torch.cuda.set_device(rank)
@@ -68,11 +89,13 @@ def _child(fn, rank, world_size, args, backend, port, timeout, results, stack_di
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
-        # Plain pickle copies tensors by value; the queue's own pickler would share them
+        # Plain pickle copies tensors by value; the connection's own pickler would share them
         # through file descriptors that die with this process.
-        results.put(("ok", rank, pickle.dumps(value)))
+        message = ("ok", time.time(), pickle.dumps(value))
     except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
+        message = ("error", time.time(), traceback.format_exc())  # the time it was caught: who failed first
+    try:
+        writer.send_bytes(pickle.dumps(message))
     finally:
         if dist.is_initialized():
             try:
@@ -88,13 +111,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     positive_int("world_size", world_size)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    backend = backend or default_backend(world_size)
-    if backend == "nccl":
+    positive("timeout", timeout)  # NaN or inf would never time out
+    if backend is None:
+        backend = default_backend(world_size)
+    elif backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"  # CPU tensors (headers, losses) still need a backend
     if backend not in ("gloo", "cpu:gloo,cuda:nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    if "nccl" in backend and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size {world_size}, "
+                         f"got {torch.cuda.device_count()} GPUs")
     for attempt in range(3):
         try:
             return _launch_once(fn, world_size, args, backend, timeout)
@@ -108,38 +134,73 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
 def _launch_once(fn, world_size: int, args: tuple, backend: str, timeout: float) -> list[Any]:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     context = mp.get_context(method)
-    results = context.Queue()
     port = free_port()
+    processes, readers = [], []
     with tempfile.TemporaryDirectory(prefix="gpipe-launch-") as stack_dir:
-        processes = [context.Process(target=_child, name=f"gpipe-rank-{rank}", daemon=True,
-                                     args=(fn, rank, world_size, args, backend, port, timeout, results, stack_dir))
-                     for rank in range(world_size)]
         try:
-            for p in processes:
-                p.start()
-            return _collect(processes, results, world_size, timeout, stack_dir)
+            for rank in range(world_size):
+                # One pipe per rank, made just before its fork and closed here after it: its write end
+                # lives only in that rank, so a rank that dies mid-message gives EOF, not a hang.
+                reader, writer = context.Pipe(duplex=False)
+                readers.append(reader)
+                process = context.Process(target=_child, name=f"gpipe-rank-{rank}", daemon=True,
+                                          args=(fn, rank, world_size, args, backend, port, timeout, writer,
+                                                stack_dir))
+                try:
+                    process.start()
+                finally:
+                    writer.close()
+                processes.append(process)
+                if _POSIX:
+                    try:
+                        os.setpgid(process.pid, process.pid)  # the child does it too: whoever runs first
+                    except OSError:
+                        pass  # the child already exec'd (spawn) or left: its own call stands
+            return _collect(processes, readers, world_size, timeout, stack_dir)
         finally:
             _stop(processes)
+            for reader in readers:
+                reader.close()
 
 
-def _collect(processes, results, world_size: int, timeout: float, stack_dir: str) -> list[Any]:
+def _collect(processes, readers, world_size: int, timeout: float, stack_dir: str) -> list[Any]:
+    """One message per rank. On the first failure, keep listening for ``_GRACE`` s (or until every
+    rank has spoken or died), then raise for the rank that failed first."""
     values: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str]] = {}  # rank -> (when it caught the error, traceback)
+    deaths: list[int] = []  # ranks that ended without a message, in the order we saw them end
+    running = set(range(world_size))
+    silent = set(range(world_size))  # ranks whose pipe may still carry their message
     deadline = time.monotonic() + timeout
+    settle = math.inf  # when to stop waiting for an earlier cause
     while len(values) < world_size:
-        try:
-            status, rank, payload = results.get(timeout=min(0.2, max(0.01, deadline - time.monotonic())))
-        except Exception:  # queue.Empty
-            status = None
-        if status == "ok":
-            values[rank] = pickle.loads(payload)
-        elif status == "error":
-            raise RankError(rank, f"rank {rank} of {world_size} failed:\n{payload}")
-        dead = [r for r, p in enumerate(processes) if r not in values and not p.is_alive() and p.exitcode]
-        if dead and status is None:
-            rank = dead[0]
-            raise RankError(rank, f"rank {rank} of {world_size} died with exit code "
-                                  f"{processes[rank].exitcode} before reporting a result")
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        # Sentinels and pipes wake us at once; the poll bounds the wait in case a rank's forked helper
+        # keeps its sentinel open after the rank died.
+        wait([readers[r] for r in silent] + [processes[r].sentinel for r in running],
+             timeout=max(0.0, min(0.1, settle - now, deadline - now)))
+        ended = sorted(r for r in running if not processes[r].is_alive())
+        running.difference_update(ended)
+        for r in sorted(silent):  # after the deaths: a dead rank's message is already in its pipe
+            if not readers[r].poll():
+                continue
+            silent.discard(r)
+            try:
+                status, at, payload = pickle.loads(readers[r].recv_bytes())
+            except (EOFError, OSError):  # closed, or cut off mid-message: the rank said nothing
+                continue
+            if status == "ok":
+                values[r] = pickle.loads(payload)
+            else:
+                errors[r] = (at, payload)
+        deaths += [r for r in ended if r not in values and r not in errors]
+        if errors or deaths:
+            settle = min(settle, time.monotonic() + _GRACE)
+            # A closed pipe is not a death: a dying rank's pipe closes just before it can be reaped.
+            unheard = running - values.keys() - errors.keys()
+            if time.monotonic() >= min(settle, deadline) or not unheard:
+                raise _first_failure(processes, world_size, errors, deaths)
+        elif time.monotonic() >= deadline:
             hung = [r for r in range(world_size) if r not in values]
             stacks = _dump_stacks(processes, hung, stack_dir)
             raise RankError(hung[0], f"ranks {hung} of {world_size} did not finish within {timeout} s; "
@@ -147,7 +208,41 @@ def _collect(processes, results, world_size: int, timeout: float, stack_dir: str
     return [values[r] for r in range(world_size)]
 
 
+def _first_failure(processes, world_size: int, errors: dict[int, tuple[float, str]],
+                   deaths: list[int]) -> RankError:
+    """A rank that died without a word caused the failure (its peers' errors follow from it);
+    with no such death, the rank that raised first did."""
+    if not deaths:
+        rank = min(errors, key=lambda r: (errors[r][0], r))
+        return RankError(rank, f"rank {rank} of {world_size} failed:\n{errors[rank][1]}")
+    rank = deaths[0]
+    message = f"rank {rank} of {world_size} {_how_it_ended(processes[rank].exitcode)} without returning a result"
+    others = [f"rank {r} {_how_it_ended(processes[r].exitcode)}" for r in deaths[1:]]
+    others += [f"rank {r} raised {_last_line(text)}" for r, (_, text) in sorted(errors.items())]
+    if others:
+        message += "\nother ranks: " + "; ".join(others)
+    return RankError(rank, message)
+
+
+def _how_it_ended(exitcode: int) -> str:
+    """Process.exitcode in words: a negative code is the signal that killed it."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"
+
+
+def _last_line(text: str, limit: int = 160) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[-1] if lines else "(nothing)"
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def _dump_stacks(processes, ranks: list[int], stack_dir: str) -> dict[int, str]:
+    if not _POSIX:
+        return {}
     for r in ranks:
         if processes[r].is_alive():
             os.kill(processes[r].pid, signal.SIGUSR1)
@@ -156,20 +251,32 @@ def _dump_stacks(processes, ranks: list[int], stack_dir: str) -> dict[int, str]:
 
 
 def _stop(processes) -> None:
-    """Terminate every rank still running, then kill what does not stop: no orphans."""
+    """End every rank and all it started (its process group): SIGTERM, then SIGKILL for what is
+    left after ``_STOP_GRACE`` s. The group is signalled even when the rank itself is gone."""
     for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+    for p in processes:
+        _signal_group(p, signal.SIGKILL if _POSIX else signal.SIGTERM)
+        p.join()
+
+
+def _signal_group(process, sig: int) -> None:
+    if _POSIX:
+        try:
+            os.killpg(process.pid, sig)
+            return
+        except OSError:
+            pass  # the group is empty, or the rank had not made it yet: signal the rank alone
+    if process.is_alive():
+        process.terminate() if sig == signal.SIGTERM else process.kill()
 
 
 def init_from_env(timeout: float = 600.0) -> tuple[int, int]:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    positive("timeout", timeout)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"not started by torchrun: environment lacks {missing}")
