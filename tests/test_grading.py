@@ -16,8 +16,8 @@ from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
 from gpipe_ref.grading.common import judge_fill_drain, schedule_generators
 from gpipe_ref.grading.core import Case, Exercise, forbidden_use, run_cases, same
-from gpipe_ref.grading.grader import grade_notebook
-from gpipe_ref.grading.notebooks import BEGIN, END, exercise_of, student_copy
+from gpipe_ref.grading.grader import MAX_TIMEOUT, grade_notebook, grade_paths, kernel_timeout
+from gpipe_ref.grading.notebooks import BEGIN, COURSE, END, build, exercise_of, student_copy
 from gpipe_ref.schedule import SCHEDULES, gpipe, register, schedule_spec, unregister
 
 SOLUTIONS = ROOT / "solutions"
@@ -646,3 +646,53 @@ def test_grader_bad_inputs_give_clear_errors(tmp_path):
     assert "broken.ipynb: not a readable Jupyter notebook" in out
     assert "04_gpipe.ipynb: not an exercise notebook of this course" in out
     assert "Traceback" not in result.stderr
+
+
+# -- the grader's time limits ------------------------------------------------------------------------------
+def test_kernel_timeout_rounds_up_to_whole_seconds():
+    """nbclient's timeout is an Integer trait read as "no limit" when 0: int(0.5) would switch it off."""
+    assert [kernel_timeout(t) for t in (0.001, 0.5, 1.0, 1.2, 60.0, 60.01)] == [1, 1, 1, 2, 60, 61]
+
+
+@pytest.mark.parametrize("limits,message", [
+    ({"case_timeout": 0}, "case_timeout must be a finite number > 0, got 0"),
+    ({"case_timeout": float("nan")}, "case_timeout must be a finite number > 0, got nan"),
+    ({"case_timeout": float("inf")}, "case_timeout must be a finite number > 0, got inf"),
+    ({"case_timeout": 1e12}, "case_timeout must be a number of seconds in (0, 86400], got 1000000000000.0"),
+    ({"cell_timeout": 0}, "cell_timeout must be a finite number > 0, got 0"),
+    ({"cell_timeout": -1.0}, "cell_timeout must be a finite number > 0, got -1.0"),
+    ({"cell_timeout": True}, "cell_timeout must be a finite number > 0, got True"),
+])
+def test_time_limits_are_refused_before_any_notebook_runs(limits, message, tmp_path, monkeypatch):
+    graded = []
+    monkeypatch.setattr("gpipe_ref.grading.grader.read", lambda path: graded.append(path))
+    for grade_one in (lambda: grade_notebook(tmp_path / "a.ipynb", **limits),
+                      lambda: grade_paths([tmp_path], **limits)):
+        with pytest.raises(ValueError) as refused:
+            grade_one()
+        assert str(refused.value) == message
+    assert graded == [] and MAX_TIMEOUT == 86_400
+
+
+def test_a_cell_limit_under_a_second_still_stops_a_cell(tmp_path):
+    """--cell-timeout 0.5 once became int(0.5) = 0, which nbclient reads as no limit at all."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["gpipe_ref"] = {"course": COURSE, "notebook": "04_gpipe"}
+    nb.cells.append(nbformat.v4.new_code_cell("# Exercise 04.1\nimport time\ntime.sleep(30)\n"))
+    nbformat.write(nb, tmp_path / "sleeps.ipynb")
+    verdicts = grade_notebook(tmp_path / "sleeps.ipynb", cell_timeout=0.5).verdicts
+    assert [(v.exercise, v.status, v.feedback) for v in verdicts] == [
+        ("04.1", "timeout", "its cell ran longer than 1 s; it was skipped to grade the rest"),
+        ("04.2", "not attempted", "its exercise cell is missing"),
+        ("04.3", "not attempted", "its exercise cell is missing")]
+
+
+def test_build_refuses_a_folder_without_solutions_and_makes_nothing(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    for solutions, message in ((tmp_path / "missing", f"solutions must be a folder, got '{tmp_path}/missing'"),
+                               (tmp_path / "notes.txt", f"solutions must be a folder, got '{tmp_path}/notes.txt'"),
+                               (tmp_path, f"solutions: no solution notebooks (NN_topic.ipynb) in '{tmp_path}'")):
+        with pytest.raises(ValueError) as refused:
+            build(solutions, tmp_path / "exercises")
+        assert str(refused.value) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

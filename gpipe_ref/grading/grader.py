@@ -18,19 +18,37 @@ JSON line. What an answer does wrong costs that exercise only:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import nbformat
 
+from ..checks import positive
 from . import MARKER, NOTEBOOKS
 from .core import Verdict
 from .notebooks import NotebookError, check_of, exercise_of, read
 
 DEFAULT_CELL_TIMEOUT = 60.0
+MAX_TIMEOUT = 86_400.0  # a day; the kernel's signal.setitimer overflows near 1e12 s
+
+
+def timeout_seconds(name: str, value: object) -> float:
+    """A time limit: a finite number of seconds in (0, MAX_TIMEOUT]."""
+    positive(name, value)
+    if value > MAX_TIMEOUT:
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
+    return value
+
+
+def kernel_timeout(seconds: float) -> int:
+    """nbclient's cell limit for ``seconds``: its ``timeout`` is whole seconds and reads 0 as "no
+    limit", so the limit is rounded up to at least 1 s (``int(0.5)`` would switch it off)."""
+    return max(1, math.ceil(seconds))
 
 
 @dataclass
@@ -97,7 +115,7 @@ class _Session:
 
     def __init__(self, nb, directory: Path, cell_timeout: float, kernel_name: str) -> None:
         self.nb = nbformat.from_dict(nb)
-        self.client = _client_class()(self.nb, timeout=int(cell_timeout), kernel_name=kernel_name,
+        self.client = _client_class()(self.nb, timeout=kernel_timeout(cell_timeout), kernel_name=kernel_name,
                                       allow_errors=True, interrupt_on_timeout=False, record_timing=False,
                                       resources={"metadata": {"path": str(directory)}})
         self.cell_timeout = cell_timeout
@@ -109,7 +127,7 @@ class _Session:
         if source is not None:
             cell = nbformat.v4.new_code_cell(source)
         cell.outputs = []
-        self.client.timeout = int(timeout or self.cell_timeout)
+        self.client.timeout = kernel_timeout(timeout or self.cell_timeout)
         try:
             self.client.execute_cell(cell, cell_index)
         except CellTimeoutError:
@@ -136,8 +154,9 @@ def grade_notebook(path: str | os.PathLike, *, cell_timeout: float = DEFAULT_CEL
                    case_timeout: float | None = None, kernel_name: str = "python3") -> NotebookResult:
     """Grade one learner notebook; never raises for anything the notebook does.
 
-    ``cell_timeout``: seconds a notebook cell may run; ``case_timeout``: seconds an answer may take on
-    one case (default: each exercise's own, 20-40 s)."""
+    ``cell_timeout``: seconds a notebook cell may run (whole seconds, rounded up); ``case_timeout``:
+    seconds an answer may take on one case (default: each exercise's own, 20-40 s)."""
+    _check_timeouts(cell_timeout, case_timeout)
     began = time.perf_counter()
     result = NotebookResult(str(path))
     try:
@@ -252,7 +271,7 @@ class _Grading:
     def grade_in(self, session: _Session, grade: list[str], errors: dict[str, str]) -> _CellTrouble | None:
         for ex_id in grade:
             ex = self.exercises[ex_id]
-            per_case = self.case_timeout or ex.timeout
+            per_case = ex.timeout if self.case_timeout is None else self.case_timeout
             budget = per_case * 10 + 30  # each case has its own alarm; this catches what ignores it
             trouble = session.run(len(self.nb.cells) - 1,
                                   source=f"__import__('gpipe_ref.grading', fromlist=['report'])"
@@ -301,16 +320,35 @@ def collect(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Notebo
     return notebooks, bad
 
 
+def _check_timeouts(cell_timeout: float, case_timeout: float | None) -> None:
+    timeout_seconds("cell_timeout", cell_timeout)
+    if case_timeout is not None:
+        timeout_seconds("case_timeout", case_timeout)
+
+
 def grade_paths(paths: Iterable[str | os.PathLike], *, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                case_timeout: float | None = None, progress: bool = True) -> list[NotebookResult]:
-    """Grade every notebook ``paths`` name, in order, with a progress bar over notebooks."""
+                case_timeout: float | None = None, progress: bool = True,
+                on_result: Callable[[list[NotebookResult]], Any] | None = None) -> list[NotebookResult]:
+    """Grade every notebook ``paths`` name, in order, with a progress bar over notebooks.
+
+    ``on_result(results)`` is called with the results so far after each notebook (the command line
+    rewrites its --json file then). A notebook the grader itself fails on (no kernel, say) comes back
+    as a result with an error, and the others are still graded."""
+    _check_timeouts(cell_timeout, case_timeout)
     notebooks, bad = collect(paths)
     results = list(bad)
     if notebooks:
         from tqdm.auto import tqdm
 
         for path in tqdm(notebooks, desc="grading", unit="notebook", disable=not progress or len(notebooks) < 2):
-            results.append(grade_notebook(path, cell_timeout=cell_timeout, case_timeout=case_timeout))
+            try:
+                result = grade_notebook(path, cell_timeout=cell_timeout, case_timeout=case_timeout)
+            except Exception as exc:  # the grader's own failure, not the notebook's
+                traceback.print_exc()
+                result = NotebookResult(str(path), error=f"{path}: the grader failed ({type(exc).__name__}: {exc})")
+            results.append(result)
+            if on_result is not None:
+                on_result(results)
     return results
 
 

@@ -115,9 +115,15 @@ def build(solutions: Path, exercises: Path) -> list[Path]:
     """Write ``exercises/NN_topic.ipynb`` for every ``solutions/NN_topic.ipynb``; return the paths written."""
     from . import NOTEBOOKS
 
+    sources = sorted(Path(solutions).glob("[0-9][0-9]_*.ipynb"))
+    if not Path(solutions).is_dir():
+        raise ValueError(f"solutions must be a folder, got {str(solutions)!r}")
+    if not sources:  # refused before exercises/ is made
+        raise ValueError(f"solutions: no solution notebooks (NN_topic.ipynb) in {str(solutions)!r}")
     written = []
+    exercises = Path(exercises)
     exercises.mkdir(parents=True, exist_ok=True)
-    for source in sorted(solutions.glob("[0-9][0-9]_*.ipynb")):
+    for source in sources:
         solution, name = read(source)
         nb, found = student_copy(solution)
         wanted = [ex.id for ex in NOTEBOOKS[name]]
