@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from gpipe_ref.distributed.train import TrainConfig, run, train_reference
+from gpipe_ref.distributed.train import MAX_SEED, TrainConfig, run, train_reference
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,6 +35,10 @@ def test_training_loss_falls():
     ({"batch": 9, "dp": 2}, "batch must be divisible by dp=2, got 9"),
     ({"width": 3, "tp": 8}, "must be divisible by tp=8"),
     ({"microbatches": 0}, "microbatches must be an integer >= 1, got 0"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ({"seed": 2 ** 64 - 1}, "seed must be an integer in \\[0, 2\\*\\*64 - 2\\], got 18446744073709551615"),
+    ({"seed": 1.0}, "seed must be an integer >= 0, got 1.0"),
+    ({"lr": float("inf")}, "lr must be a finite number > 0, got inf"),
 ])
 def test_training_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -62,3 +67,36 @@ def test_train_under_torchrun(tmp_path):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained dp=1 x tp=1 x pp=2" in result.stdout and trace.exists()
+
+
+def test_an_unwritable_trace_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    launched = []
+    launch_module = importlib.import_module("gpipe_ref.distributed.launch")  # the package exports launch()
+    monkeypatch.setattr(launch_module, "launch", lambda *args, **kwargs: launched.append(args))
+    for trace, why in ((tmp_path, "Is a directory"), (tmp_path / "missing" / "t.json", "No such file or directory")):
+        with pytest.raises(ValueError) as refused:
+            run(TrainConfig(trace=str(trace)))
+        assert str(refused.value) == f"trace: cannot write {str(trace)!r}: {why}"
+    assert launched == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_loss_line_prints_when_the_trace_cannot_be_written():
+    """/dev/full opens for writing and fails on the write, after training: the losses are not lost."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    result = subprocess.run([sys.executable, "-m", "gpipe_ref", "train", "--pp", "2", "--steps", "2",
+                             "--microbatches", "2", "--trace", "/dev/full"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1
+    line = result.stdout.splitlines()[-1]
+    assert line.startswith("trained dp=1 x tp=1 x pp=2 (1f1b, 2 micro-batches): loss "), result.stdout
+    first, last = map(float, line.split("loss ")[1].split(" -> "))
+    reference = train_reference(TrainConfig(pp=2, steps=2, microbatches=2))
+    assert abs(first - reference[0]) <= 1e-5 and abs(last - reference[-1]) <= 1e-5
+    assert result.stderr.splitlines() == ["python -m gpipe_ref train: error: --trace: could not write '/dev/full': "
+                                          "No space left on device"]
+
+
+def test_the_largest_seed_trains():
+    assert TrainConfig(seed=MAX_SEED).check().seed == 2 ** 64 - 2
+    assert len(train_reference(TrainConfig(seed=MAX_SEED, steps=1))) == 1

@@ -13,18 +13,25 @@ losses equal single-process training on the whole batch.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import one_of, positive, positive_int
+from ..checks import integer, one_of, positive, positive_int
 from ..models import Residual, mlp_block, regression_data
 from ..pipeline import CHECKPOINT_MODES
 from ..schedule import schedule_names, schedule_spec
+
+if TYPE_CHECKING:
+    from ..timeline import Timeline
+
+MAX_SEED = 2 ** 64 - 2  # torch seeds are at most 2**64 - 1, and the data is drawn with seed + 1
 
 
 def option(default: Any, help: str, *, check: Callable[[str, Any], Any] | None = None,
@@ -53,6 +60,14 @@ def flush_schedule(name: str, value: object) -> str:
     return value
 
 
+def seed_value(name: str, value: object) -> int:
+    """An integer in [0, MAX_SEED]."""
+    integer(name, value, 0)
+    if value > MAX_SEED:
+        raise ValueError(f"{name} must be an integer in [0, 2**64 - 2], got {value!r}")
+    return value
+
+
 def checkpoint_modes() -> tuple[str, ...]:
     """The executors' re-materialization modes."""
     return CHECKPOINT_MODES
@@ -73,7 +88,7 @@ class TrainConfig:
     blocks: int = option(4, "MLP blocks in the model", check=positive_int)
     batch: int = option(64, "mini-batch size", check=positive_int)
     lr: float = option(0.2, "SGD learning rate", check=positive)
-    seed: int = option(0, "seed for the model and the data")
+    seed: int = option(0, "seed for the model and the data", check=seed_value)
     checkpoint: str = option("never", "re-materialization mode", choices=checkpoint_modes)
     trace: str | None = option(None, "write the last step's timeline as a Chrome trace", metavar="PATH",
                                 output=True)
@@ -129,8 +144,9 @@ def train_reference(config: TrainConfig) -> list[float]:
     return losses
 
 
-def train_worker(rank: int, world_size: int, config: TrainConfig) -> list[float]:
-    """One rank's training loop (under ``launch`` or torchrun). Returns the loss per step."""
+def train_worker(rank: int, world_size: int, config: TrainConfig) -> tuple[list[float], Timeline | None]:
+    """One rank's training loop (under ``launch`` or torchrun). Returns the loss per step and, on
+    rank 0, the last step's timeline (the caller writes the trace: a failed write loses no losses)."""
     from .grid import make_grid
     from .pipeline_parallel import PipelineParallel
     from .tensor_parallel import ParallelMLP
@@ -176,18 +192,32 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> list[float]
         if show:
             line = f"step {step:3d}  loss {loss.item():.6f}"
             (progress.write(line) if progress is not None else print(line, flush=True))
-    if config.trace and rank == 0:
-        pipe.timeline.to_chrome_trace(config.trace)
-        if show:
-            print(f"wrote the last step's timeline to {config.trace}", flush=True)
-    return losses
+    return losses, pipe.timeline if rank == 0 else None
 
 
-def run(config: TrainConfig) -> list[float]:
-    """Train under torchrun when started by it, else on ``config.world_size`` local processes."""
+def _check_trace(path: str | None) -> None:
+    """ValueError unless ``path`` can be written; an existing file is left as it is."""
+    if path is None or os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 writes
+        return
+    existed = Path(path).exists()
+    try:
+        with open(path, "a"):  # appends nothing
+            pass
+        if not existed:
+            os.unlink(path)
+    except OSError as exc:
+        raise ValueError(f"trace: cannot write {path!r}: {exc.strerror}") from None
+
+
+def train(config: TrainConfig) -> tuple[list[float], Timeline | None]:
+    """Train under torchrun when started by it, else on ``config.world_size`` local processes.
+
+    Returns the loss per step and rank 0's last-step timeline (None on torchrun's other ranks).
+    ``config.trace`` is checked before any rank starts, not written."""
     from .launch import init_from_env, launch, under_torchrun
 
     config.check()
+    _check_trace(config.trace)
     if under_torchrun():
         rank, world_size = init_from_env()
         if world_size != config.world_size:
@@ -200,11 +230,19 @@ def run(config: TrainConfig) -> list[float]:
     return launch(train_worker, config.world_size, config, timeout=600.0)[0]
 
 
+def run(config: TrainConfig) -> list[float]:
+    """:func:`train`, then write ``config.trace`` (rank 0 only); returns the loss per step."""
+    losses, timeline = train(config)
+    if config.trace and timeline is not None:
+        timeline.to_chrome_trace(config.trace)
+    return losses
+
+
 def config_from_args(args) -> TrainConfig:
     """The TrainConfig an argparse namespace describes (its other attributes are ignored)."""
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-__all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "checkpoint_modes", "config_from_args",
-           "train_reference", "train_worker", "run", "asdict"]
+__all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "seed_value", "MAX_SEED",
+           "checkpoint_modes", "config_from_args", "train_reference", "train_worker", "train", "run", "asdict"]
