@@ -5,6 +5,7 @@ warm-up, over >= 5 measured repetitions (3 in quick mode); medians with min-max.
 ranks on 2 cores compare fairly with 1 process on 1 core. Targets are reported, never asserted.
 
 Every case is one JSON object: name, config, ours_s, peer_s, ratio, theory, target, met (and extras).
+A group of cases that raises becomes one row with its ``error``, and the other groups still run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import platform
 import statistics
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -348,8 +350,18 @@ CASES = {
 }
 
 
-def run(quick: bool = False, only: list[str] | None = None, progress: bool = True) -> dict:
-    """Run the benchmark cases; returns {"machine", "date", "quick", "cases": [...]}."""
+def _failed(name: str, exc: Exception) -> dict:
+    """The row of a group of cases that raised."""
+    return {"name": f"{name} cases", "config": {}, "ours_s": None, "peer_s": None, "ratio": None, "theory": None,
+            "target": None, "met": None, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def run(quick: bool = False, only: list[str] | None = None, progress: bool = True,
+        on_case: Callable[[dict], object] | None = None) -> dict:
+    """Run the benchmark cases; returns {"machine", "date", "quick", "cases": [...]}.
+
+    ``on_case(results)`` is called after each group of cases with the results so far (the command
+    line rewrites its JSON file then, so a run stopped half way keeps what it measured)."""
     names = only or list(CASES)
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -360,8 +372,14 @@ def run(quick: bool = False, only: list[str] | None = None, progress: bool = Tru
                "date": time.strftime("%Y-%m-%d"), "quick": quick, "cases": []}
     for name in names:
         began = time.perf_counter()
-        rows = CASES[name](quick)
+        try:
+            rows = CASES[name](quick)
+        except Exception as exc:  # one broken group costs its own rows only
+            traceback.print_exc()
+            rows = [_failed(name, exc)]
         results["cases"] += rows
+        if on_case is not None:
+            on_case(results)
         if progress:
             print(f"[{name}: {len(rows)} rows in {time.perf_counter() - began:.1f} s]", flush=True)
             for row in rows:
@@ -372,6 +390,8 @@ def run(quick: bool = False, only: list[str] | None = None, progress: bool = Tru
 def format_row(row: dict) -> str:
     if row.get("skipped"):
         return f"{row['name']}: skipped ({row['skipped']})"
+    if row.get("error"):
+        return f"{row['name']}: FAILED ({row['error']})"
     config = ", ".join(f"{k}={v}" for k, v in row["config"].items())
     parts = [f"{row['name']} [{config}]"]
     if "speedup" in row:
@@ -404,8 +424,8 @@ def plot(results: dict, path: Path) -> None:
     if speed:
         ms = sorted({r["config"]["microbatches"] for r in speed})
         axes[0].plot(ms, [2 * m / (m + 1) for m in ms], "k--", label="theory 2m/(m+1)")
+        axes[0].legend()
     axes[0].set(xlabel="micro-batches m", ylabel="speedup over 1 process", title="2-stage pipeline, 2 gloo ranks")
-    axes[0].legend()
     ring = [r for r in results["cases"] if "ring_bandwidth_MBps" in r]
     if ring:
         sizes = [r["config"]["bytes"] for r in ring]

@@ -9,6 +9,9 @@ import sys
 
 from conftest import ROOT
 
+import gpipe_ref.bench
+from gpipe_ref.__main__ import main
+
 KEYS = {"name", "config", "ours_s", "peer_s", "ratio", "theory", "target", "met"}
 
 
@@ -42,3 +45,47 @@ def test_bench_rejects_an_unknown_case():
     result = subprocess.run([sys.executable, "-m", "gpipe_ref", "bench", "--only", "nope"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "only must name cases from" in result.stderr
+
+
+def test_bench_writes_each_group_as_it_finishes_and_survives_a_failing_one(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "new" / "results.json"
+    seen_by_second = []
+
+    def first(quick):
+        return [{"name": "first", "config": {}, "ours_s": 1.0, "peer_s": 2.0, "ratio": 0.5, "theory": None,
+                 "target": 1.0, "met": True}]
+
+    def second(quick):
+        seen_by_second.append(json.loads(out.read_text()))  # the first group is on disk already
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(gpipe_ref.bench.CASES, "first", first)
+    monkeypatch.setitem(gpipe_ref.bench.CASES, "second", second)
+    assert main(["bench", "--only", "first", "second", "--json", str(out)]) == 1
+    assert [c["name"] for c in seen_by_second[0]["cases"]] == ["first"]
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["name"], c.get("error")) for c in cases] == [("first", None), ("second cases", "RuntimeError: boom")]
+    stdout = capsys.readouterr().out
+    assert "  second cases: FAILED (RuntimeError: boom)" in stdout
+    assert "targets met: 1 of 1; failed: second cases" in stdout
+    assert (tmp_path / "new" / "results.png").exists()
+
+
+def test_bench_prints_its_results_when_the_json_cannot_be_written_at_the_end(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "results.json"
+
+    def only(quick):
+        out.unlink(missing_ok=True)
+        out.mkdir()  # from now on the JSON path is a folder
+        return [{"name": "kept", "config": {"k": 1}, "ours_s": 1.0, "peer_s": None, "ratio": None, "theory": None,
+                 "target": None, "met": None}]
+
+    monkeypatch.setitem(gpipe_ref.bench.CASES, "only", only)
+    assert main(["bench", "--only", "only", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("\n{") + 1:captured.out.rindex("}") + 1])
+    assert printed["cases"][0]["name"] == "kept" and printed["cases"][0]["config"] == {"k": 1}
+    assert captured.err.splitlines() == [
+        f"python -m gpipe_ref bench: warning: --json: cannot write '{out}': Is a directory; trying again at the end",
+        f"python -m gpipe_ref bench: error: --json: could not write '{out}': Is a directory; the results are "
+        f"printed above instead"]
