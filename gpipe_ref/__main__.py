@@ -2,7 +2,10 @@
 
 Every bad argument or path ends the command with one line naming it and exit status 2,
 before any work starts where it can be checked up front (an output file that cannot be
-written, a folder that does not exist, a count below 1).
+written, a folder that does not exist, a count below 1, a simulation too large to finish
+in seconds). Long commands (bench, grade, staleness) rewrite their ``--json`` file as
+results come in; if the last write fails all the same (a disk filled up, a folder removed
+during the run), the results are printed to stdout instead and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,7 +55,12 @@ def checked(check: Callable[[str, Any], Any], convert: Callable[[str], Any]) -> 
 
 COUNT = checked(positive_int, int)  # an integer >= 1
 COST = checked(non_negative, float)  # a number >= 0
-RATE = checked(positive, float)  # a number > 0: a learning rate, a timeout
+RATE = checked(positive, float)  # a number > 0: a learning rate
+
+# The largest stages x micro-batches x stages per device that `simulate` takes: 2**17 simulates with its
+# figures in about 1-4 s on a 2-core CPU (7-10 us per action; 2 actions per stage and micro-batch, 3 for
+# zero_bubble_h1), writing --trace takes about as long again.
+MAX_SIMULATED = 2 ** 17
 
 
 def output_file(*, makes_folders: bool = False) -> Callable[[str], str]:
@@ -65,17 +75,22 @@ def output_file(*, makes_folders: bool = False) -> Callable[[str], str]:
         try:
             if makes_folders and not path.parent.exists():
                 _writable_folder(path.parent)
-                return text
-            existed = path.exists()
-            with open(path, "a"):  # appends nothing: an existing file is left as it is
-                pass
-            if not existed:
-                path.unlink()
+            else:
+                _probe_file(path)
         except OSError as exc:
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
         return text
 
     return writable
+
+
+def _probe_file(path: Path) -> None:
+    """OSError unless ``path`` can be opened for writing; an existing file is left as it is."""
+    existed = path.exists()
+    with open(path, "a"):  # appends nothing
+        pass
+    if not existed:
+        path.unlink()
 
 
 def _writable_folder(folder: Path) -> None:
@@ -95,6 +110,46 @@ def folder(text: str) -> str:
     return text
 
 
+class ResultsFile:
+    """The ``--json`` file of ``args``, rewritten as results come in, so that a long run stopped half
+    way keeps what it finished. When the last write fails all the same (a disk filled up, a folder
+    removed during the run), the results are printed to stdout instead of being lost, and
+    :meth:`finish` returns 1."""
+
+    def __init__(self, args: argparse.Namespace, *, makes_folders: bool = False) -> None:
+        self.prog, self.path, self.makes_folders = f"{PROG} {args.command}", args.json, makes_folders
+        self.failure: str | None = None  # why the last write failed
+
+    def save(self, results: Any) -> bool:
+        """Write ``results`` as JSON; a failure is said once on stderr, and the run goes on."""
+        if self.path is None:
+            return True
+        try:
+            if self.makes_folders:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        except OSError as exc:
+            if self.failure is None:
+                print(f"{self.prog}: warning: --json: cannot write {self.path!r}: {exc.strerror or exc}; "
+                      f"trying again at the end", file=sys.stderr, flush=True)
+            self.failure = exc.strerror or str(exc)
+            return False
+        self.failure = None
+        return True
+
+    def finish(self, results: Any) -> int:
+        """The last write: 0 if it worked, else print ``results`` to stdout, say why on stderr and return 1."""
+        if self.path is None:
+            return 0
+        if self.save(results):
+            print(f"wrote {self.path}")
+            return 0
+        print(json.dumps(results, indent=2, default=str))
+        print(f"{self.prog}: error: --json: could not write {self.path!r}: {self.failure}; "
+              f"the results are printed above instead", file=sys.stderr)
+        return 1
+
+
 # -- one parser per command ------------------------------------------------------------------------------
 def _simulate_parser(commands) -> argparse.ArgumentParser:
     sim = commands.add_parser(
@@ -107,7 +162,8 @@ def _simulate_parser(commands) -> argparse.ArgumentParser:
     sim.add_argument("--schedule", default="gpipe", choices=schedule_names(),
                      help="which schedule to build (default: gpipe)")
     sim.add_argument("--stages", type=COUNT, default=4,
-                     help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4)")
+                     help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4); "
+                          f"stages x micro-batches x stages per device is at most {MAX_SIMULATED}")
     sim.add_argument("--microbatches", type=COUNT, default=8, help="micro-batches m per step (default: 8)")
     sim.add_argument("--stages-per-device", type=COUNT, default=1,
                      help="stages per device v, for interleaved_1f1b only (default: 1)")
@@ -173,7 +229,7 @@ def _staleness_parser(commands) -> argparse.ArgumentParser:
     stale.add_argument("--lr", type=RATE, nargs="+", default=[0.05, 0.2, 0.5],
                        help="learning rates to sweep, each > 0 (default: 0.05 0.2 0.5)")
     stale.add_argument("--json", metavar="PATH", type=output_file(),
-                       help="write every loss curve and the version table as JSON")
+                       help="write every loss curve and the version table as JSON, rewritten after each run")
     return stale
 
 
@@ -195,6 +251,9 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
 
 
 def _grade_parser(commands) -> argparse.ArgumentParser:
+    from .grading.grader import MAX_TIMEOUT, timeout_seconds
+
+    timeout = checked(timeout_seconds, float)
     grade = commands.add_parser(
         "grade",
         help="grade exercise notebooks: each in a fresh kernel, on shown and hidden cases",
@@ -205,11 +264,13 @@ def _grade_parser(commands) -> argparse.ArgumentParser:
     )
     grade.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for *.ipynb")
     grade.add_argument("--json", metavar="FILE", type=output_file(),
-                       help="also write every score and feedback as JSON")
-    grade.add_argument("--cell-timeout", type=RATE, default=60.0,
-                       help="seconds a notebook cell may run before it is stopped (default: 60)")
-    grade.add_argument("--case-timeout", type=RATE, default=None,
-                       help="seconds an answer may take on one case (default: each exercise's own, 20-40)")
+                       help="also write every score and feedback as JSON, rewritten after each notebook")
+    grade.add_argument("--cell-timeout", type=timeout, default=60.0,
+                       help=f"seconds a notebook cell may run before it is stopped, rounded up to whole seconds, "
+                            f"at most {MAX_TIMEOUT:g} (default: 60)")
+    grade.add_argument("--case-timeout", type=timeout, default=None,
+                       help=f"seconds an answer may take on one case, at most {MAX_TIMEOUT:g} "
+                            f"(default: each exercise's own, 20-40)")
     return grade
 
 
@@ -225,7 +286,8 @@ def _bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="smaller sizes, fewer repetitions (about 30 s on a 2-core CPU; CI runs it)")
     bench.add_argument("--json", metavar="FILE", type=output_file(makes_folders=True),
-                       help="write the results as JSON, and a plot beside it (.png); missing folders are made")
+                       help="write the results as JSON (rewritten after each case group), and a plot beside it "
+                            "(.png); missing folders are made")
     bench.add_argument("--only", nargs="+", metavar="CASE", help="run only these groups: " + ", ".join(CASES))
     return bench
 
@@ -250,15 +312,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- running a command ---------------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import run, write
+    from .bench import plot, run
 
-    results = run(quick=args.quick, only=args.only)
+    output = ResultsFile(args, makes_folders=True)
+    png = Path(args.json).with_suffix(".png") if args.json else None
+    for path in (Path(args.json), png) if args.json else ():  # the folders made, both files probed, up front
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _probe_file(path)
+        except OSError as exc:
+            raise ValueError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
+    results = run(quick=args.quick, only=args.only, on_case=output.save)
     scored = [c for c in results["cases"] if c.get("met") is not None]
-    print(f"targets met: {sum(c['met'] for c in scored)} of {len(scored)}")
-    if args.json:
-        png = write(results, args.json)
-        print(f"wrote {args.json} and {png}")
-    return 0
+    failed = [c["name"] for c in results["cases"] if c.get("error")]
+    print(f"targets met: {sum(c['met'] for c in scored)} of {len(scored)}"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    status = output.finish(results)
+    if png is not None:
+        try:
+            plot(results, png)
+            print(f"wrote {png}")
+        except OSError as exc:
+            print(f"{PROG} bench: error: could not write the plot {str(png)!r}: {exc.strerror or exc}", file=sys.stderr)
+            status = 1
+    return 1 if failed else status
 
 
 def _exercises(args: argparse.Namespace) -> int:
@@ -266,21 +343,27 @@ def _exercises(args: argparse.Namespace) -> int:
 
     from .grading.notebooks import build
 
+    exercises = Path(args.exercises)
+    if exercises.exists() and not exercises.is_dir():
+        raise ValueError(f"--exercises: {args.exercises!r} is not a folder")
     if args.action == "build":
         try:
-            _writable_folder(Path(args.exercises))
+            _writable_folder(exercises)
         except OSError as exc:
             raise ValueError(f"--exercises: cannot write to {args.exercises!r}: {exc.strerror}") from None
     if not any(Path(args.solutions).glob("[0-9][0-9]_*.ipynb")):  # the notebooks build() reads
         raise ValueError(f"--solutions: no solution notebooks (NN_topic.ipynb) in {args.solutions!r}")
     if args.action == "build":
-        for path in build(Path(args.solutions), Path(args.exercises)):
-            print(f"wrote {path}")
+        try:
+            for path in build(Path(args.solutions), exercises):
+                print(f"wrote {path}")
+        except OSError as exc:  # a folder that cannot be made (/proc/x), a full disk
+            raise ValueError(f"--exercises: cannot write {exc.filename or args.exercises!r}: {exc.strerror}") from None
         return 0
     with tempfile.TemporaryDirectory() as fresh:
         stale = []
         for path in build(Path(args.solutions), Path(fresh)):
-            current = Path(args.exercises) / path.name
+            current = exercises / path.name
             if not current.exists() or current.read_text() != path.read_text():
                 stale.append(str(current))
     if stale:
@@ -291,11 +374,11 @@ def _exercises(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    import json
-
     from .grading.grader import format_table, grade_paths, summary
 
-    results = grade_paths(args.paths, cell_timeout=args.cell_timeout, case_timeout=args.case_timeout)
+    output = ResultsFile(args)
+    results = grade_paths(args.paths, cell_timeout=args.cell_timeout, case_timeout=args.case_timeout,
+                          on_result=lambda done: output.save(summary(done)))
     for result in results:
         print(format_table(result))
         print()
@@ -303,23 +386,21 @@ def _grade(args: argparse.Namespace) -> int:
     graded = len(results) - report["errors"]
     print(f"total: {report['points']}/{report['max_points']} points over {graded} notebook(s)"
           + (f"; {report['errors']} path(s) could not be graded" if report["errors"] else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
-    return 2 if report["errors"] else 0
+    status = output.finish(report)
+    return 2 if report["errors"] else status
 
 
 def _staleness(args: argparse.Namespace) -> int:
-    import json
-
     from .schedule import pipedream_async
     from .staleness import VARIANTS, convergence, default_model, version_table
 
     layers = len(default_model())
     if layers % args.stages:  # refused before the table starts
         raise ValueError(f"stages must divide the model's {layers} layers, got {args.stages}")
-    results = []
+    record = version_table(pipedream_async(args.stages, args.microbatches))
+    output = ResultsFile(args)
+    results = {"runs": [], "version_table": {f"{s},{i}": list(v) for (s, i), v in record.versions.items()},
+               "stash_peak": record.stash_peak}
     print(f"final loss (mean of the last {args.microbatches} micro-batches), {args.stages} stages, "
           f"{args.steps} x {args.microbatches} micro-batches")
     print(f"{'variant':26}" + "".join(f"{'lr ' + str(lr):>12}" for lr in args.lr))
@@ -327,61 +408,101 @@ def _staleness(args: argparse.Namespace) -> int:
         row = []
         for lr in args.lr:
             result = convergence(variant, stages=args.stages, microbatches=args.microbatches, steps=args.steps, lr=lr)
-            results.append(result)
+            results["runs"].append(result)
+            output.save(results)
             row.append(sum(result["losses"][-args.microbatches:]) / args.microbatches)
         print(f"{variant:26}" + "".join(f"{v:>12.4g}" for v in row))
-    record = version_table(pipedream_async(args.stages, args.microbatches))
     print("\nPipeDream with weight stashing: (forward version, backward version, staleness) per micro-batch")
     for s in range(args.stages):
         print(f"stage {s}: " + " ".join(str(record.versions[(s, i)]) for i in range(args.microbatches))
               + f"   versions held: {record.stash_peak[s]} (bound {args.stages - s})")
-    if args.json:
-        table = {f"{s},{i}": list(v) for (s, i), v in record.versions.items()}
-        with open(args.json, "w") as f:
-            json.dump({"runs": results, "version_table": table, "stash_peak": record.stash_peak}, f)
-        print(f"wrote {args.json}")
-    return 0
+    return output.finish(results)
 
 
 def _train(args: argparse.Namespace) -> int:
     from .distributed.launch import under_torchrun
-    from .distributed.train import config_from_args, run, train_reference
+    from .distributed.train import config_from_args, train, train_reference
 
     config = config_from_args(args).check()
-    losses = run(config)
+    losses, timeline = train(config)  # checks --trace before the ranks start
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
     print(f"trained dp={config.dp} x tp={config.tp} x pp={config.pp} ({config.schedule}, "
-          f"{config.microbatches} micro-batches): loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+          f"{config.microbatches} micro-batches): loss {losses[0]:.6f} -> {losses[-1]:.6f}", flush=True)
+    status = 0
+    if config.trace:  # written here, after the loss line: a write that fails costs the trace only
+        try:
+            timeline.to_chrome_trace(config.trace)
+            print(f"wrote the last step's timeline to {config.trace}")
+        except OSError as exc:
+            print(f"{PROG} train: error: --trace: could not write {config.trace!r}: {exc.strerror or exc}",
+                  file=sys.stderr, flush=True)
+            status = 1
     if args.reference:
         reference = train_reference(config)
         worst = max(abs(a - b) for a, b in zip(losses, reference))
         print(f"single-process reference: loss {reference[0]:.6f} -> {reference[-1]:.6f}; "
               f"largest difference {worst:.3g}")
-    return 0
+    return status
+
+
+def _check_simulation_size(args: argparse.Namespace) -> None:
+    """ValueError for a simulation that would take more than a few seconds, or whose times overflow."""
+    size = args.stages * args.microbatches * args.stages_per_device
+    if size > MAX_SIMULATED:
+        raise ValueError(f"--stages x --microbatches x --stages-per-device = {args.stages} x {args.microbatches} x "
+                         f"{args.stages_per_device} = {size} is too large to simulate in a few seconds "
+                         f"(limit {MAX_SIMULATED}, e.g. 64 x 2048 x 1)")
+    per_action = args.forward + args.backward_input + args.backward_weight + 2 * args.comm
+    if not math.isfinite(size * per_action):  # the makespan is at most the sum of every action and transfer
+        raise ValueError(f"--forward, --backward-input, --backward-weight and --comm are too large: "
+                         f"{size} x (forward + backward + 2 x comm) = {size * per_action} overflows")
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    _check_simulation_size(args)
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.stages_per_device)
     cost = CostModel(args.forward, args.backward_input, args.backward_weight, args.comm)
     timeline = simulate(schedule, cost)
     print(f"schedule {schedule.name}: {schedule.num_stages} stages on {schedule.num_devices} devices, "
           f"{schedule.num_microbatches} micro-batches")
-    if args.show_schedule:
-        print(schedule.to_text())
-    print(timeline.to_text(max_width=args.width))
-    uniform = (args.forward, args.backward_input, args.backward_weight, args.comm) == (1.0, 1.0, 1.0, 0.0)
-    ratio = (args.backward_input + args.backward_weight) / args.forward if args.forward else float("inf")
-    formula = bubble_formula(schedule.name, schedule.num_devices, schedule.num_microbatches,
-                             schedule.stages_per_device, backward_ratio=ratio)
-    print(f"bubble fraction: {timeline.bubble_fraction:.4f} ({timeline.bubble_fraction:.2%})")
-    print(f"formula:         {formula:.4f}" + ("" if uniform else " (for uniform costs, comm 0)"))
-    print("peak in-flight micro-batches per device: "
-          + ", ".join(str(timeline.peak_in_flight(d)) for d in range(timeline.num_devices)))
+    try:
+        text = timeline.to_text(max_width=args.width)
+    except ValueError as too_large:  # too many devices or actions to read as text: the figures still follow
+        text = str(too_large) + ("" if args.trace else "; here: --trace PATH")
+    else:
+        if args.show_schedule:  # as long as the timeline: shown only when the timeline is
+            print(schedule.to_text())
+    print(text)
+    _print_figures(args, schedule, timeline)
     if args.trace:
-        timeline.to_chrome_trace(args.trace)
+        try:
+            timeline.to_chrome_trace(args.trace)
+        except OSError as exc:
+            print(f"{PROG} simulate: error: --trace: could not write {args.trace!r}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 1
         print(f"wrote Chrome trace to {args.trace}")
     return 0
+
+
+def _print_figures(args: argparse.Namespace, schedule, timeline) -> None:
+    """The bubble fraction, the course's formula for it and the peak in-flight micro-batches."""
+    backward = args.backward_input + args.backward_weight
+    print(f"bubble fraction: {timeline.bubble_fraction:.4f} ({timeline.bubble_fraction:.2%})")
+    if args.forward > 0 and backward > 0:  # the formula takes the ratio backward / forward
+        uniform = (args.forward, args.backward_input, args.backward_weight, args.comm) == (1.0, 1.0, 1.0, 0.0)
+        formula = bubble_formula(schedule.name, schedule.num_devices, schedule.num_microbatches,
+                                 schedule.stages_per_device, backward_ratio=backward / args.forward)
+        print(f"formula:         {formula:.4f}" + ("" if uniform else " (for uniform costs, comm 0)"))
+    else:
+        print("formula:         none for a forward or backward cost of 0")
+    peaks = [timeline.peak_in_flight(d) for d in range(timeline.num_devices)]
+    if len(peaks) <= 64:
+        print("peak in-flight micro-batches per device: " + ", ".join(map(str, peaks)))
+    else:
+        print(f"peak in-flight micro-batches: {max(peaks)} on device {peaks.index(max(peaks))} "
+              f"of {len(peaks)}")
 
 
 RUN: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
+import gpipe_ref.bench
 from gpipe_ref import CostModel, SCHEDULES, make_schedule, register, schedule_names, schedule_spec, simulate
 from gpipe_ref.__main__ import build_parser, build_parsers, main
 from gpipe_ref.distributed.train import TrainConfig, checkpoint_modes, config_from_args
+from gpipe_ref.grading.grader import NotebookResult
 from gpipe_ref.schedule import unregister
 from gpipe_ref.timeline import Event, Timeline
 
@@ -159,10 +165,36 @@ def test_bad_input_names_the_argument(args, message):
     (["simulate", "--trace", "{tmp}"], "argument --trace: cannot write '{tmp}': Is a directory"),
     (["simulate", "--width", "0"], "argument --width: must be an integer >= 1, got 0"),
     (["simulate", "--comm", "nan"], "argument --comm: must be a finite number >= 0, got nan"),
+    (["simulate", "--forward", "inf"], "argument --forward: must be a finite number >= 0, got inf"),
+    (["simulate", "--backward-input=-inf"], "argument --backward-input: must be a finite number >= 0, got -inf"),
+    (["simulate", "--backward-weight", "-0.5"], "argument --backward-weight: must be a finite number >= 0, got -0.5"),
+    (["simulate", "--stages-per-device", "0"], "argument --stages-per-device: must be an integer >= 1, got 0"),
+    (["simulate", "--stages", "4096", "--microbatches", "4096"],
+     "--stages x --microbatches x --stages-per-device = 4096 x 4096 x 1 = 16777216 is too large to simulate in a "
+     "few seconds (limit 131072, e.g. 64 x 2048 x 1)"),
+    (["simulate", "--schedule", "interleaved_1f1b", "--stages", "64", "--microbatches", "1024", "--stages-per-device",
+      "4"], "= 64 x 1024 x 4 = 262144 is too large to simulate in a few seconds (limit 131072"),
+    (["simulate", "--forward", "1e308", "--backward-input", "1e308"],
+     "--forward, --backward-input, --backward-weight and --comm are too large: 32 x (forward + backward + 2 x comm) "
+     "= inf overflows"),
     (["train", "--lr", "0"], "argument --lr: must be a finite number > 0, got 0.0"),
     (["train", "--lr", "fast"], "argument --lr: must be a finite number > 0, got 'fast'"),
     (["train", "--dp", "0"], "argument --dp: must be an integer >= 1, got 0"),
-    (["train", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["train", "--seed", "x"], "argument --seed: must be an integer >= 0, got 'x'"),
+    (["train", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["train", "--seed", str(2 ** 64 - 1)],
+     "argument --seed: must be an integer in [0, 2**64 - 2], got 18446744073709551615"),
+    (["train", "--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["train", "--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["train", "--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+    (["train", "--microbatches", "-2"], "argument --microbatches: must be an integer >= 1, got -2"),
+    (["train", "--width", "1.5"], "argument --width: must be an integer >= 1, got '1.5'"),
+    (["train", "--blocks", "0"], "argument --blocks: must be an integer >= 1, got 0"),
+    (["train", "--batch", "0"], "argument --batch: must be an integer >= 1, got 0"),
+    (["train", "--tp", "0"], "argument --tp: must be an integer >= 1, got 0"),
+    (["train", "--pp", "nan"], "argument --pp: must be an integer >= 1, got 'nan'"),
+    (["train", "--stages-per-device", "0"], "argument --stages-per-device: must be an integer >= 1, got 0"),
+    (["train", "--trace", "{tmp}"], "argument --trace: cannot write '{tmp}': Is a directory"),
     (["train", "--schedule", "pipedream_async"], "argument --schedule: invalid choice: 'pipedream_async'"),
     (["train", "--checkpoint", "sometimes"], "argument --checkpoint: invalid choice: 'sometimes'"),
     (["train", "--trace", "{tmp}/missing/t.json"], "argument --trace: cannot write '{tmp}/missing/t.json'"),
@@ -171,6 +203,11 @@ def test_bad_input_names_the_argument(args, message):
     (["staleness", "--stages", "0"], "argument --stages: must be an integer >= 1, got 0"),
     (["staleness", "--stages", "3"], "stages must divide the model's 8 layers, got 3"),
     (["staleness", "--json", "{tmp}/missing/s.json"], "argument --json: cannot write '{tmp}/missing/s.json'"),
+    (["staleness", "--json", "{tmp}"], "argument --json: cannot write '{tmp}': Is a directory"),
+    (["staleness", "--microbatches", "0"], "argument --microbatches: must be an integer >= 1, got 0"),
+    (["staleness", "--steps", "-1"], "argument --steps: must be an integer >= 1, got -1"),
+    (["staleness", "--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["staleness", "--lr", "0.1", "inf"], "argument --lr: must be a finite number > 0, got inf"),
     (["exercises", "build", "--solutions", "{tmp}/missing"], "argument --solutions: no such folder '{tmp}/missing'"),
     (["exercises", "build", "--solutions", "{tmp}/file.txt"], "argument --solutions: '{tmp}/file.txt' is not a folder"),
     (["exercises", "build", "--solutions", "{tmp}", "--exercises", "{tmp}/out"],
@@ -178,21 +215,35 @@ def test_bad_input_names_the_argument(args, message):
     (["exercises", "check", "--solutions", "{tmp}"], "--solutions: no solution notebooks (NN_topic.ipynb) in '{tmp}'"),
     (["exercises", "build", "--solutions", "{tmp}", "--exercises", "{tmp}/file.txt/out"],
      "--exercises: cannot write to '{tmp}/file.txt/out': Not a directory"),
+    (["exercises", "check", "--solutions", "{solutions}", "--exercises", "{tmp}/file.txt"],
+     "--exercises: '{tmp}/file.txt' is not a folder"),
+    (["exercises", "build", "--solutions", "{solutions}", "--exercises", "{tmp}/file.txt"],
+     "--exercises: '{tmp}/file.txt' is not a folder"),
+    (["exercises", "build", "--solutions", "{solutions}", "--exercises", "/proc/gpipe_ref_x"],
+     "--exercises: cannot write"),  # /proc refuses new folders, even to root
     (["exercises", "publish"], "argument action: invalid choice: 'publish'"),
     (["grade", "x.ipynb", "--json", "{tmp}/missing/g.json"], "argument --json: cannot write '{tmp}/missing/g.json'"),
     (["grade", "x.ipynb", "--cell-timeout", "0"], "argument --cell-timeout: must be a finite number > 0, got 0.0"),
     (["grade", "x.ipynb", "--case-timeout", "-1"], "argument --case-timeout: must be a finite number > 0, got -1.0"),
+    (["grade", "x.ipynb", "--case-timeout", "0"], "argument --case-timeout: must be a finite number > 0, got 0.0"),
+    (["grade", "x.ipynb", "--case-timeout", "1e12"],
+     "argument --case-timeout: must be a number of seconds in (0, 86400], got 1000000000000.0"),
+    (["grade", "x.ipynb", "--cell-timeout", "nan"], "argument --cell-timeout: must be a finite number > 0, got nan"),
+    (["grade", "x.ipynb", "--cell-timeout", "inf"], "argument --cell-timeout: must be a finite number > 0, got inf"),
+    (["grade", "x.ipynb", "--json", "{tmp}"], "argument --json: cannot write '{tmp}': Is a directory"),
+    (["grade", "x.ipynb", "--json", "/proc/x"], "argument --json: cannot write '/proc/x'"),
     (["grade"], "the following arguments are required: PATH"),
     (["bench", "--json", "{tmp}/file.txt/r.json"], "argument --json: cannot write '{tmp}/file.txt/r.json': "
                                                    "Not a directory"),
     (["bench", "--only", "nope"], "only must name cases from"),
+    (["bench", "--json", "{tmp}"], "argument --json: cannot write '{tmp}': Is a directory"),
     ([], "the following arguments are required: COMMAND"),
     (["simulat"], "argument COMMAND: invalid choice: 'simulat'"),
 ])
 def test_every_command_refuses_bad_input_in_one_line(args, message, tmp_path, capsys):
     (tmp_path / "file.txt").write_text("not a folder")
     with pytest.raises(SystemExit) as stopped:
-        main([arg.replace("{tmp}", str(tmp_path)) for arg in args])
+        main([arg.replace("{tmp}", str(tmp_path)).replace("{solutions}", str(ROOT / "solutions")) for arg in args])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert message.replace("{tmp}", str(tmp_path)) in err
@@ -215,3 +266,156 @@ def test_grade_reports_a_missing_path_by_name(tmp_path, capsys):
     assert main(["grade", str(missing)]) == 2
     out = capsys.readouterr().out
     assert f"{missing}: no such file or folder" in out and "1 path(s) could not be graded" in out
+
+
+# -- simulate: sizes, zero costs, a trace that cannot be written ------------------------------------------
+def test_simulate_refuses_a_huge_size_before_building_the_schedule(monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("the schedule was built")
+
+    monkeypatch.setattr("gpipe_ref.__main__.make_schedule", never)
+    with pytest.raises(SystemExit) as stopped:
+        main(["simulate", "--stages", "4096", "--microbatches", "4096"])
+    assert stopped.value.code == 2
+    assert "too large to simulate in a few seconds (limit 131072" in capsys.readouterr().err
+
+
+def test_simulate_prints_the_figures_when_the_text_timeline_is_too_large(tmp_path, capsys):
+    trace = tmp_path / "big.json"
+    assert main(["simulate", "--stages", "128", "--microbatches", "128", "--show-schedule", "--trace", str(trace)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "schedule gpipe: 128 stages on 128 devices, 128 micro-batches",
+        "the text timeline of 128 devices and 32768 actions is too large to print (limit 64 devices and 100000 "
+        "actions); write a Chrome trace with Timeline.to_chrome_trace(path) and open it in ui.perfetto.dev",
+        "bubble fraction: 0.4980 (49.80%)",  # (p-1)/(m+p-1) = 127/255
+        "formula:         0.4980",
+        "peak in-flight micro-batches: 128 on device 0 of 128",
+        f"wrote Chrome trace to {trace}",
+    ]
+    assert len(Timeline.from_chrome_trace(trace)) == 2 * 128 * 128
+    assert main(["simulate", "--stages", "65", "--microbatches", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("open it in ui.perfetto.dev; here: --trace PATH")
+
+
+@pytest.mark.parametrize("costs", [["--forward", "0"], ["--backward-input", "0", "--backward-weight", "0"]])
+def test_simulate_with_a_zero_cost_has_no_formula(costs, capsys):
+    assert main(["simulate", "--stages", "2", "--microbatches", "2", *costs]) == 0
+    out = capsys.readouterr().out
+    assert "bubble fraction: 0.3333 (33.33%)" in out  # GPipe's idle share does not depend on the costs' ratio
+    assert "formula:         none for a forward or backward cost of 0" in out
+
+
+def test_simulate_keeps_its_figures_when_the_trace_cannot_be_written(capsys):
+    full = "/dev/full"  # opens for writing, then every write fails: the failure comes at the end
+    if not os.path.exists(full):
+        pytest.skip("no /dev/full")
+    assert main(["simulate", "--stages", "2", "--microbatches", "2", "--trace", full]) == 1
+    captured = capsys.readouterr()
+    assert "bubble fraction: 0.3333 (33.33%)" in captured.out
+    assert captured.err == ("python -m gpipe_ref simulate: error: --trace: could not write '/dev/full': "
+                            "No space left on device\n")
+
+
+# -- long commands: outputs checked first, results written as they come, never lost -------------------
+def calls_to(monkeypatch, target: str, result=None) -> list:
+    """Replace ``target`` by a function that records its calls and returns ``result(*args)``."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(args)
+        return result(*args, **kwargs) if result else None
+
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(importlib.import_module(module), name, record)  # a module, though its package shadows it
+    return calls
+
+
+@pytest.mark.parametrize("argv,target", [
+    (["grade", "{tmp}/a.ipynb", "--json", "{tmp}"], "gpipe_ref.grading.grader.grade_notebook"),
+    (["grade", "{tmp}/a.ipynb", "--json", "/proc/x/g.json"], "gpipe_ref.grading.grader.grade_notebook"),
+    (["staleness", "--json", "{tmp}"], "gpipe_ref.staleness.convergence"),
+    (["staleness", "--json", "{tmp}/a.ipynb/s.json"], "gpipe_ref.staleness.convergence"),
+    (["bench", "--only", "simulator", "--json", "{tmp}"], "gpipe_ref.bench.simulator_cases"),
+    (["bench", "--only", "simulator", "--json", "/proc/x/r.json"], "gpipe_ref.bench.simulator_cases"),
+    (["bench", "--only", "simulator", "--json", "{tmp}/taken/r.json"], "gpipe_ref.bench.simulator_cases"),
+    (["train", "--trace", "{tmp}"], "gpipe_ref.distributed.launch.launch"),
+])
+def test_an_unwritable_output_stops_the_command_before_any_work(argv, target, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.ipynb").write_text("{}")
+    (tmp_path / "taken" / "r.png").mkdir(parents=True)  # bench's plot goes beside its JSON: a folder is in the way
+    calls = calls_to(monkeypatch, target)
+    monkeypatch.setitem(gpipe_ref.bench.CASES, "simulator", gpipe_ref.bench.simulator_cases)  # the stub if patched
+    with pytest.raises(SystemExit) as stopped:
+        main([arg.replace("{tmp}", str(tmp_path)) for arg in argv])
+    assert stopped.value.code == 2 and calls == []
+    err = capsys.readouterr().err
+    assert re.search(r"error: (argument )?--(json|trace): cannot write '[^']+': ", err), err
+    assert err.count("\n") == 1
+
+
+def test_grade_writes_each_notebook_as_it_is_graded(tmp_path, monkeypatch, capsys):
+    paths = [tmp_path / "a.ipynb", tmp_path / "b.ipynb"]
+    out = tmp_path / "report.json"
+    on_disk = []
+
+    def graded(path, **limits):
+        if path.name == "b.ipynb":
+            on_disk.append(json.loads(out.read_text()))
+            raise RuntimeError("no kernel")  # the grader's own failure: this notebook only
+        assert limits == {"cell_timeout": 60.0, "case_timeout": None}
+        return NotebookResult(str(path))
+
+    monkeypatch.setattr("gpipe_ref.grading.grader.grade_notebook", graded)
+    for path in paths:
+        path.write_text("{}")
+    assert main(["grade", *map(str, paths), "--json", str(out)]) == 2
+    assert [nb["path"] for nb in on_disk[0]["notebooks"]] == [str(paths[0])]
+    report = json.loads(out.read_text())
+    assert [(nb["path"], nb["error"]) for nb in report["notebooks"]] == [
+        (str(paths[0]), None), (str(paths[1]), f"{paths[1]}: the grader failed (RuntimeError: no kernel)")]
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_grade_prints_its_report_when_the_json_folder_vanishes(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    out = folder / "report.json"
+    notebook = tmp_path / "a.ipynb"
+    notebook.write_text("{}")
+
+    def graded(path, **limits):
+        folder.rmdir()  # before the first write: every write fails
+        return NotebookResult(str(path))
+
+    monkeypatch.setattr("gpipe_ref.grading.grader.grade_notebook", graded)
+    assert main(["grade", str(notebook), "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("\n{") + 1:captured.out.rindex("}") + 1])
+    assert printed["notebooks"][0]["path"] == str(notebook)
+    assert captured.err.splitlines()[-1] == (f"python -m gpipe_ref grade: error: --json: could not write '{out}': "
+                                             f"No such file or directory; the results are printed above instead")
+
+
+def test_staleness_writes_each_run_and_prints_them_when_the_json_is_lost(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    out = folder / "s.json"
+    on_disk = []
+
+    def fake_run(variant, *, stages, microbatches, steps, lr):
+        if (variant, lr) == ("1f1b", 0.1):  # the second variant: gpipe's two runs are on disk
+            on_disk.append(json.loads(out.read_text()))
+            out.unlink(missing_ok=True)
+            folder.rmdir()
+        return {"variant": variant, "lr": lr, "losses": [1.0] * (steps * microbatches)}
+
+    monkeypatch.setattr("gpipe_ref.staleness.convergence", fake_run)
+    argv = ["staleness", "--stages", "2", "--microbatches", "4", "--steps", "1", "--lr", "0.1", "0.2"]
+    assert main([*argv, "--json", str(out)]) == 1
+    assert [(r["variant"], r["lr"]) for r in on_disk[0]["runs"]] == [("gpipe", 0.1), ("gpipe", 0.2)]
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("\n{") + 1:captured.out.rindex("}") + 1])
+    assert len(printed["runs"]) == 5 * 2 and printed["stash_peak"] == [2, 1]  # PipeDream's bound p - s
+    assert printed["version_table"]["0,2"] == [1, 1, 1]  # stage 0, micro-batch 2: version 1, one update late
+    assert "could not write" in captured.err.splitlines()[-1]
