@@ -20,11 +20,12 @@ Generators:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from .checks import integer, positive_int
+from .checks import integer, non_negative, positive_int
 
 OPS = ("F", "B", "W")
 _ACTION_RE = re.compile(r"^(\d+)([FBW])(\d+)$")
@@ -150,6 +151,7 @@ class Schedule:
         num_stages = max(a.stage for a in all_actions) + 1
         if num_microbatches is None:
             num_microbatches = max(a.microbatch for a in all_actions) + 1
+        positive_int("num_microbatches", num_microbatches)
         if stage_to_device is None:
             owner: dict[int, int] = {}
             for d, acts in enumerate(per_device):
@@ -451,6 +453,11 @@ register(ScheduleSpec(
 def dependencies(action: Action, num_stages: int) -> list[Action]:
     """The actions ``action`` must wait for: F(s-1,i) for F(s,i); F(s,i) and
     B(s+1,i) for B(s,i); B(s,i) for W(s,i)."""
+    if not isinstance(action, Action):
+        raise TypeError(f"action must be an Action, got {type(action).__name__}")
+    positive_int("num_stages", num_stages)
+    if action.stage >= num_stages:
+        raise ValueError(f"action {action} has stage {action.stage}, but stages are 0..{num_stages - 1}")
     op, s, i = action.op, action.stage, action.microbatch
     if op == "F":
         return [Action("F", s - 1, i)] if s > 0 else []
@@ -604,6 +611,22 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
     The loop is written out by hand (no helper calls, flat lists): it is the
     simulator's hot path, 64 devices x 1024 micro-batches in well under a second.
     """
+    if not isinstance(encoded, EncodedSchedule):
+        raise TypeError(f"encoded must be an EncodedSchedule (from encode(schedule)), got {type(encoded).__name__}")
+    non_negative("comm", comm)
+    if durations is not None:
+        size = 3 * encoded.schedule.num_stages * encoded.schedule.num_microbatches
+        if len(durations) != size:
+            raise ValueError(f"durations must hold one entry per action key (3 x {encoded.schedule.num_stages} "
+                             f"stages x {encoded.schedule.num_microbatches} micro-batches = {size}), "
+                             f"got {len(durations)}")
+        try:  # two C loops: a NaN or an infinity makes the sum non-finite
+            ok = min(durations, default=0.0) >= 0.0 and math.isfinite(sum(durations))
+        except TypeError:
+            ok = False
+        if not ok:  # name the first bad entry (none when only the sum overflowed)
+            for key, x in enumerate(durations):
+                non_negative(f"durations[{key}]", x)
     schedule = encoded.schedule
     p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
     pm = p * m
@@ -688,11 +711,12 @@ def _deadlock_report(encoded: EncodedSchedule, cursor: list[int], end: list[floa
         report.cycle = own[:1]
         return report
     # Follow "waits for the device that owns the missing action" until a device repeats.
-    d, path = min(report.waiting), []
-    while d in report.waiting and d not in path:
+    d, path, visited = min(report.waiting), [], set()
+    while d in report.waiting and d not in visited:  # a set: a chain of 10^5 devices stays linear
         path.append(d)
+        visited.add(d)
         d = owner[report.waiting[d][1].stage]
-    if d in path:
+    if d in visited:
         report.cycle = path[path.index(d):]
     return report
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import abc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .checks import non_negative, one_of
+from .checks import integer, non_negative, one_of, positive, positive_int
 from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, encode, execution_order, walk,
                        weight_versions)
 from .timeline import Event, Timeline
@@ -123,12 +124,19 @@ def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0
     each event's weight version (default: :func:`~gpipe_ref.schedule.weight_versions`)."""
     encoded = encode(schedule)
     non_negative("comm", comm)
+    for label, mapping, value in (("durations", durations, "a duration"), ("versions", versions, "a version")):
+        if mapping is not None and not isinstance(mapping, abc.Mapping):
+            raise TypeError(f"{label} must be a mapping from Action to {value}, got {type(mapping).__name__}")
     per_key = [0.0] * (3 * schedule.num_stages * schedule.num_microbatches)
     for row, acts in zip(encoded.rows, schedule.per_device):
         for key, a in zip(row, acts):
             if a not in durations:
                 raise ValueError(f"durations has no entry for action {a}")
-            per_key[key] = float(durations[a])
+            per_key[key] = float(non_negative(f"durations[{a}]", durations[a]))
+            if versions is not None:
+                if a not in versions:
+                    raise ValueError(f"versions has no entry for action {a}")
+                integer(f"versions[{a}]", versions[a], 0)
     if versions is None and not schedule.flush:
         versions = weight_versions(schedule)
     with _gc_paused():
@@ -179,6 +187,13 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float 
     spec = SCHEDULES.get(name) if isinstance(name, str) else None
     if spec is None:
         raise ValueError(f"name must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    positive_int("p", p)
+    positive_int("m", m)
+    positive_int("v", v)
+    if v != 1 and not spec.multi_stage:
+        multi = ", ".join(n for n, s in SCHEDULES.items() if s.multi_stage)
+        raise ValueError(f"v must be 1 for schedule {name!r} (only {multi} put several stages on a device), got {v}")
+    positive("backward_ratio", backward_ratio)
     return spec.bubble(p, m, v, backward_ratio)
 
 
@@ -186,10 +201,18 @@ def calibrate(timeline: Timeline, num_stages: int | None = None) -> CostModel:
     """A CostModel fitted to a measured run: mean F, B and W durations, and a
     per-stage multiplier for stages that are slower or faster than average.
     Without W actions the measured B is split evenly into its two halves."""
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
     events = timeline.events
     if not events:
         raise ValueError("timeline must hold events to calibrate from, got an empty timeline")
-    stages = num_stages if num_stages is not None else max(e.stage for e in events) + 1
+    stages = max(e.stage for e in events) + 1
+    if num_stages is not None:
+        positive_int("num_stages", num_stages)
+        if num_stages < stages:
+            raise ValueError(f"num_stages must be at least {stages} (the timeline has events of stages "
+                             f"0..{stages - 1}), got {num_stages}")
+        stages = num_stages
 
     def mean(values: list[float]) -> float:
         return sum(values) / len(values) if values else 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import operator
 from operator import attrgetter
 from typing import Iterable, Mapping, NamedTuple
 
@@ -125,30 +126,52 @@ class Timeline:
         self.num_devices = num_devices
         self.unit = unit
         self.peak_memory: dict[int, int] = dict(peak_memory or {})
-        for e in self.events:
-            if e.op not in OPS:
-                raise ValueError(f"event {e} has op {e.op!r}, but ops are {OPS} "
-                                 f"(communication goes in comm, as a Transfer)")
-            self._check_span(e, "event")
-        for t in self.comm:
-            if not isinstance(t, Transfer):
-                raise TypeError(f"comm must hold Transfer records, got {type(t).__name__}")
-            self._check_span(t, "transfer")
+        for d, size in self.peak_memory.items():
+            self._device(d, "peak_memory's device")
+            integer(f"peak_memory[{d}]", size, 0)
+        if not self._all_plain(self.events, Event):
+            for e in self.events:
+                if not isinstance(e, Event):
+                    raise TypeError(f"events must hold Event records, got {type(e).__name__}")
+                if e.op not in OPS:
+                    raise ValueError(f"event {e} has op {e.op!r}, but ops are {OPS} "
+                                     f"(communication goes in comm, as a Transfer)")
+                self._check_span(e, "event")
+        if not self._all_plain(self.comm, Transfer):
+            for t in self.comm:
+                if not isinstance(t, Transfer):
+                    raise TypeError(f"comm must hold Transfer records, got {type(t).__name__}")
+                self._check_span(t, "transfer")
         self._cache: _Index | None = None
+
+    def _all_plain(self, items: list, record: type) -> bool:
+        """The quick test every valid record passes, in C loops (zip, set, sum, map): the
+        right type, an op for an Event, int devices in range, finite times, start <= end.
+        False sends the caller through the slow checks that say what is wrong."""
+        if not items:
+            return True
+        if set(map(type, items)) != {record}:
+            return False
+        columns = list(zip(*items))  # one tuple per field
+        devices = set(columns[0])
+        if not all(type(d) is int for d in devices) or min(devices) < 0 or max(devices) >= self.num_devices:
+            return False
+        if record is Event and not set(columns[2]) <= set(OPS):
+            return False
+        starts, ends = (columns[4], columns[5]) if record is Event else (columns[2], columns[3])
+        try:  # a NaN or an infinity makes a sum non-finite; NaN also fails <=
+            return math.isfinite(sum(starts)) and math.isfinite(sum(ends)) and all(map(operator.le, starts, ends))
+        except TypeError:  # a time that is not a number
+            return False
 
     def _check_span(self, item: Event | Transfer, kind: str) -> None:
         device, start, end = item.device, item.start, item.end
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
             raise ValueError(f"{kind} {item} is on device {device!r}, but devices are 0..{self.num_devices - 1}")
-        try:
-            finite = -math.inf < start <= end < math.inf  # NaN fails every comparison
-        except TypeError:
-            finite = False
-        if finite:
-            return
-        if all(_is_finite(t) for t in (start, end)):
+        if not (_is_finite(start) and _is_finite(end)):
+            raise ValueError(f"{kind} {item} must start and end at finite times, got start={start!r}, end={end!r}")
+        if end < start:
             raise ValueError(f"{kind} {item} ends before it starts")
-        raise ValueError(f"{kind} {item} must start and end at finite times, got start={start!r}, end={end!r}")
 
     def _index(self) -> "_Index":
         """Per-device lists and the time range, built once (the lists are read-only after
@@ -169,9 +192,9 @@ class Timeline:
             self._cache = _Index(key, events, comm, origin, last - origin, busy)
         return self._cache
 
-    def _device(self, device: object) -> int:
+    def _device(self, device: object, name: str = "device") -> int:
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
-            raise ValueError(f"device must be an integer in 0..{self.num_devices - 1}, got {device!r}")
+            raise ValueError(f"{name} must be an integer in 0..{self.num_devices - 1}, got {device!r}")
         return device
 
     def __repr__(self) -> str:

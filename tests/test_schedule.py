@@ -11,6 +11,8 @@ from gpipe_ref.schedule import (
     Action,
     Schedule,
     ScheduleError,
+    dependencies,
+    encode,
     execution_order,
     gpipe,
     interleaved_1f1b,
@@ -18,6 +20,7 @@ from gpipe_ref.schedule import (
     one_f_one_b,
     pipedream_async,
     validate,
+    walk,
     zero_bubble_h1,
 )
 
@@ -242,3 +245,50 @@ def test_zero_bubble_h1_matches_torch_rank_ops(p, m):
                        num_1f1b_microbatches=rank, enable_zero_bubble=True)
         theirs = [str(a).replace("I", "B") for a in ops if a is not None]
         assert ours[rank] == theirs, rank
+
+
+def test_a_deadlock_at_the_end_of_a_long_chain_names_the_cycle():
+    """Devices 0..p-3 wait each for the next; p-2 and p-1 wait for each other. The report follows
+    the chain from device 0 (a set of visited devices keeps that linear in p)."""
+    p = 5000
+    lines = [f"{d}F0 {d}F1 {d}B0 {d}B1" for d in range(p - 2)]
+    lines += [f"{p - 2}F0 {p - 2}B0 {p - 2}F1 {p - 2}B1", f"{p - 1}F1 {p - 1}B1 {p - 1}F0 {p - 1}B0"]
+    with pytest.raises(ScheduleError) as error:
+        validate(Schedule.from_text("\n".join(lines)))
+    assert str(error.value) == (f"deadlock, cycle: device {p - 2} waits at {p - 2}B0 for {p - 1}B0 (device {p - 1}); "
+                                f"device {p - 1} waits at {p - 1}F1 for {p - 2}F1 (device {p - 2})")
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: walk(encode(gpipe(2, 1)), [1.0] * 5), ValueError,
+     "durations must hold one entry per action key (3 x 2 stages x 1 micro-batches = 6), got 5"),
+    (lambda: walk(encode(gpipe(2, 1)), [1.0] * 5 + [float("nan")]), ValueError,
+     "durations[5] must be a finite number >= 0, got nan"),
+    (lambda: walk(encode(gpipe(2, 1)), [1.0, -2.0] + [1.0] * 4), ValueError,
+     "durations[1] must be a finite number >= 0, got -2.0"),
+    (lambda: walk(encode(gpipe(2, 1)), [1.0] * 5 + [float("inf")]), ValueError,
+     "durations[5] must be a finite number >= 0, got inf"),
+    (lambda: walk(encode(gpipe(2, 1)), [1.0] * 5 + ["x"]), ValueError,
+     "durations[5] must be a finite number >= 0, got 'x'"),
+    (lambda: walk(encode(gpipe(2, 1)), None, -1.0), ValueError, "comm must be a finite number >= 0, got -1.0"),
+    (lambda: walk(encode(gpipe(2, 1)), None, float("inf")), ValueError, "comm must be a finite number >= 0, got inf"),
+    (lambda: walk(gpipe(2, 1)), TypeError,
+     "encoded must be an EncodedSchedule (from encode(schedule)), got Schedule"),
+    (lambda: dependencies(Action("F", 2, 0), 2), ValueError, "action 2F0 has stage 2, but stages are 0..1"),
+    (lambda: dependencies(Action("F", 0, 0), 0), ValueError, "num_stages must be an integer >= 1, got 0"),
+    (lambda: dependencies("0F0", 2), TypeError, "action must be an Action, got str"),
+    (lambda: Schedule.from_text("0F0 0B0", num_microbatches=0), ValueError,
+     "num_microbatches must be an integer >= 1, got 0"),
+    (lambda: Schedule.from_text("0F0 0B0", num_microbatches=1.5), ValueError,
+     "num_microbatches must be an integer >= 1, got 1.5"),
+])
+def test_public_functions_check_their_numbers(call, error, message):
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value) == message
+
+
+def test_walk_with_huge_but_finite_durations_still_runs():
+    # the quick check sums the durations; an overflowing sum alone must not refuse valid ones
+    ran = walk(encode(gpipe(1, 1)), [1e308, 1e308, 0.0])
+    assert ran.end[:2] == [1e308, float("inf")]  # F then B: the clock itself overflows, as floats do

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpipe_ref.schedule import (
+    Action,
     weight_versions,
     Schedule,
     ScheduleError,
@@ -15,7 +16,7 @@ from gpipe_ref.schedule import (
     pipedream_async,
     zero_bubble_h1,
 )
-from gpipe_ref.simulator import CostModel, bubble_formula, simulate
+from gpipe_ref.simulator import CostModel, bubble_formula, calibrate, place, simulate
 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 EXACT = 1e-12
@@ -168,3 +169,85 @@ def test_simulate_bad_input():
         simulate(Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0"))
     with pytest.raises(ValueError, match="name must be one of"):
         bubble_formula("nope", 2, 2)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"forward": float("inf")}, "forward must be a finite number >= 0, got inf"),
+    ({"backward_weight": float("inf")}, "backward_weight must be a finite number >= 0, got inf"),
+    ({"comm": float("inf")}, "comm must be a finite number >= 0, got inf"),
+    ({"stage_scale": (1.0, float("inf"))}, "stage_scale[1] must be a finite number >= 0, got inf"),
+    ({"stage_scale": (float("nan"),)}, "stage_scale[0] must be a finite number >= 0, got nan"),
+])
+def test_cost_model_refuses_infinite_costs(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        CostModel(**kwargs)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    (("gpipe", -4, 8), {}, "p must be an integer >= 1, got -4"),
+    (("gpipe", 4.0, 8), {}, "p must be an integer >= 1, got 4.0"),
+    (("1f1b", 4, 0), {}, "m must be an integer >= 1, got 0"),
+    (("interleaved_1f1b", 4, 8, 0), {}, "v must be an integer >= 1, got 0"),
+    (("gpipe", 4, 8, 2), {}, "v must be 1 for schedule 'gpipe' (only interleaved_1f1b put several stages on a "
+                             "device), got 2"),
+    (("zero_bubble_h1", 4, 8), {"backward_ratio": float("nan")}, "backward_ratio must be a finite number > 0, got nan"),
+    (("zero_bubble_h1", 4, 8), {"backward_ratio": float("inf")}, "backward_ratio must be a finite number > 0, got inf"),
+    (("gpipe", 4, 8), {"backward_ratio": 0}, "backward_ratio must be a finite number > 0, got 0"),
+])
+def test_bubble_formula_checks_its_counts(args, kwargs, message):
+    with pytest.raises(ValueError) as error:
+        bubble_formula(*args, **kwargs)
+    assert str(error.value) == message
+
+
+def _durations(schedule, **changes):
+    durations = {a: 1.0 for _, a in schedule.actions()}
+    durations.update({Action.parse(label): value for label, value in changes.items()})
+    return durations
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"1F0": -1.0}, "durations[1F0] must be a finite number >= 0, got -1.0"),
+    ({"0B0": float("nan")}, "durations[0B0] must be a finite number >= 0, got nan"),
+    ({"1B0": float("inf")}, "durations[1B0] must be a finite number >= 0, got inf"),
+    ({"0F0": "1"}, "durations[0F0] must be a finite number >= 0, got '1'"),
+])
+def test_place_names_the_bad_duration_instead_of_reporting_a_deadlock(change, message):
+    with pytest.raises(ValueError) as error:
+        place(gpipe(2, 1), _durations(gpipe(2, 1), **change))
+    assert str(error.value) == message
+
+
+def test_place_checks_comm_versions_and_mappings():
+    schedule, durations = gpipe(2, 1), _durations(gpipe(2, 1))
+    for kwargs, error, message in [
+        ({"comm": -1.0}, ValueError, "comm must be a finite number >= 0, got -1.0"),
+        ({"comm": float("inf")}, ValueError, "comm must be a finite number >= 0, got inf"),
+        ({"versions": {a: -1 for a in durations}}, ValueError, "versions[0F0] must be an integer >= 0, got -1"),
+        ({"versions": {}}, ValueError, "versions has no entry for action 0F0"),
+        ({"versions": [0]}, TypeError, "versions must be a mapping from Action to a version, got list"),
+    ]:
+        with pytest.raises(error) as caught:
+            place(schedule, durations, **kwargs)
+        assert str(caught.value) == message
+    with pytest.raises(TypeError) as caught:
+        place(schedule, [1.0, 1.0])
+    assert str(caught.value) == "durations must be a mapping from Action to a duration, got list"
+    assert place(schedule, durations, comm=0.5).makespan == 5.0  # F, 0.5, F, B, 0.5, B: 1+.5+1+1+.5+1
+
+
+def test_calibrate_checks_its_arguments():
+    timeline = simulate(gpipe(3, 2))
+    for num_stages, message in [
+        (2, "num_stages must be at least 3 (the timeline has events of stages 0..2), got 2"),
+        (0, "num_stages must be an integer >= 1, got 0"),
+        ("3", "num_stages must be an integer >= 1, got '3'"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            calibrate(timeline, num_stages)
+        assert str(error.value) == message
+    with pytest.raises(TypeError) as error:
+        calibrate("timeline")
+    assert str(error.value) == "timeline must be a Timeline, got str"
+    assert calibrate(timeline, 3) == CostModel(1.0, 1.0, 1.0, stage_scale=(1.0, 1.0, 1.0))
