@@ -142,12 +142,17 @@ def _all_reduce_time(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 def held_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Micro-batches whose activations the first stage holds at its peak (Korthikanti et al. 2022, sec. 4.2.3)."""
-    return schedule_spec(schedule).peak_held(p, m, v)
+    spec = schedule_spec(schedule)
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        positive_int(name, value)
+    return spec.peak_held(p, m, v)
 
 
 def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
              schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False) -> Plan:
     """The cost model's step time, bubble and memory per GPU for one configuration."""
+    _check_configs(model, cluster)
+    _boolean("recompute", recompute)
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size),
                         ("stages_per_device", stages_per_device)):
         positive_int(name, value)
@@ -209,51 +214,128 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_configs(model: object, cluster: object) -> None:
+    if not isinstance(model, ModelConfig):
+        raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
+    if not isinstance(cluster, ClusterConfig):
+        raise TypeError(f"cluster must be a ClusterConfig, got {type(cluster).__name__}")
+
+
+def _options(name: str, values: Iterable, check) -> tuple:
+    """A search option as a non-empty tuple, each value passing ``check(name[i], value)``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence, got {type(values).__name__}")
+    values = tuple(values)
+    if not values:
+        raise ValueError(f"{name} must hold at least one value, got an empty sequence")
+    for i, value in enumerate(values):
+        check(f"{name}[{i}]", value)
+    return values
+
+
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _layouts(model: ModelConfig, cluster: ClusterConfig) -> list[tuple[int, int, int]]:
+    """The (dp, tp, pp) the search tries: a tensor-parallel group fills whole nodes or divides one
+    (and divides the heads and the width); pp divides the layers. tp = pp = 1 is always one."""
+    node, layouts = cluster.gpus_per_node, []
+    for tp in _divisors(cluster.gpus):
+        if model.heads % tp or model.hidden % tp or tp > 2 * node or (node % tp and tp % node):
+            continue
+        layouts += [(cluster.gpus // (tp * pp), tp, pp) for pp in _divisors(cluster.gpus // tp) if not model.layers % pp]
+    return layouts
+
+
 def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: Iterable[int] = (1, 2, 4, 8),
                schedules: Iterable[str] | None = None,
                stages_per_device: Iterable[int] = (2, 4), recompute: Iterable[bool] = (False, True)) -> list[Plan]:
     """Every valid configuration's estimate (fitting or not); ``schedules`` defaults to every
     registered flush schedule the cost model times."""
-    schedules = _planned_schedules() if schedules is None else tuple(schedules)
+    _check_configs(model, cluster)
+    planned = _planned_schedules()
+    schedules = planned if schedules is None else \
+        _options("schedules", schedules, lambda name, value: one_of(name, value, planned))
+    microbatch_sizes = _options("microbatch_sizes", microbatch_sizes, positive_int)
+    stages_per_device = _options("stages_per_device", stages_per_device, positive_int)
+    recompute = _options("recompute", recompute, _boolean)
     plans = []
-    for tp in _divisors(cluster.gpus):
-        node = cluster.gpus_per_node
-        if model.heads % tp or model.hidden % tp or tp > 2 * node or (node % tp and tp % node):
-            continue  # a tensor-parallel group fills whole nodes or divides one
-        for pp in _divisors(cluster.gpus // tp):
-            if model.layers % pp:
+    for dp, tp, pp in _layouts(model, cluster):
+        for b in microbatch_sizes:
+            if model.batch % (dp * b):
                 continue
-            dp = cluster.gpus // (tp * pp)
-            for b in microbatch_sizes:
-                if model.batch % (dp * b):
-                    continue
-                for schedule in schedules:
-                    multi_stage = schedule_spec(schedule).multi_stage
-                    for v in (stages_per_device if multi_stage else (1,)):
-                        if multi_stage and (pp == 1 or model.layers % (pp * v)
-                                                               or (model.batch // (dp * b)) % pp):
-                            continue
-                        if schedule != "1f1b" and pp == 1:
-                            continue  # one stage: every schedule is the same
-                        for rc in recompute:
-                            plans.append(estimate(model, cluster, dp=dp, tp=tp, pp=pp, microbatch_size=b,
-                                                  schedule=schedule, stages_per_device=v, recompute=rc))
+            for schedule in schedules:
+                multi_stage = schedule_spec(schedule).multi_stage
+                for v in (stages_per_device if multi_stage else (1,)):
+                    if multi_stage and (pp == 1 or model.layers % (pp * v) or (model.batch // (dp * b)) % pp):
+                        continue
+                    if schedule != "1f1b" and pp == 1:
+                        continue  # one stage: every schedule is the same
+                    for rc in recompute:
+                        plans.append(estimate(model, cluster, dp=dp, tp=tp, pp=pp, microbatch_size=b,
+                                              schedule=schedule, stages_per_device=v, recompute=rc))
     return plans
 
 
+class NothingFits(ValueError):
+    """No configuration fits: the message says what stopped every candidate; ``closest`` is the
+    candidate that needs the least memory per GPU (None when no configuration was even valid)."""
+
+    def __init__(self, message: str, closest: Plan | None = None) -> None:
+        super().__init__(message)
+        self.closest = closest
+
+
+def _why_nothing_fits(model: ModelConfig, cluster: ClusterConfig, plans: list[Plan],
+                      microbatch_sizes: Iterable[int] = (1, 2, 4, 8), schedules: Iterable[str] | None = None,
+                      **_other) -> NothingFits:
+    """The reason :func:`plan` found nothing: every valid configuration is too large, or none is valid."""
+    if plans:
+        closest = min(plans, key=lambda p: p.memory[TOTAL_MEMORY])
+        usable = cluster.memory_bytes * cluster.usable_memory
+        return NothingFits(
+            f"no layout fits: the smallest memory need is {closest.memory[TOTAL_MEMORY] / 1e9:.1f} GB per GPU "
+            f"({closest.label()}) but a GPU has {cluster.memory_bytes / 1e9:g} GB, "
+            f"{usable / 1e9:.1f} GB usable (usable_memory={cluster.usable_memory:g}); add GPUs or memory",
+            closest)
+    layouts = _layouts(model, cluster)
+    sizes = tuple(microbatch_sizes)
+    split = [(dp, tp, pp) for dp, tp, pp in layouts if any(model.batch % (dp * b) == 0 for b in sizes)]
+    if not split:
+        return NothingFits(
+            f"no layout splits the batch: {model.batch} sequences must be a multiple of dp x micro-batch size, "
+            f"but dp (GPUs / (tp x pp), tp dividing the heads and pp the layers) is one of "
+            f"{sorted({dp for dp, _, _ in layouts})} and the micro-batch sizes are {sizes}")
+    names = _planned_schedules() if schedules is None else tuple(schedules)
+    return NothingFits(
+        f"none of the schedules searched {names} applies to the layouts that split the batch (pp in "
+        f"{sorted({pp for _, _, pp in split})}): with pp = 1 only 1f1b is planned, and interleaved_1f1b needs "
+        f"pp > 1, layers divisible by pp x stages_per_device and micro-batches a multiple of pp")
+
+
 def plan(model: ModelConfig, cluster: ClusterConfig, *, top: int | None = 10, **search) -> list[Plan]:
-    """The configurations that fit in memory, fastest first (``top`` of them; None for all)."""
-    if not isinstance(model, ModelConfig):
-        raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
-    if not isinstance(cluster, ClusterConfig):
-        raise TypeError(f"cluster must be a ClusterConfig, got {type(cluster).__name__}")
-    fitting = sorted((p for p in candidates(model, cluster, **search) if p.fits),
-                     key=lambda p: (p.step_time, p.memory[TOTAL_MEMORY]))
+    """The configurations that fit in memory, fastest first (``top`` of them; None for all).
+
+    Raises :class:`NothingFits` (a ValueError) saying why when no configuration fits: the smallest
+    memory need against the GPU's memory, or the rule no layout can meet."""
+    _check_configs(model, cluster)
+    if top is not None:
+        positive_int("top", top)
+    every = candidates(model, cluster, **search)
+    fitting = sorted((p for p in every if p.fits), key=lambda p: (p.step_time, p.memory[TOTAL_MEMORY]))
+    if not fitting:
+        raise _why_nothing_fits(model, cluster, every, **search)
     return fitting if top is None else fitting[:top]
 
 
 def pipeline_timeline(chosen: Plan, max_microbatches: int = 32) -> tuple[Schedule, Timeline]:
     """The chosen plan's pipeline, simulated with its per-stage costs (at most ``max_microbatches`` shown)."""
+    if not isinstance(chosen, Plan):
+        raise TypeError(f"chosen must be a Plan, got {type(chosen).__name__}")
+    positive_int("max_microbatches", max_microbatches)
     m = min(chosen.num_microbatches, max_microbatches)
     v = chosen.stages_per_device
     schedule = make_schedule(chosen.schedule, chosen.pp, m, v)
@@ -265,8 +347,8 @@ def pipeline_timeline(chosen: Plan, max_microbatches: int = 32) -> tuple[Schedul
     return schedule, simulate(schedule, cost)
 
 
-__all__ = ["ModelConfig", "ClusterConfig", "Plan", "estimate", "candidates", "plan", "pipeline_timeline",
-           "held_microbatches", "compare_with_megatron", "MEGATRON_TABLE_1"]
+__all__ = ["ModelConfig", "ClusterConfig", "Plan", "NothingFits", "estimate", "candidates", "plan",
+           "pipeline_timeline", "held_microbatches", "compare_with_megatron", "MEGATRON_TABLE_1"]
 
 
 # Narayanan et al. 2021, Table 1 (GPT, A100 80 GB, s = 2048, V = 51,200, activation recomputation on every
@@ -290,6 +372,8 @@ MEGATRON_TABLE_1 = (
 
 def compare_with_megatron(cluster: ClusterConfig | None = None) -> list[dict]:
     """The planner's teraFLOP/s per GPU for each row of Narayanan et al. 2021's Table 1, beside the paper's."""
+    if cluster is not None and not isinstance(cluster, ClusterConfig):
+        raise TypeError(f"cluster must be a ClusterConfig or None, got {type(cluster).__name__}")
     rows = []
     for layers, hidden, heads, tp, pp, gpus, batch, b, v, published in MEGATRON_TABLE_1:
         model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=batch)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from gpipe_ref.planner import ClusterConfig, ModelConfig, candidates, estimate, pipeline_timeline, plan
+from gpipe_ref.planner import (ClusterConfig, ModelConfig, NothingFits, candidates, compare_with_megatron,
+                               estimate, held_microbatches, pipeline_timeline, plan)
 
 SMALL = ModelConfig(layers=4, hidden=64, heads=4, batch=8, seq_len=16, vocab=100)
 
@@ -60,8 +61,9 @@ def test_bubble_matches_the_simulator():
 
 def test_what_does_not_fit_is_discarded():
     model = ModelConfig(layers=32, hidden=8192, heads=64, batch=64)  # ~26B parameters: 16 B each = 0.4 TB
-    assert plan(model, ClusterConfig(gpus=1)) == []
-    assert plan(model, ClusterConfig(gpus=4)) == []  # 0.4 TB / 4 > 80 GB: nothing fits
+    for gpus in (1, 4):  # 0.4 TB / 4 > 80 GB: nothing fits
+        with pytest.raises(NothingFits):
+            plan(model, ClusterConfig(gpus=gpus))
     everything = candidates(model, ClusterConfig(gpus=64))
     fitting = plan(model, ClusterConfig(gpus=64), top=None)
     assert fitting and len(fitting) < len(everything)
@@ -103,7 +105,10 @@ def test_tensor_parallelism_stays_inside_a_node():
 def test_search_is_fast(gpus):
     model = ModelConfig(layers=128, hidden=25600, heads=160, batch=4096)
     began = time.perf_counter()
-    plan(model, ClusterConfig(gpus=gpus))
+    try:
+        plan(model, ClusterConfig(gpus=gpus))
+    except NothingFits:  # 8 GPUs hold no 1T model; 3072 cannot split a batch of 4096
+        assert gpus in (8, 3072)
     assert time.perf_counter() - began < 2.0
 
 
@@ -135,3 +140,87 @@ def test_against_megatron_table_1():
         assert 0.85 <= row["ratio"] <= 1.4, row
     big = [r["ratio"] for r in rows if r["parameters_b"] > 100]
     assert all(0.9 <= r <= 1.1 for r in big), big
+
+
+def test_the_planner_says_why_nothing_fits():
+    model = ModelConfig(layers=32, hidden=8192, heads=64, batch=64)
+    with pytest.raises(NothingFits) as error:
+        plan(model, ClusterConfig(gpus=4))
+    assert str(error.value) == (
+        "no layout fits: the smallest memory need is 105.9 GB per GPU (dp=1 tp=1 pp=4 b=1 m=64 1f1b recompute) "
+        "but a GPU has 80 GB, 72.0 GB usable (usable_memory=0.9); add GPUs or memory")
+    closest = error.value.closest
+    assert closest.label() == "dp=1 tp=1 pp=4 b=1 m=64 1f1b recompute" and not closest.fits
+    assert closest.memory["total"] == min(p.memory["total"] for p in candidates(model, ClusterConfig(gpus=4)))
+    assert isinstance(error.value, ValueError)
+    with pytest.raises(NothingFits) as error:  # dp = 7 never divides a batch of 8
+        plan(SMALL, ClusterConfig(gpus=7))
+    assert str(error.value) == (
+        "no layout splits the batch: 8 sequences must be a multiple of dp x micro-batch size, but dp "
+        "(GPUs / (tp x pp), tp dividing the heads and pp the layers) is one of [7] and the micro-batch sizes "
+        "are (1, 2, 4, 8)")
+    assert error.value.closest is None
+    with pytest.raises(NothingFits) as error:  # one GPU, one stage: GPipe is not searched there
+        plan(SMALL, ClusterConfig(gpus=1), schedules=("gpipe",))
+    assert str(error.value) == (
+        "none of the schedules searched ('gpipe',) applies to the layouts that split the batch (pp in [1]): "
+        "with pp = 1 only 1f1b is planned, and interleaved_1f1b needs pp > 1, layers divisible by pp x "
+        "stages_per_device and micro-batches a multiple of pp")
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), top=-1), ValueError, "top must be an integer >= 1, got -1"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), top=0), ValueError, "top must be an integer >= 1, got 0"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), top=2.5), ValueError, "top must be an integer >= 1, got 2.5"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), schedules=()), ValueError,
+     "schedules must hold at least one value, got an empty sequence"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), schedules="gpipe"), TypeError,
+     "schedules must be a sequence, got str"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), schedules=("zero_bubble_h1",)), ValueError,
+     "schedules[0] must be one of ('gpipe', '1f1b', 'interleaved_1f1b'), got 'zero_bubble_h1'"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), microbatch_sizes=(0,)), ValueError,
+     "microbatch_sizes[0] must be an integer >= 1, got 0"),
+    (lambda: plan(SMALL, ClusterConfig(gpus=1), recompute=(1,)), ValueError,
+     "recompute[0] must be True or False, got 1"),
+    (lambda: candidates(SMALL, ClusterConfig(gpus=1), stages_per_device=(2, -1)), ValueError,
+     "stages_per_device[1] must be an integer >= 1, got -1"),
+    (lambda: candidates(SMALL, "cluster"), TypeError, "cluster must be a ClusterConfig, got str"),
+    (lambda: estimate(SMALL, ClusterConfig(gpus=1), dp=1, tp=1, pp=1, recompute="yes"), ValueError,
+     "recompute must be True or False, got 'yes'"),
+    (lambda: estimate("gpt", ClusterConfig(gpus=1), dp=1, tp=1, pp=1), TypeError,
+     "model must be a ModelConfig, got str"),
+    (lambda: held_microbatches("1f1b", 0, 4), ValueError, "p must be an integer >= 1, got 0"),
+    (lambda: held_microbatches("1f1b", 4, 8, 1.5), ValueError, "v must be an integer >= 1, got 1.5"),
+    (lambda: pipeline_timeline("plan"), TypeError, "chosen must be a Plan, got str"),
+    (lambda: pipeline_timeline(plan(SMALL, ClusterConfig(gpus=2))[0], max_microbatches=0), ValueError,
+     "max_microbatches must be an integer >= 1, got 0"),
+    (lambda: compare_with_megatron({"gpus": 8}), TypeError, "cluster must be a ClusterConfig or None, got dict"),
+    (lambda: ClusterConfig(gpus=8, peak_flops=INF), ValueError, "peak_flops must be a finite number > 0, got inf"),
+    (lambda: ClusterConfig(gpus=8, memory_bytes=NAN), ValueError, "memory_bytes must be a finite number > 0, got nan"),
+    (lambda: ClusterConfig(gpus=8, intra_node_bandwidth=INF), ValueError,
+     "intra_node_bandwidth must be a finite number > 0, got inf"),
+    (lambda: ClusterConfig(gpus=8, inter_node_bandwidth=-1.0), ValueError,
+     "inter_node_bandwidth must be a finite number > 0, got -1.0"),
+    (lambda: ClusterConfig(gpus=8, efficiency=INF), ValueError, "efficiency must be a number in (0, 1], got inf"),
+    (lambda: ClusterConfig(gpus=8, usable_memory=NAN), ValueError, "usable_memory must be a number in (0, 1], got nan"),
+    (lambda: ClusterConfig(gpus=0), ValueError, "gpus must be an integer >= 1, got 0"),
+    (lambda: ClusterConfig(gpus=8, gpus_per_node=2.0), ValueError, "gpus_per_node must be an integer >= 1, got 2.0"),
+    (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=INF), ValueError, "batch must be an integer >= 1, got inf"),
+    (lambda: ModelConfig(layers=4.0, hidden=64, heads=4, batch=8), ValueError, "layers must be an integer >= 1, got 4.0"),
+    (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=8, seq_len=0), ValueError,
+     "seq_len must be an integer >= 1, got 0"),
+    (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=8, vocab=NAN), ValueError,
+     "vocab must be an integer >= 1, got nan"),
+])
+def test_planner_arguments_are_checked(call, error, message):
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value) == message
+
+
+def test_top_keeps_the_fastest():
+    every = plan(SMALL, ClusterConfig(gpus=2), top=None)
+    assert plan(SMALL, ClusterConfig(gpus=2), top=1) == every[:1] and len(every) > 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from ..planner import (ACTIVATION_MEMORY, BYTES_PER_PARAMETER, STATE_MEMORY, TOTAL_MEMORY, ClusterConfig,
-                       ModelConfig, plan, pipeline_timeline)
+import html
+
+from ..planner import (ACTIVATION_MEMORY, STATE_MEMORY, TOTAL_MEMORY, ClusterConfig, ModelConfig, NothingFits,
+                       plan, pipeline_timeline)
 from ..viz import timeline_svg
 from .base import Dashboard
 
@@ -49,12 +51,13 @@ class PlannerExplorer(Dashboard):
         layers, hidden, heads = self.PRESETS[self.model.value]
         model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=self.batch.value)
         cluster = ClusterConfig(gpus=self.gpus.value, memory_bytes=self.memory.value * 1e9)
-        self.plans = plan(model, cluster, top=8)
-        if not self.plans:
-            state_gb = model.parameters * BYTES_PER_PARAMETER / 1e9
-            self.ranking.value = (f"<b style='color:#b00'>no configuration fits</b>: {model.parameters / 1e9:.1f}B "
-                                  f"parameters need {state_gb:.0f} GB of weights, gradients and "
-                                  f"optimizer state alone; add GPUs or memory")
+        try:
+            self.plans = plan(model, cluster, top=8)
+        except NothingFits as nothing:  # the planner says why: shown in place of the table
+            self.plans = []
+            self.ranking.value = (f"<b style='color:#b00'>no configuration fits</b> "
+                                  f"({model.parameters / 1e9:.1f}B parameters on {cluster.gpus} GPUs): "
+                                  f"{html.escape(str(nothing))}")
             self.choice.options, self.memory_bars.value, self.picture.value = [], "", ""
             return
         rows = "".join(f"<tr><td>{i + 1}</td><td>{p.label()}</td><td>{p.step_time:.2f} s</td>"
