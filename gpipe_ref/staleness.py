@@ -30,7 +30,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .partition import check_balance, split
-from .checks import positive
+from .checks import integer, positive, positive_int
 from .schedule import Action, Schedule, gpipe, one_f_one_b, pipedream_async, schedule_names, weight_versions
 from .simulator import CostModel, simulate, time_one_at_a_time
 from .timeline import Timeline
@@ -91,6 +91,10 @@ class StagedTrainer:
         each of its backward actions. Which weights each action uses comes from
         :func:`~gpipe_ref.schedule.weight_versions`, the source the simulator uses too.
         """
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
         p, m = schedule.num_stages, schedule.num_microbatches
         if p != self.num_stages:
             raise ValueError(f"schedule has {p} stages but the model has {self.num_stages}")
@@ -206,6 +210,9 @@ VARIANTS = ("gpipe", "1f1b", "pipedream_stash", "pipedream_no_stash", "pipedream
 
 def default_model(width: int = 16, hidden: int = 64, seed: int = 0) -> nn.Sequential:
     """An 8-layer tanh MLP, cut into 4 stages of 2 layers by the experiments."""
+    positive_int("width", width)
+    positive_int("hidden", hidden)
+    integer("seed", seed, 0)
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
                          nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, width), nn.Identity())
@@ -220,6 +227,12 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps),
+                        ("microbatch_size", microbatch_size)):
+        positive_int(name, value)
+    positive("lr", lr)
+    if cost is not None and not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a CostModel or None, got {type(cost).__name__}")
     model = default_model(seed=seed)
     if len(model) % stages:
         raise ValueError(f"stages must divide the model's {len(model)} layers, got {stages}")
@@ -257,6 +270,9 @@ def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_
                   seed: int = 0) -> StepRecord:
     """Run ``schedule`` once on the default model with random data; its record holds the
     (forward version, backward version, staleness) of every (stage, micro-batch)."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    integer("seed", seed, 0)
     torch.manual_seed(seed)
     model = default_model(seed=seed)
     stages = schedule.num_stages

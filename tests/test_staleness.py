@@ -150,3 +150,34 @@ def test_flush_schedules_use_version_zero_within_the_step_and_count_steps_across
     for step in range(3):
         record = trainer.run(schedule, data, data, nn.MSELoss())
         assert {e.weight_version for e in record.timeline.events} == {step}
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], NAN), ValueError, "lr must be a finite number > 0, got nan"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], INF), ValueError, "lr must be a finite number > 0, got inf"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], "0.1"), ValueError,
+     "lr must be a finite number > 0, got '0.1'"),
+    (lambda: convergence("gpipe", stages=0), ValueError, "stages must be an integer >= 1, got 0"),
+    (lambda: convergence("gpipe", microbatches=2.0), ValueError, "microbatches must be an integer >= 1, got 2.0"),
+    (lambda: convergence("gpipe", steps=-1), ValueError, "steps must be an integer >= 1, got -1"),
+    (lambda: convergence("gpipe", microbatch_size=0), ValueError, "microbatch_size must be an integer >= 1, got 0"),
+    (lambda: convergence("gpipe", lr=NAN), ValueError, "lr must be a finite number > 0, got nan"),
+    (lambda: convergence("gpipe", cost={"forward": 1}), TypeError, "cost must be a CostModel or None, got dict"),
+    (lambda: convergence("gpipe", seed=-1), ValueError, "seed must be an integer >= 0, got -1"),
+    (lambda: default_model(width=0), ValueError, "width must be an integer >= 1, got 0"),
+    (lambda: default_model(hidden=1.5), ValueError, "hidden must be an integer >= 1, got 1.5"),
+    (lambda: version_table("pipedream"), TypeError, "schedule must be a Schedule, got str"),
+    (lambda: version_table(pipedream_async(4, 4), seed=1.5), ValueError, "seed must be an integer >= 0, got 1.5"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run("1f1b", [], [], nn.MSELoss()), TypeError,
+     "schedule must be a Schedule, got str"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run(
+        pipedream_async(4, 1), [torch.randn(1, 16)], [torch.randn(1, 16)], "mse"), TypeError,
+     "loss_fn must be callable (output, target) -> loss, got str"),
+])
+def test_numbers_and_types_are_checked(call, error, message):
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value) == message
