@@ -11,6 +11,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
+from .checks import integer, positive_int
 from .timeline import Timeline
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
@@ -38,11 +39,14 @@ def microbatch_color(microbatch: int) -> tuple[float, float, float]:
     """A stable colour per micro-batch (tab10, cycling)."""
     from matplotlib import colormaps
 
+    integer("microbatch", microbatch, 0)
+
     return colormaps["tab10"].colors[microbatch % 10]
 
 
 def running_mean(values: list[float], window: int = 8) -> list[float]:
     """The mean of each value and the up to ``window - 1`` before it (loss curves are noisy)."""
+    positive_int("window", window)
     return [sum(values[max(0, k - window + 1):k + 1]) / len(values[max(0, k - window + 1):k + 1])
             for k in range(len(values))]
 
@@ -120,7 +124,12 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
     import matplotlib.pyplot as plt
 
     _check_timeline(timeline)
-    names = rows or _row_names(timeline)
+    names = _row_names(timeline)
+    if rows is not None:
+        if not isinstance(rows, (list, tuple)) or len(rows) != len(names) or not all(isinstance(r, str) for r in rows):
+            raise ValueError(f"rows must be a list of {len(names)} names, one per row ({', '.join(names)}), "
+                             f"got {rows!r}")
+        names = list(rows)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.2))
     bars = _bars(timeline)
@@ -182,6 +191,7 @@ def _draw_legend(ax: "Axes", bars: list[_Bar]) -> None:
 
 
 _svg_ids = itertools.count()
+_SVG_MIN_WIDTH = 200  # room for the row names and the bars
 
 
 def _nice_step(span: float, max_ticks: int = 10) -> float:
@@ -201,6 +211,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     and times. ``color_by="version"`` colours bars by their weight version."""
     _check_color_by(color_by)
     _check_timeline(timeline)
+    integer("width", width, _SVG_MIN_WIDTH)
     bars = _bars(timeline, color_by)
     names = _row_names(timeline)
     left = max(72, 8 + round(6.5 * max(len(n) for n in names)))  # room for "device 0 comm"
@@ -280,6 +291,8 @@ def plot_parallelism_overview(layers: int = 4):
     (every layer split in two), pipeline parallel (consecutive layers per device)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    positive_int("layers", layers)
 
     colors = ("#4c72b0", "#dd8452")  # device 0, device 1
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
@@ -383,6 +396,12 @@ def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "
     index = {"forward": 0, "backward": 1, "staleness": 2}
     if field not in index:
         raise ValueError(f"field must be one of {tuple(index)}, got {field!r}")
+    positive_int("num_stages", num_stages)
+    positive_int("num_microbatches", num_microbatches)
+    missing = next(((s, i) for s in range(num_stages) for i in range(num_microbatches) if (s, i) not in versions), None)
+    if missing is not None:
+        raise ValueError(f"versions has no entry for (stage, micro-batch) {missing}; num_stages={num_stages} and "
+                         f"num_microbatches={num_microbatches} must match the run's")
     grid = [[versions[(s, i)][index[field]] for i in range(num_microbatches)] for s in range(num_stages)]
     if ax is None:
         _, ax = plt.subplots(figsize=(0.5 * num_microbatches + 2, 0.5 * num_stages + 1.2))
@@ -408,6 +427,7 @@ def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "sa
 
     if x not in ("samples", "times"):
         raise ValueError(f"x must be 'samples' or 'times', got {x!r}")
+    positive_int("smooth", smooth)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     for result in results:
@@ -424,6 +444,8 @@ def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "sa
 
 def loss_curves_svg(curves: dict[str, list[float]], width: int = 420, height: int = 200) -> str:
     """Small SVG line chart of named loss curves (log scale), for widgets."""
+    integer("width", width, 100)  # room for the axis labels and the plot
+    integer("height", height, 80)
     colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
     values = [v for c in curves.values() for v in c if v > 0 and math.isfinite(v)]
     if not values:

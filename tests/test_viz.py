@@ -88,3 +88,29 @@ def test_running_mean_over_a_window():
 
     assert running_mean([4.0, 2.0, 0.0, 6.0], window=2) == [4.0, 3.0, 1.0, 3.0]
     assert running_mean([1.0, 3.0]) == [1.0, 2.0] and running_mean([]) == []
+
+
+def test_plot_arguments_are_checked():
+    from gpipe_ref.viz import (loss_curves_svg, microbatch_color, plot_convergence, plot_parallelism_overview,
+                               plot_staleness, running_mean)
+
+    timeline = simulate(gpipe(2, 2))
+    for call, message in [
+        (lambda: microbatch_color(-1), "microbatch must be an integer >= 0, got -1"),
+        (lambda: running_mean([1.0], 0), "window must be an integer >= 1, got 0"),
+        (lambda: plot_timeline(timeline, rows=["a"]),
+         "rows must be a list of 2 names, one per row (device 0, device 1), got ['a']"),
+        (lambda: timeline_svg(timeline, width=50), "width must be an integer >= 200, got 50"),
+        (lambda: plot_parallelism_overview(0), "layers must be an integer >= 1, got 0"),
+        (lambda: plot_staleness({}, 1, 1), "versions has no entry for (stage, micro-batch) (0, 0); num_stages=1 "
+                                           "and num_microbatches=1 must match the run's"),
+        (lambda: plot_staleness({(0, 0): (0, 0, 0)}, 0, 1), "num_stages must be an integer >= 1, got 0"),
+        (lambda: plot_convergence([], smooth=0), "smooth must be an integer >= 1, got 0"),
+        (lambda: loss_curves_svg({}, width=10), "width must be an integer >= 100, got 10"),
+        (lambda: loss_curves_svg({}, height=2.5), "height must be an integer >= 80, got 2.5"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == message
+    ax = plot_timeline(timeline, rows=["first", "second"])
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["first", "second"]
