@@ -743,6 +743,8 @@ def weight_versions(schedule: Schedule, *, stashing: bool = True, vertical_sync:
     The simulator writes these into ``Event.weight_version``; the PipeDream
     trainer (``gpipe_ref.staleness``) computes with exactly these weights.
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     if schedule.flush:
         return {a: 0 for _, a in schedule.actions()}
     versions: dict[Action, int] = {}

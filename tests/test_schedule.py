@@ -277,6 +277,7 @@ def test_a_deadlock_at_the_end_of_a_long_chain_names_the_cycle():
     (lambda: dependencies(Action("F", 2, 0), 2), ValueError, "action 2F0 has stage 2, but stages are 0..1"),
     (lambda: dependencies(Action("F", 0, 0), 0), ValueError, "num_stages must be an integer >= 1, got 0"),
     (lambda: dependencies("0F0", 2), TypeError, "action must be an Action, got str"),
+    (lambda: weight_versions("pipedream"), TypeError, "schedule must be a Schedule, got str"),
     (lambda: Schedule.from_text("0F0 0B0", num_microbatches=0), ValueError,
      "num_microbatches must be an integer >= 1, got 0"),
     (lambda: Schedule.from_text("0F0 0B0", num_microbatches=1.5), ValueError,
