@@ -25,10 +25,10 @@ import torch
 class _Saved:
     """What autograd stores instead of the tensor: the tensor plus a release on deletion."""
 
-    __slots__ = ("tensor", "meter", "key")
+    __slots__ = ("tensor", "meter", "key", "version")
 
-    def __init__(self, tensor: torch.Tensor, meter: "ActivationMeter", key: int) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
+    def __init__(self, tensor: torch.Tensor, meter: "ActivationMeter", key: int, version: int = 0) -> None:
+        self.tensor, self.meter, self.key, self.version = tensor, meter, key, version
 
     def __del__(self) -> None:
         self.meter._release(self.key)
@@ -85,9 +85,16 @@ class ActivationMeter:
         def pack(tensor: torch.Tensor):
             # detach(): a node that saves its own output would otherwise hold the
             # output, whose grad_fn is the node: a cycle that outlives the graph.
-            return _Saved(tensor.detach(), self, self._acquire(tensor))
+            return _Saved(tensor.detach(), self, self._acquire(tensor), tensor._version)
 
         def unpack(saved: _Saved) -> torch.Tensor:
+            # Hooks replace autograd's own check that a saved tensor was not modified in place
+            # after it was saved (a silently wrong gradient otherwise): make the same check.
+            if saved.tensor._version != saved.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a saved tensor of shape {tuple(saved.tensor.shape)} is at version "
+                    f"{saved.tensor._version}; expected version {saved.version} instead")
             return saved.tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -32,3 +34,22 @@ def test_meter_counts_views_of_one_batch_separately_and_holds():
     assert meter.live == 4 * 4 * 4
     del tb
     assert meter.live == 0
+
+
+def test_a_saved_tensor_modified_in_place_is_an_error_as_without_the_meter():
+    """saved_tensors_hooks replace autograd's own version check: the meter makes it again,
+    or a layer that changes its saved state in place would train on wrong gradients."""
+    import pytest
+    from gpipe_ref.memory import ActivationMeter
+
+    def run(meter):
+        calls = torch.zeros(1)
+        x = torch.randn(2, 3, requires_grad=True)
+        with meter.recording() if meter else contextlib.nullcontext():
+            first = x * calls.add_(1)  # saves `calls` at version 1
+            second = x * calls.add_(1)  # version 2
+        (first + second).sum().backward()
+
+    for meter in (None, ActivationMeter()):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(meter)

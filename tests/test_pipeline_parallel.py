@@ -488,3 +488,35 @@ def test_what_a_per_rank_copy_cannot_keep_in_sync_is_refused():
             "embedding.weight), whose gradients PipelineParallel sums",
         ]
         assert tied == (TiedParameter("0.weight", (0, 2), (0,)), TiedParameter("0.bias", (0, 2), (0,)))
+
+
+class _Constant(nn.Module):
+    """Ignores its input: no gradient flows back through it."""
+
+    def forward(self, x):
+        return torch.ones(x.shape[0], 4)
+
+
+def _no_gradient_flows_back(rank, world_size, schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Constant(), nn.Linear(4, 4), nn.Tanh())
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe = PipelineParallel(model, [1, 3], chunks=4, schedule=schedule)
+    pipe.step(x, y, nn.MSELoss())
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
+            if pipe.owns(0 if name.startswith("0.") else 1)}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_that_ignores_its_input_sends_no_gradient_across_ranks(schedule):
+    """torch leaves .grad None before a layer that ignores its input; across ranks the "no
+    gradient" travels as a header with dtype code -1 (it used to crash in the send)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Constant(), nn.Linear(4, 4), nn.Tanh())
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    nn.MSELoss()(model(x), y).backward()
+    ranks = launch(_no_gradient_flows_back, 2, schedule, timeout=120)
+    assert ranks[0] == {"0.weight": None, "0.bias": None}
+    assert set(ranks[1]) == {"2.weight", "2.bias"}
+    for name, grad in ranks[1].items():
+        assert torch.allclose(grad, dict(model.named_parameters())[name].grad, atol=1e-6)

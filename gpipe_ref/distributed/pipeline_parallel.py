@@ -51,6 +51,7 @@ from ..timeline import Event, Timeline
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _HEADER = 10  # dtype code, ndim, up to 8 dimensions
+_NO_TENSOR = -1  # the dtype code of "no gradient"
 
 
 class TiedParameter(NamedTuple):
@@ -279,20 +280,29 @@ class _RankStepRun(StepRun):
     def _tag(self, kind: int, stage: int, microbatch: int) -> int:
         return ((kind * self.schedule.num_stages + stage) * self.schedule.num_microbatches + microbatch) * 2
 
-    def _send(self, tensor: torch.Tensor, stage_to: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
+    def _send(self, tensor: torch.Tensor | None, stage_to: int, tag: int) -> None:
+        """Header, then the tensor. ``None`` (no gradient flows back: the stage ignored its
+        input) is a header with dtype code -1 and nothing after it."""
         header = torch.zeros(_HEADER, dtype=torch.long)
+        peer, group = self._peer(stage_to), self.pipe.group
+        if tensor is None:
+            header[0] = _NO_TENSOR
+            self.pending.append((dist.isend(header, peer, group=group, tag=tag), header))
+            return
+        tensor = tensor.detach().contiguous()
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.long)
-        peer, group = self._peer(stage_to), self.pipe.group
         self.pending.append((dist.isend(header, peer, group=group, tag=tag), header))
         self.pending.append((dist.isend(tensor, peer, group=group, tag=tag + 1), tensor))
 
-    def _recv(self, stage_from: int, tag: int, device: torch.device) -> torch.Tensor:
+    def _recv(self, stage_from: int, tag: int, device: torch.device) -> torch.Tensor | None:
         waiting_since = time.perf_counter()
         header = torch.empty(_HEADER, dtype=torch.long)
         peer, group = self._peer(stage_from), self.pipe.group
         dist.irecv(header, peer, group=group, tag=tag).wait()
+        if int(header[0]) == _NO_TENSOR:
+            self.waited += time.perf_counter() - waiting_since
+            return None
         shape = header[2:2 + int(header[1])].tolist()
         tensor = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
         dist.irecv(tensor, peer, group=group, tag=tag + 1).wait()
