@@ -1,0 +1,317 @@
+"""Bad inputs and faults, one row each: every one gets a clear error or the right result.
+
+Issue 13 tried the package with bad and unusual inputs; this table keeps them. A row is
+``(label, code, error, message)``: ``code`` runs with the names of :data:`PRELUDE` in scope;
+``error`` is the exception it must raise and ``message`` a fragment of the message (a clear
+error names the argument, the value and what is allowed), or ``error`` is None and the code
+asserts the right result itself. Rows may be added, never removed: ``MINIMUM_ROWS`` holds the
+count. The modules' own tests pin the exact texts; this table keeps the whole list in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import textwrap
+
+import pytest
+
+PRELUDE = """
+import math, os, signal, subprocess, json
+import torch
+from torch import nn
+import torch.distributed as dist
+from gpipe_ref import CostModel, Timeline, bubble_formula, make_schedule, simulate
+from gpipe_ref.simulator import place
+from gpipe_ref.partition import balance_by_params, partition_costs
+from gpipe_ref.pipeline import GPipe
+from gpipe_ref.staleness import StagedTrainer
+from gpipe_ref.planner import ClusterConfig, ModelConfig, plan
+from gpipe_ref.distributed import RankError, launch
+from gpipe_ref.distributed.data_parallel import DataParallel
+from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
+from gpipe_ref.grading.grader import grade_notebook, kernel_timeout
+from gpipe_ref.models import mlp
+torch.manual_seed(0)
+x, y = torch.randn(8, 4), torch.randn(8, 4)
+m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+SMALL = ModelConfig(layers=4, hidden=64, heads=4, batch=8, seq_len=16, vocab=100)
+"""
+
+
+class CommandFailed(Exception):
+    """The command line exited non-zero; the message is ``exit N: <its last stderr line>``."""
+
+
+def cli(*argv: str) -> str:
+    """Run ``python -m gpipe_ref ARGV`` in this process; return stdout, raise CommandFailed on failure."""
+    from gpipe_ref.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(list(argv))
+        except SystemExit as exc:
+            status = exc.code
+    if status:
+        raise CommandFailed(f"exit {status}: {err.getvalue().strip().splitlines()[-1]}")
+    return out.getvalue()
+
+
+def trace(tmp, data) -> str:
+    """A Chrome trace file holding ``data`` (JSON, or raw text when ``data`` is a str)."""
+    path = tmp / "trace.json"
+    path.write_text(data if isinstance(data, str) else __import__("json").dumps(data))
+    return str(path)
+
+
+# The one model whose DataParallel branch runs on rank 0 only, shared by two rows.
+BRANCHED = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__(); torch.manual_seed(0)
+        self.trunk, self.branch = nn.Linear(2, 2), nn.Linear(2, 2)
+    def forward(self, x, use_branch):
+        h = self.trunk(x)
+        return self.branch(h) if use_branch else h
+"""
+
+ROWS = [
+    # -- silent wrong results, now errors or right -------------------------------------------------------
+    ("DataParallel, a parameter unused on one rank",
+     BRANCHED + """
+def f(rank, world_size):
+    DataParallel(Net(), bucket_cap_mb=1e-4)(torch.ones(1, 2), rank == 0).sum().backward()
+launch(f, 2, timeout=60)""",
+     "RankError", "parameters got no gradient in this backward pass (rank 1: branch.weight, branch.bias)"),
+    ("DataParallel(find_unused_parameters=True) equals one process, buckets of one parameter",
+     BRANCHED + """
+def f(rank, world_size):
+    net = DataParallel(Net(), bucket_cap_mb=1e-6, find_unused_parameters=True)
+    net(torch.full((1, 2), float(rank + 1)), rank == 0).sum().backward()
+    return {n: p.grad for n, p in net.module.named_parameters()}
+grads = launch(f, 2, timeout=60)
+ref = Net()
+((ref(torch.full((1, 2), 1.0), True).sum() + ref(torch.full((1, 2), 2.0), False).sum()) / 2).backward()
+for name, p in ref.named_parameters():
+    assert torch.allclose(grads[0][name], p.grad) and torch.equal(grads[0][name], grads[1][name]), name""",
+     None, None),
+    ("re-materialization counts each micro-batch once in BatchNorm",
+     """
+model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+plain = __import__("copy").deepcopy(model)
+GPipe(model, [2, 1], chunks=4).step(x, y, nn.MSELoss())
+for part in x.chunk(4):
+    plain(part)
+assert model[1].num_batches_tracked.item() == 4
+assert torch.equal(model[1].running_mean, plain[1].running_mean)""",
+     None, None),
+    ("checkpoint='always', chunks=1: BatchNorm updated once",
+     """
+model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+plain = __import__("copy").deepcopy(model)
+GPipe(model, [2, 1], chunks=1, checkpoint="always").step(x, y, nn.MSELoss())
+plain(x)
+assert model[1].num_batches_tracked.item() == 1
+assert torch.equal(model[1].running_mean, plain[1].running_mean)""",
+     None, None),
+    ("a saved tensor changed in place (the memory meter's hooks used to hide it)",
+     """
+class Count(nn.Module):
+    def __init__(self): super().__init__(); self.calls = torch.zeros(1)
+    def forward(self, x): self.calls += 1; return x * self.calls
+GPipe(nn.Sequential(nn.Linear(4, 4), Count(), nn.Linear(4, 4)), [2, 1], chunks=2,
+      checkpoint="never").step(x, y, nn.MSELoss())""",
+     "RuntimeError", "modified by an inplace operation"),
+    ("PipelineParallel, a Linear tied across two ranks gets the full gradient",
+     """
+def f(rank, world_size):
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4)
+    pipe = PipelineParallel(nn.Sequential(a, nn.Tanh(), a), [2, 1], chunks=2)
+    pipe.step(x, y, nn.MSELoss())
+    return pipe.tied, a.weight.grad
+(tied, g0), (_, g1) = launch(f, 2, timeout=60)
+torch.manual_seed(0)
+a = nn.Linear(4, 4)
+nn.MSELoss()(nn.Sequential(a, nn.Tanh(), a)(x), y).backward()
+assert [t.name for t in tied] == ["0.weight", "0.bias"] and tied[0].ranks == (0, 1)
+assert torch.allclose(g0, a.weight.grad) and torch.equal(g0, g1)""",
+     None, None),
+    ("PipelineParallel, a buffer shared across ranks",
+     """
+def f(rank, world_size):
+    bn = nn.BatchNorm1d(4)
+    PipelineParallel(nn.Sequential(bn, nn.Linear(4, 4), bn), [2, 1], chunks=2)
+launch(f, 2, timeout=60)""",
+     "RankError", "buffer '0.running_mean' is used by stages [0, 1] on ranks [0, 1]"),
+    ("PipelineParallel, two parameters sharing storage across ranks",
+     """
+def f(rank, world_size):
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = nn.Parameter(a.weight.data)
+    PipelineParallel(nn.Sequential(a, nn.Tanh(), b), [2, 1], chunks=2)
+launch(f, 2, timeout=60)""",
+     "RankError", "'0.weight' and '2.weight' are different tensors sharing one storage"),
+    # -- launch: the failing rank named, nothing left behind --------------------------------------------
+    ("launch, rank 1 calls os._exit(3) while rank 0 waits in a barrier",
+     """
+def f(rank, world_size):
+    if rank == 1: os._exit(3)
+    dist.barrier()
+launch(f, 2, timeout=60)""",
+     "RankError", "rank 1 of 2 exited with code 3 without returning a result"),
+    ("launch, rank 1 is killed",
+     """
+def f(rank, world_size):
+    if rank == 1: os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+launch(f, 2, timeout=60)""",
+     "RankError", "rank 1 of 2 was killed by SIGKILL without returning a result"),
+    ("launch, rank 1 calls os._exit(0): an error at once, not at the timeout",
+     """
+def f(rank, world_size):
+    if rank == 1: os._exit(0)
+    dist.barrier()
+launch(f, 2, timeout=60)""",
+     "RankError", "rank 1 of 2 exited with code 0 without returning a result"),
+    ("launch, a rank raises while the others wait in a collective",
+     """
+def f(rank, world_size):
+    if rank == 1: raise KeyError("the learner's bug")
+    dist.all_reduce(torch.ones(1))
+launch(f, 3, timeout=60)""",
+     "RankError", "rank 1 of 3 failed"),
+    ("launch ends the processes a rank started",
+     """
+def f(rank, world_size):
+    return subprocess.Popen(["sleep", "300"]).pid
+pids = launch(f, 2, timeout=60)
+import time; time.sleep(0.2)
+for pid in pids:
+    try:
+        state = open(f"/proc/{pid}/stat").read().split()[2]
+    except FileNotFoundError:
+        continue
+    assert state == "Z", (pid, state)  # gone, or a zombie waiting for init""",
+     None, None),
+    ("launch(timeout=nan)", "launch(lambda r, w: r, 2, timeout=float('nan'))",
+     "ValueError", "timeout must be a finite number > 0, got nan"),
+    ("launch(timeout=inf)", "launch(lambda r, w: r, 2, timeout=math.inf)",
+     "ValueError", "timeout must be a finite number > 0, got inf"),
+    ("launch(world_size=0)", "launch(lambda r, w: r, 0)", "ValueError", "world_size must be an integer >= 1, got 0"),
+    ("launch of a non-callable", "launch(3, 2)", "TypeError", "fn must be callable, got int"),
+    ("launch(backend='mpi')", "launch(lambda r, w: r, 2, backend='mpi')",
+     "ValueError", "backend must be 'gloo', 'nccl' or None, got 'mpi'"),
+    # -- numbers: NaN and infinities refused, the argument named ---------------------------------------------
+    ("StagedTrainer(lr=nan)", "StagedTrainer(mlp(4, 2), [1, 1], lr=float('nan'))",
+     "ValueError", "lr must be a finite number > 0, got nan"),
+    ("StagedTrainer(lr=inf)", "StagedTrainer(mlp(4, 2), [1, 1], lr=math.inf)",
+     "ValueError", "lr must be a finite number > 0, got inf"),
+    ("DataParallel(bucket_cap_mb=nan)", "DataParallel(nn.Linear(2, 2), bucket_cap_mb=float('nan'))",
+     "ValueError", "bucket_cap_mb must be a finite number > 0, got nan"),
+    ("DataParallel(find_unused_parameters='yes')", "DataParallel(nn.Linear(2, 2), find_unused_parameters='yes')",
+     "TypeError", "find_unused_parameters must be True or False, got 'yes'"),
+    ("CostModel(forward=inf)", "CostModel(forward=math.inf)", "ValueError", "forward must be a finite number >= 0"),
+    ("bubble_formula with p = -4", "bubble_formula('gpipe', -4, 8)", "ValueError", "must be an integer >= 1, got -4"),
+    ("bubble_formula with m = 0", "bubble_formula('gpipe', 4, 0)", "ValueError", "must be an integer >= 1, got 0"),
+    ("place with a negative duration (was reported as a deadlock)",
+     """
+s = make_schedule('gpipe', 2, 2)
+place(s, {a: (-1.0 if str(a) == '0F0' else 1.0) for _, a in s.actions()})""",
+     "ValueError", "must be a finite number >= 0, got -1.0"),
+    ("partition_costs with a NaN cost", "partition_costs([1.0, float('nan')], 2)",
+     "ValueError", "costs[1] must be a finite number >= 0, got nan"),
+    ("plan(top=-1) (used to drop a plan silently)", "plan(SMALL, ClusterConfig(gpus=1), top=-1)",
+     "ValueError", "top must be"),
+    ("ClusterConfig(peak_flops=inf) (utilisation was 0)", "ClusterConfig(gpus=1, peak_flops=math.inf)",
+     "ValueError", "peak_flops must be a finite number > 0, got inf"),
+    ("plan on a cluster nothing fits says why",
+     "plan(ModelConfig(layers=32, hidden=8192, heads=64, batch=64), ClusterConfig(gpus=1))",
+     "ValueError", "GB"),
+    # -- the loss function and the stages ---------------------------------------------------------------------
+    ("loss_fn returns a float", "GPipe(m, [3, 3], chunks=2).step(x, y, lambda o, t: 1.0)",
+     "TypeError", "loss_fn must return a scalar tensor, got float"),
+    ("loss_fn returns None", "GPipe(m, [3, 3], chunks=2).step(x, y, lambda o, t: None)",
+     "TypeError", "loss_fn must return a scalar tensor, got NoneType"),
+    ("loss_fn does not reduce", "GPipe(m, [3, 3], chunks=2).step(x, y, nn.MSELoss(reduction='none'))",
+     "ValueError", "loss_fn must return a scalar tensor"),
+    ("loss_fn detaches its result",
+     "GPipe(m, [3, 3], chunks=2).step(x, y, lambda o, t: ((o - t) ** 2).mean().detach())",
+     "ValueError", "loss_fn's result does not depend on the model's output"),
+    ("a stage that ignores its input: earlier .grad stays None, as in torch",
+     """
+class Z(nn.Module):
+    def forward(self, x): return torch.zeros(x.shape[0], 4)
+model = nn.Sequential(nn.Linear(4, 4), Z(), nn.Linear(4, 4))
+GPipe(model, [1, 2], chunks=2).step(x, y, nn.MSELoss())
+assert model[0].weight.grad is None and model[2].weight.grad is not None""",
+     None, None),
+    ("GPipe(devices=2)", "GPipe(m, None, devices=2)", "TypeError", "devices must be a list of devices"),
+    ("step(reduction='avg')", "GPipe(m, [3, 3], chunks=2).step(x, y, nn.MSELoss(), reduction='avg')",
+     "ValueError", "reduction must be one of ('mean', 'sum'), got 'avg'"),
+    ("more chunks than rows", "GPipe(m, [3, 3], chunks=4).step(x[:3], y[:3], nn.MSELoss())",
+     "ValueError", "chunks must be at most the batch size of inputs (3), got 4"),
+    ("GPipe(chunks=0)", "GPipe(m, [3, 3], chunks=0)", "ValueError", "chunks must be an integer >= 1, got 0"),
+    # -- traces -------------------------------------------------------------------------------------------------
+    ("a trace whose otherData is a list", "Timeline.from_chrome_trace(trace(tmp, {'traceEvents': [], 'otherData': [1]}))",
+     "ValueError", "otherData"),
+    ("a trace whose num_devices is text",
+     "Timeline.from_chrome_trace(trace(tmp, {'traceEvents': [{'name': '0F0', 'ph': 'X', 'ts': 0, 'dur': 1, "
+     "'tid': 0, 'pid': 0}], 'otherData': {'gpipe_ref': {'num_devices': 'x'}}}))",
+     "ValueError", "num_devices"),
+    ("a trace event with tid 'a'",
+     "Timeline.from_chrome_trace(trace(tmp, [{'name': '0F0', 'ph': 'X', 'ts': 0, 'dur': 1, 'tid': 'a', 'pid': 0}]))",
+     "ValueError", "tid"),
+    ("a trace event with a NaN timestamp",
+     "Timeline.from_chrome_trace(trace(tmp, '[{\"name\": \"0F0\", \"ph\": \"X\", \"ts\": NaN, \"dur\": 1, \"tid\": 0, \"pid\": 0}]'))",
+     "ValueError", "ts must be a finite number"),
+    ("a trace nested 100000 deep (was RecursionError)",
+     "Timeline.from_chrome_trace(trace(tmp, '[' * 100000 + ']' * 100000))", "ValueError", "trace.json"),
+    ("a text timeline too large to print", "simulate(make_schedule('gpipe', 128, 8)).to_text()",
+     "ValueError", "too large to print"),
+    # -- the command line ------------------------------------------------------------------------------------
+    ("simulate --forward inf", "cli('simulate', '--forward', 'inf')",
+     "CommandFailed", "exit 2: python -m gpipe_ref simulate: error: argument --forward: must be a finite number >= 0, got inf"),
+    ("simulate 4096 x 4096 (used to print nothing for minutes)",
+     "cli('simulate', '--stages', '4096', '--microbatches', '4096')", "CommandFailed", "is too large to simulate"),
+    ("simulate --trace into a folder", "cli('simulate', '--trace', str(tmp))", "CommandFailed", "Is a directory"),
+    ("staleness --json into a folder", "cli('staleness', '--json', str(tmp))", "CommandFailed", "Is a directory"),
+    ("bench --json into a folder", "cli('bench', '--json', str(tmp))", "CommandFailed", "Is a directory"),
+    ("grade --json into a folder", "cli('grade', 'x.ipynb', '--json', str(tmp))", "CommandFailed", "Is a directory"),
+    ("train --trace into a folder", "cli('train', '--trace', str(tmp))", "CommandFailed", "Is a directory"),
+    ("grade --case-timeout 0 (used to become the default)", "cli('grade', 'x.ipynb', '--case-timeout', '0')",
+     "CommandFailed", "must be a finite number > 0, got 0.0"),
+    ("grade_notebook(case_timeout=0)", "grade_notebook('x.ipynb', case_timeout=0)",
+     "ValueError", "case_timeout must be a finite number > 0, got 0"),
+    ("a cell limit of 0.5 s is 1 s, not int(0.5) = 0 = no limit",
+     "assert [kernel_timeout(t) for t in (0.001, 0.5, 1.0, 1.2)] == [1, 1, 1, 2]", None, None),
+    ("exercises build --solutions /nonexistent", "cli('exercises', 'build', '--solutions', '/nonexistent')",
+     "CommandFailed", "/nonexistent"),
+    ("exercises check --solutions /nonexistent (said 'up to date')",
+     "cli('exercises', 'check', '--solutions', '/nonexistent')", "CommandFailed", "/nonexistent"),
+]
+
+MINIMUM_ROWS = 58  # the count when the table was written: it may only grow
+
+
+def test_the_table_only_grows_and_labels_are_unique():
+    assert len(ROWS) >= MINIMUM_ROWS
+    assert len({label for label, *_ in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize("label,code,error,message", ROWS, ids=[row[0] for row in ROWS])
+def test_bad_input(label, code, error, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {"cli": cli, "trace": trace, "tmp": tmp_path}
+    exec(PRELUDE, scope)
+    body = textwrap.dedent(code)
+    if error is None:
+        exec(body, scope)
+        return
+    with pytest.raises(Exception) as info:
+        exec(body, scope)
+    raised = type(info.value)
+    # By name, so a subclass such as the planner's NothingFits(ValueError) counts as a ValueError.
+    assert error in {cls.__name__ for cls in raised.__mro__}, f"{label}: raised {raised.__name__}: {info.value}"
+    assert message in str(info.value), f"{label}: {info.value}"
