@@ -490,13 +490,14 @@ def _print_figures(args: argparse.Namespace, schedule, timeline) -> None:
     """The bubble fraction, the course's formula for it and the peak in-flight micro-batches."""
     backward = args.backward_input + args.backward_weight
     print(f"bubble fraction: {timeline.bubble_fraction:.4f} ({timeline.bubble_fraction:.2%})")
-    if args.forward > 0 and backward > 0:  # the formula takes the ratio backward / forward
+    ratio = backward / args.forward if args.forward > 0 else 0.0
+    if backward > 0 and 0 < ratio < float("inf"):  # the formula takes the ratio backward / forward
         uniform = (args.forward, args.backward_input, args.backward_weight, args.comm) == (1.0, 1.0, 1.0, 0.0)
         formula = bubble_formula(schedule.name, schedule.num_devices, schedule.num_microbatches,
-                                 schedule.stages_per_device, backward_ratio=backward / args.forward)
+                                 schedule.stages_per_device, backward_ratio=ratio)
         print(f"formula:         {formula:.4f}" + ("" if uniform else " (for uniform costs, comm 0)"))
     else:
-        print("formula:         none for a forward or backward cost of 0")
+        print("formula:         none: it needs a finite ratio backward / forward > 0")
     peaks = [timeline.peak_in_flight(d) for d in range(timeline.num_devices)]
     if len(peaks) <= 64:
         print("peak in-flight micro-batches per device: " + ", ".join(map(str, peaks)))

@@ -325,7 +325,8 @@ class Timeline:
             return "\n".join(f"device {d} |" for d in range(self.num_devices))
         origin, span = self.origin, self.makespan
         shortest = min((e.duration for e in self.events if e.duration > 0), default=span or 1.0)
-        cells = min(max(1, int(span / shortest + 0.5)), 4096) if span else 1
+        ratio = span / shortest  # inf when the shortest event is subnormal: the cap below applies
+        cells = int(min(max(1.0, ratio + 0.5), 4096)) if span else 1
         quantum = span / cells if span else 1.0
         label_width = max(len(e.label) for e in self.events) + 1
 

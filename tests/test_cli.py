@@ -298,12 +298,13 @@ def test_simulate_prints_the_figures_when_the_text_timeline_is_too_large(tmp_pat
     assert capsys.readouterr().out.splitlines()[1].endswith("open it in ui.perfetto.dev; here: --trace PATH")
 
 
-@pytest.mark.parametrize("costs", [["--forward", "0"], ["--backward-input", "0", "--backward-weight", "0"]])
+@pytest.mark.parametrize("costs", [["--forward", "0"], ["--backward-input", "0", "--backward-weight", "0"],
+                                   ["--forward", "1e-320"]])  # a subnormal forward: the ratio overflows
 def test_simulate_with_a_zero_cost_has_no_formula(costs, capsys):
     assert main(["simulate", "--stages", "2", "--microbatches", "2", *costs]) == 0
     out = capsys.readouterr().out
     assert "bubble fraction: 0.3333 (33.33%)" in out  # GPipe's idle share does not depend on the costs' ratio
-    assert "formula:         none for a forward or backward cost of 0" in out
+    assert "formula:         none: it needs a finite ratio backward / forward > 0" in out
 
 
 def test_simulate_keeps_its_figures_when_the_trace_cannot_be_written(capsys):

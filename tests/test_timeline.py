@@ -304,3 +304,9 @@ def test_chrome_trace_puts_comm_on_its_own_track_and_reads_it_back(tmp_path):
     assert [(x.device, x.name, x.bytes) for x in back.comm] == [(x.device, x.name, x.bytes) for x in t.comm]
     assert [x.start for x in back.comm] == pytest.approx([x.start for x in t.comm])
     assert back.bubble_fraction == pytest.approx(t.bubble_fraction) and back.overlap(0) == pytest.approx(1.0)
+
+
+def test_to_text_with_a_subnormal_event_caps_the_grid_instead_of_overflowing():
+    events = [Event(0, 0, "F", 0, 0.0, 5e-324), Event(0, 0, "B", 0, 5e-324, 1.0)]
+    text = Timeline(events, 1).to_text()
+    assert "4096 cells" in text.splitlines()[0]  # span / shortest is inf: the 4096-cell cap applies
