@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -101,15 +100,21 @@ def test_tensor_parallelism_stays_inside_a_node():
     assert min(times, key=times.get) == 8, times
 
 
-@pytest.mark.parametrize("gpus", [8, 512, 3072, 4096])
-def test_search_is_fast(gpus):
+@pytest.mark.parametrize("gpus,most", [(8, 224), (512, 984), (3072, 0), (4096, 880)])
+def test_search_stays_small(gpus, most, monkeypatch):
+    """The search estimates a few hundred layouts, not every factorisation of every option
+    (counted, not timed: timings flake on a shared machine; about 1 ms per estimate here)."""
+    import gpipe_ref.planner as planner
+
+    calls = []
+    estimate = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *a, **kw: calls.append(1) or estimate(*a, **kw))
     model = ModelConfig(layers=128, hidden=25600, heads=160, batch=4096)
-    began = time.perf_counter()
     try:
         plan(model, ClusterConfig(gpus=gpus))
     except NothingFits:  # 8 GPUs hold no 1T model; 3072 cannot split a batch of 4096
         assert gpus in (8, 3072)
-    assert time.perf_counter() - began < 2.0
+    assert len(calls) <= most
 
 
 def test_bad_inputs_name_the_argument():
