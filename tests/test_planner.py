@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from gpipe_ref.planner import (ClusterConfig, ModelConfig, NothingFits, candidates, compare_with_megatron,
