@@ -128,6 +128,8 @@ class GPipe(nn.Module):
         # Only the stages this process owns are kept and moved to their device; the others are
         # never referenced, so they are freed once the caller drops the model (see PipelineParallel).
         stages = split(module, balance)
+        if self.schedule.has_weight_actions:
+            _check_split_backward(stages)
         self._stages = tuple(stage.to(self.stage_device(s)) if self.owns(s) else None
                              for s, stage in enumerate(stages))
         self.module = module if None not in self._stages else _owned_layers(module, self._stages)
@@ -235,6 +237,20 @@ class GPipe(nn.Module):
             raise ValueError(f"targets must have the batch size of inputs ({size}), "
                              f"got {batch_size(targets, 'targets')}")
         return micro_inputs, scatter(targets, self.chunks), loss_fn, reduction, size
+
+
+def _check_split_backward(stages: Sequence[nn.Sequential]) -> None:
+    """W takes each layer's weight gradient from that layer's output alone (Qi et al. 2024, sec. 2):
+    a parameter used by two layers of one stage would need both outputs' paths, so it is refused."""
+    for s, stage in enumerate(stages):
+        first_use: dict[int, str] = {}
+        for j, layer in enumerate(stage):
+            for name, param in layer.named_parameters():
+                where = f"layer {j} ({name})"
+                if first_use.setdefault(id(param), where) != where:
+                    raise ValueError(f"stage {s} uses one parameter in {first_use[id(param)]} and {where}: a split "
+                                     f"backward (W actions) needs each weight in one layer of its stage; use a flush "
+                                     f"schedule without W (gpipe, 1f1b) or put the two uses in different stages")
 
 
 def _owned_layers(module: nn.Sequential, stages: Sequence[nn.Sequential | None]) -> nn.Sequential:

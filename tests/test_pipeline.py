@@ -630,3 +630,21 @@ def test_a_failing_stage_is_named_with_its_device():
             pipe.step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), nn.MSELoss())
         if executor == "threads":
             assert "device 1 failed while running 1F0" in str(info.value)
+
+
+def test_split_backward_refuses_a_weight_used_twice_in_one_stage():
+    """W differentiates each layer's output alone, so a stage may not use one weight in two layers;
+    across stages it is fine (each stage's W adds its own share) and equals the plain model."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"stage 0 uses one parameter in layer 0 \(weight\) and layer 2 \(weight\)"):
+        GPipe(nn.Sequential(a, nn.Tanh(), a, nn.Linear(4, 4)), [3, 1], chunks=2, schedule="zero_bubble_h1")
+    GPipe(nn.Sequential(a, nn.Tanh(), a, nn.Linear(4, 4)), [3, 1], chunks=2, schedule="1f1b")  # no W: fine
+    model = nn.Sequential(a, nn.Tanh(), b, a)  # a in stage 0 and stage 1
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    nn.MSELoss()(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    GPipe(model, [2, 2], chunks=3, schedule="zero_bubble_h1").step(x, y, nn.MSELoss())
+    for got, want in zip(model.parameters(), expected):
+        assert torch.allclose(got.grad, want, atol=1e-6)
