@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from .checks import non_negative, positive, positive_int
+from .checks import non_negative, positive, positive_int, probe_writable
 from .schedule import ScheduleError, make_schedule, schedule_names
 from .simulator import CostModel, bubble_formula, simulate
 
@@ -76,21 +76,12 @@ def output_file(*, makes_folders: bool = False) -> Callable[[str], str]:
             if makes_folders and not path.parent.exists():
                 _writable_folder(path.parent)
             else:
-                _probe_file(path)
+                probe_writable(path)
         except OSError as exc:
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
         return text
 
     return writable
-
-
-def _probe_file(path: Path) -> None:
-    """OSError unless ``path`` can be opened for writing; an existing file is left as it is."""
-    existed = path.exists()
-    with open(path, "a"):  # appends nothing
-        pass
-    if not existed:
-        path.unlink()
 
 
 def _writable_folder(folder: Path) -> None:
@@ -319,7 +310,7 @@ def _bench(args: argparse.Namespace) -> int:
     for path in (Path(args.json), png) if args.json else ():  # the folders made, both files probed, up front
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _probe_file(path)
+            probe_writable(path)
         except OSError as exc:
             raise ValueError(f"--json: cannot write {str(path)!r}: {exc.strerror}") from None
     results = run(quick=args.quick, only=args.only, on_case=output.save)

@@ -8,9 +8,10 @@ reads the same: ``"chunks must be an integer >= 1, got 0"``.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterable, TypeVar
 
-__all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "one_of"]
+__all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "one_of", "probe_writable"]
 
 T = TypeVar("T")
 
@@ -67,3 +68,13 @@ def one_of(name: str, value: Any, allowed: Iterable[T]) -> T:
     if not ok:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     return value
+
+
+def probe_writable(path: str | os.PathLike) -> None:
+    """OSError unless ``path`` can be opened for writing (checked before a long run, not after);
+    an existing file is left as it is, a new one is removed again."""
+    existed = os.path.exists(path)
+    with open(path, "a"):  # appends nothing
+        pass
+    if not existed:
+        os.unlink(path)

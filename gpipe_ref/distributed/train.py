@@ -16,14 +16,13 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import integer, one_of, positive, positive_int
+from ..checks import integer, one_of, positive, positive_int, probe_writable
 from ..models import Residual, mlp_block, regression_data
 from ..pipeline import CHECKPOINT_MODES
 from ..schedule import schedule_names, schedule_spec
@@ -199,12 +198,8 @@ def _check_trace(path: str | None) -> None:
     """ValueError unless ``path`` can be written; an existing file is left as it is."""
     if path is None or os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 writes
         return
-    existed = Path(path).exists()
     try:
-        with open(path, "a"):  # appends nothing
-            pass
-        if not existed:
-            os.unlink(path)
+        probe_writable(path)
     except OSError as exc:
         raise ValueError(f"trace: cannot write {path!r}: {exc.strerror}") from None
 
