@@ -1,22 +1,24 @@
 """Graded exercises: ``check()`` in the notebook, ``python -m gpipe_ref grade`` for a class.
 
 Each course notebook NN_topic has an exercise notebook (solutions/ is the
-source, exercises/ the generated copy). An exercise cell starts with
-``# Exercise NN.K`` and defines one function or class; ``check("NN.K",
-answer)`` runs the cases shown in the notebook, the grader runs those and
-the hidden ones (modules ``exNN_topic`` here).
+source, exercises/ the generated copy, work/ the learner's). An exercise cell
+starts with ``# Exercise NN.K`` and defines one function or class. A case runs
+the answer where the answer lives (:mod:`.runner`, in the learner's kernel) and
+is judged where the learner's code cannot reach (:func:`.core.judge`, in the
+grader's process): the cases shown in the notebook, and hidden ones (modules
+``exNN_topic`` here).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 from . import (ex01_data_parallel, ex02_tensor_parallel, ex03_model_parallel, ex04_gpipe, ex05_rematerialization,
                ex06_pipedream, ex07_beyond)
-from .core import Case, Exercise, Verdict, quietly, run_cases
+from .core import Case, Exercise, Verdict, run_cases
 from .notebooks import COURSE
+from .runner import run_one
+from .wire import dumps, loads
 
 NOTEBOOKS: dict[str, list[Exercise]] = {
     "01_data_parallel": ex01_data_parallel.EXERCISES,
@@ -29,7 +31,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 
-__all__ = ["COURSE", "EXERCISES", "NOTEBOOKS", "Case", "Exercise", "Verdict", "check", "exercise"]
+__all__ = ["COURSE", "EXERCISES", "NOTEBOOKS", "Case", "Exercise", "Verdict", "check", "exercise", "grade"]
 
 
 def exercise(exercise_id: str) -> Exercise:
@@ -39,10 +41,17 @@ def exercise(exercise_id: str) -> Exercise:
     return EXERCISES[exercise_id]
 
 
+def _in_process(ex: Exercise, cases: list[Case], namespace: dict[str, Any], timeout: float | None) -> Verdict:
+    """Run and judge in this process; each reply makes the round trip through data, as in the grader."""
+    limit = ex.timeout if timeout is None else timeout
+    return run_cases(ex, cases, lambda index: loads(dumps(run_one(ex, cases[index], namespace, limit))))
+
+
 def check(exercise_id: str, answer: Any) -> None:
-    """Run the cases shown for ``exercise_id`` on ``answer`` and print a short verdict."""
+    """Run the cases shown for ``exercise_id`` on ``answer`` and print a short verdict (feedback only: the
+    grader never reads it)."""
     ex = exercise(exercise_id)
-    verdict = run_cases(ex, answer, ex.cases())
+    verdict = _in_process(ex, list(ex.cases()), {ex.answer: answer}, None)
     name = f"Exercise {ex.id} · {ex.title}"
     if verdict.passed:
         print(f"✅ {name}: {verdict.feedback}. The grader also runs hidden cases.")
@@ -53,31 +62,8 @@ def check(exercise_id: str, answer: Any) -> None:
 
 
 def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None) -> Verdict:
-    """Judge the answer ``namespace`` holds for ``exercise_id`` on every case, shown and hidden
-    (``timeout``: seconds per case, default the exercise's own)."""
+    """Judge the answer ``namespace`` holds for ``exercise_id`` on every case, shown and hidden, in this process
+    (for tests and instructors; ``python -m gpipe_ref grade`` judges outside the learner's kernel).
+    ``timeout``: seconds per case, default the exercise's own."""
     ex = exercise(exercise_id)
-    if ex.answer not in namespace:
-        return Verdict(ex.id, ex.title, "not attempted", 0, ex.points,
-                       f"`{ex.answer}` is not defined: its cell did not run or raised")
-    try:
-        cases = ex.all_cases()
-    except Exception as error:  # a broken environment, not the learner's fault: say so
-        return Verdict(ex.id, ex.title, "error", 0, ex.points, f"the grader could not build its cases: {error!r}")
-    return run_cases(ex, namespace[ex.answer], cases, timeout=timeout)
-
-
-MARKER = "GPIPE-REF-GRADE "
-
-
-def report(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None) -> None:
-    """Print one line the grader reads back: ``MARKER {verdict as JSON}`` (what the answer prints is dropped)."""
-    stdout = sys.stdout
-    try:
-        verdict, printed = quietly(lambda: grade(exercise_id, namespace, timeout))
-        result = verdict.to_dict()
-    except BaseException as error:  # never let the learner's code stop the report
-        result = {"exercise": exercise_id, "status": "error", "points": 0,
-                  "feedback": f"grading raised {type(error).__name__}: {error}"}
-    sys.stdout = stdout
-    stdout.write(MARKER + json.dumps(result) + "\n")
-    stdout.flush()
+    return _in_process(ex, ex.all_cases(), namespace, timeout)

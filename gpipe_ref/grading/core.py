@@ -17,14 +17,12 @@ import re
 import signal
 import threading
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-
-class NotAttempted(Exception):
-    """The answer still raises the exercise's NotImplementedError."""
+from .guard import resolve
 
 
 class CaseTimeout(Exception):
@@ -33,17 +31,24 @@ class CaseTimeout(Exception):
 
 @dataclass(frozen=True)
 class Case:
-    """One input to an answer and the value it must produce.
+    """One input to an answer and how to judge what it returns.
 
-    ``run(answer)`` calls the learner's answer and returns what it produced;
-    ``compare(actual, expected)`` returns None when they agree, else a reason.
+    ``run(answer)`` runs in the learner's kernel: it calls the answer and returns
+    what it produced, as plain data (see :mod:`.wire`). ``expected()`` and
+    ``compare(actual, expected)`` (None when they agree, else a reason) run in
+    the grader only: the expected value never enters the learner's kernel.
     """
 
     label: str
     run: Callable[[Any], Any]
-    expected: Any
+    expected: Callable[[], Any]
     hint: str = ""
     compare: Callable[[Any, Any], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.expected):
+            raise TypeError(f"case {self.label}: expected must be a function computing the expected value "
+                            f"(the grader calls it), got {type(self.expected).__name__}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,11 @@ class Verdict:
     max_points: int
     feedback: str
     cases_run: int = 0
+    public: str = ""  # what a learner may read: a failing hidden case named by its label only
+
+    def __post_init__(self) -> None:  # whatever produced it, a verdict scores within [0, max_points]
+        self.max_points = max(0, int(self.max_points))
+        self.points = min(max(0, int(self.points)), self.max_points) if self.status == "passed" else 0
 
     @property
     def passed(self) -> bool:
@@ -87,7 +97,13 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {"exercise": self.exercise, "title": self.title, "status": self.status, "points": self.points,
-                "max_points": self.max_points, "feedback": self.feedback, "cases_run": self.cases_run}
+                "max_points": self.max_points, "feedback": self.feedback, "cases_run": self.cases_run,
+                "public": self.public or self.feedback}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Verdict":
+        return cls(data["exercise"], data["title"], data["status"], data["points"], data["max_points"],
+                   data["feedback"], data.get("cases_run", 0), data.get("public", ""))
 
 
 # -- comparing values ------------------------------------------------------------------------------
@@ -228,12 +244,6 @@ def _code_objects(obj: Any) -> Iterator[types.CodeType]:
         stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def _resolve(dotted: str) -> Any:
-    module_name, _, attribute = dotted.rpartition(".")
-    module = __import__(module_name, fromlist=[attribute])
-    return getattr(module, attribute)
-
-
 def forbidden_use(answer: Any, forbidden: Sequence[str]) -> str | None:
     """The forbidden library name ``answer``'s code refers to, if any."""
     if not forbidden:
@@ -241,7 +251,7 @@ def forbidden_use(answer: Any, forbidden: Sequence[str]) -> str | None:
     targets = {}
     for dotted in forbidden:
         try:
-            targets[id(_resolve(dotted))] = dotted
+            targets[id(resolve(dotted))] = dotted
         except (ImportError, AttributeError):
             continue
     attributes = {dotted.rpartition(".")[2]: dotted for dotted in forbidden}
@@ -285,63 +295,63 @@ def _is_not_attempted(error: BaseException) -> bool:
     return re.search(r"NotImplementedError: Exercise \d\d\.\d+", str(error)) is not None
 
 
-def run_cases(exercise: Exercise, answer: Any, cases: Sequence[Case], *, timeout: float | None = None) -> Verdict:
-    """Judge ``answer`` on ``cases``; stop at the first failing case."""
-    def verdict(status: str, feedback: str, run: int) -> Verdict:
-        points = exercise.points if status == "passed" else 0
-        return Verdict(exercise.id, exercise.title, status, points, exercise.points, feedback, run)
+def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, str] | None:
+    """The grader's side: None when the kernel's ``reply`` for ``case`` passes, else (status, feedback).
 
-    if exercise.kind == "class":
-        if not isinstance(answer, type):
-            return verdict("failed", f"`{exercise.answer}` must be a class, got a {_type_name(answer)}", 0)
-    elif not callable(answer):
-        return verdict("failed", f"`{exercise.answer}` must be a function, got a {_type_name(answer)}", 0)
-    used = forbidden_use(answer, exercise.forbidden_names())
-    if used:
-        return verdict("failed", f"`{exercise.answer}` uses `{used}`, which does what this exercise asks you "
-                                 f"to write: write it without it", 0)
-    limit = exercise.timeout if timeout is None else timeout
+    ``reply`` is what :func:`.runner.run_one` produced, already decoded from data; only the outcome and the
+    returned value are read from it, never points or a verdict."""
+    hint = f"; hint: {case.hint}" if case.hint else ""
+    outcome, error = reply.get("outcome"), str(reply.get("error", ""))[:400]
+    if outcome not in ("undefined", "wrong kind", "forbidden") and reply.get("label") != case.label:
+        return "error", f"case {case.label}: the kernel answered for another case ({str(reply.get('label'))[:60]!r})"
+    if outcome == "returned":
+        try:
+            reason = (case.compare or same)(reply.get("value"), case.expected())
+        except Exception as failure:
+            reason = f"could not compare the result: {_describe_error(failure)}"
+        return ("failed", f"case {case.label}: {reason}{hint}") if reason else None
+    if outcome == "undefined":
+        return "not attempted", f"`{exercise.answer}` is not defined: its cell did not run or raised"
+    if outcome == "not attempted":
+        return "not attempted", "not attempted: the exercise still raises NotImplementedError"
+    if outcome == "forbidden":
+        return "failed", (f"`{exercise.answer}` uses `{str(reply.get('name'))[:120]}`, which does what this exercise "
+                          f"asks you to write: write it without it")
+    if outcome == "wrong kind":
+        return "failed", error
+    if outcome == "refused":
+        return "failed", f"case {case.label}: {error}: return plain values (numbers, strings, lists, tuples, " \
+                         f"dicts, tensors){hint}"
+    if outcome == "timeout":
+        return "timeout", f"case {case.label}: {error} (an endless loop?)"
+    if outcome == "raised":
+        return "error", f"case {case.label}: raised {error}{hint}"
+    return "error", f"case {case.label}: a malformed result (outcome {str(outcome)[:40]!r})"
+
+
+def run_cases(exercise: Exercise, cases: Sequence[Case], ask: Callable[[int], dict[str, Any]],
+              shown: int | None = None) -> Verdict:
+    """Judge an answer on ``cases``, stopping at the first that fails; ``ask(index)`` returns the kernel's
+    decoded reply for ``cases[index]`` (or raises :class:`.wire.Malformed`). The first ``shown`` cases are
+    the notebook's (all when None): a later failing case is hidden, and the verdict's ``public`` feedback
+    names it by its label only."""
+    from .wire import Malformed
+
+    def verdict(status: str, feedback: str, run: int) -> Verdict:
+        public = feedback
+        if shown is not None and run > shown and status not in ("passed", "not attempted"):
+            case = cases[run - 1]
+            public = f"hidden case {case.label}: {status}" + (f"; hint: {case.hint}" if case.hint else "")
+        return Verdict(exercise.id, exercise.title, status, exercise.points, exercise.points, feedback, run, public)
+
     for index, case in enumerate(cases):
         try:
-            with time_limit(limit):
-                actual = case.run(answer)
-        except CaseTimeout as error:
-            return verdict("timeout", f"case {case.label}: {error} (an endless loop?)", index + 1)
-        except Exception as error:  # the learner's code may raise anything
-            if _is_not_attempted(error):
-                return verdict("not attempted", "not attempted: the exercise still raises NotImplementedError", 0)
-            hint = f"; hint: {case.hint}" if case.hint else ""
-            return verdict("error", f"case {case.label}: raised {_describe_error(error)}{hint}", index + 1)
-        try:
-            reason = (case.compare or same)(actual, case.expected)
-        except Exception as error:
-            reason = f"could not compare the result: {_describe_error(error)}"
-        if reason:
-            hint = f"; hint: {case.hint}" if case.hint else ""
-            return verdict("failed", f"case {case.label}: {reason}{hint}", index + 1)
+            reply = ask(index)
+        except Malformed as error:
+            return verdict("error", f"case {case.label}: a malformed result ({error})", index + 1)
+        result = judge(exercise, case, reply)
+        if result is not None:
+            status, feedback = result
+            return verdict(status, feedback, 0 if status == "not attempted" else index + 1)
     passed = "passed the only case" if len(cases) == 1 else f"passed all {len(cases)} cases"
     return verdict("passed", passed, len(cases))
-
-
-def quietly(fn: Callable[[], Verdict], limit: int = 4000) -> tuple[Verdict, str]:
-    """Run ``fn`` with stdout and stderr captured (the first ``limit`` characters kept)."""
-    sink = BoundedSink(limit)
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        result = fn()
-    printed = "".join(sink.kept)
-    if sink.dropped:
-        printed += f"\n... and {sink.dropped} more characters"
-    return result, printed
-
-
-@dataclass
-class Registry:
-    """Every exercise of the course, by id."""
-
-    exercises: dict[str, Exercise] = field(default_factory=dict)
-
-    def add(self, exercise: Exercise) -> Exercise:
-        if exercise.id in self.exercises:
-            raise ValueError(f"exercise {exercise.id} is defined twice")
-        self.exercises[exercise.id] = exercise
-        return exercise

@@ -1,0 +1,313 @@
+"""Grading a whole class: every submission read up front, notebooks graded in parallel worker processes.
+
+Before any kernel starts, the grader imports all of its own code (never
+re-read from disk afterwards: workers are forks of this process), hashes the
+package's files, and reads every submission into memory, so no learner's code
+can change another's notebook or the judge. Each notebook is graded in a fresh
+worker process (a child subreaper that ends everything its kernel started);
+a worker that is killed or runs past the notebook's time limit costs that
+notebook only. After each notebook the package's files are hashed again:
+if they changed, grading stops with an alert. Results are handed to
+``on_result`` as each notebook finishes, so a killed grader loses nothing
+already graded (``python -m gpipe_ref grade --resume`` skips those).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import secrets
+import select
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from . import NOTEBOOKS
+from .core import Verdict
+from .notebooks import NotebookError, read
+from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, grade_notebook
+from .kernel import _processes, become_subreaper, end_processes
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+class PackageChanged(RuntimeError):
+    """The grader's own files changed on disk while it graded (a learner's code wrote to them)."""
+
+
+def preload() -> None:
+    """Import every module of the package and what grading uses, so no worker reads code from disk later."""
+    import gpipe_ref
+
+    for info in pkgutil.walk_packages(gpipe_ref.__path__, "gpipe_ref."):
+        if not info.name.startswith("gpipe_ref.__main__"):
+            importlib.import_module(info.name)
+    import jupyter_client  # noqa: F401
+    import jupyter_client.blocking.client  # noqa: F401
+    import nbformat  # noqa: F401
+
+
+def package_hashes(root: Path = PACKAGE) -> dict[str, str]:
+    """sha256 of every source file of the package, by path relative to it."""
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.rglob("*")) if path.is_file() and "__pycache__" not in path.parts}
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    return sorted(name for name in set(before) | set(after) if before.get(name) != after.get(name))
+
+
+def collect(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[NotebookResult]]:
+    """The notebooks named by ``paths`` (folders are searched); bad paths come back as results with an error."""
+    notebooks, bad = [], []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            if not found:
+                bad.append(NotebookResult(str(path), error=f"{path}: a folder with no .ipynb notebooks"))
+            notebooks += found
+        elif path.exists():
+            notebooks.append(path)
+        else:
+            bad.append(NotebookResult(str(path), error=f"{path}: no such file or folder"))
+    return notebooks, bad
+
+
+@dataclass
+class _Submission:
+    index: int
+    path: Path
+    data: bytes
+    token: str
+
+
+@dataclass
+class _Worker:
+    submission: _Submission
+    pid: int
+    pipe: int
+    deadline: float
+    received: bytearray
+    status: int | None = None
+
+
+def _worker_main(submission: _Submission, write_end: int, limits: dict[str, Any]) -> None:
+    """In the forked worker: grade one notebook, end every process it started, send the result, exit."""
+    code = 0
+    try:
+        become_subreaper()
+        import torch
+
+        torch.set_num_threads(1)  # a forked child computing with torch's OpenMP pool can hang
+        result = grade_notebook(submission.path, data=submission.data, token=submission.token, **limits)
+        payload = json.dumps(result.to_dict()).encode()
+    except BaseException as error:  # the grader's own failure, not the notebook's
+        traceback.print_exc()
+        payload = json.dumps(NotebookResult(str(submission.path), error=f"the grader failed "
+                                            f"({type(error).__name__}: {error})").to_dict()).encode()
+        code = 1
+    try:
+        end_processes(submission.token, root=os.getpid(), reap=True)
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(write_end, view):]
+        os.close(write_end)
+    finally:
+        os._exit(code)
+
+
+def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
+                cell_timeout: float = DEFAULT_CELL_TIMEOUT, case_timeout: float | None = None,
+                notebook_timeout: float = DEFAULT_NOTEBOOK_TIMEOUT, progress: bool = True,
+                on_result: Callable[[list[NotebookResult]], Any] | None = None,
+                done: dict[str, dict[str, Any]] | None = None) -> list[NotebookResult]:
+    """Grade every notebook ``paths`` name, ``jobs`` at a time (default: the CPU count), with a progress bar.
+
+    ``on_result(results)`` is called with the results so far after each notebook. ``done``: results of an
+    earlier run by path; a notebook whose bytes still have the recorded sha256 is not graded again.
+    Raises :class:`PackageChanged` when the package's files change during grading (the results handed to
+    ``on_result`` before that are kept)."""
+    check_timeouts(cell_timeout, case_timeout, notebook_timeout)
+    jobs = os.cpu_count() or 1 if jobs is None else jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
+    notebooks, bad = collect(paths)
+    results: list[NotebookResult] = list(bad)
+    submissions = []
+    for path in notebooks:  # every submission is read before any kernel runs
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            results.append(NotebookResult(str(path), error=f"{path}: cannot read it ({error.strerror})"))
+            continue
+        earlier = (done or {}).get(str(path))
+        if earlier and earlier.get("sha256") == hashlib.sha256(data).hexdigest() and not earlier.get("error"):
+            results.append(NotebookResult.from_dict(earlier))
+            continue
+        submissions.append(_Submission(len(submissions), path, data, secrets.token_hex(16)))
+    if not submissions:
+        return results
+    preload()
+    hashes = package_hashes()
+    limits = {"cell_timeout": cell_timeout, "case_timeout": case_timeout, "notebook_timeout": notebook_timeout}
+    from tqdm.auto import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread: this process forks
+    bar = tqdm(total=len(submissions), desc="grading", unit="notebook",
+               disable=not progress or len(submissions) < 2, file=sys.stderr)
+    try:
+        for result in _run_workers(submissions, limits, jobs, notebook_timeout, hashes):
+            results.append(result)
+            bar.update(1)
+            if on_result is not None:
+                on_result(results)
+    finally:
+        bar.close()
+    return results
+
+
+def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: int, notebook_timeout: float,
+                 hashes: dict[str, str]) -> Iterable[NotebookResult]:
+    """Fork a worker per submission, ``jobs`` at a time; yield each result as its worker ends."""
+    become_subreaper()  # a killed worker's kernel and its children come to this process, to be ended
+    waiting = list(submissions)
+    running: dict[int, _Worker] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                worker = _start(waiting.pop(0), limits, notebook_timeout)
+                running[worker.pid] = worker
+            _read_pipes(running, timeout=0.2)
+            for pid in _exited(running):
+                worker = running.pop(pid)
+                _read_pipes({pid: worker}, timeout=0)
+                os.close(worker.pipe)
+                end_processes(worker.submission.token)
+                _end_orphans(running)
+                yield _result_of(worker, notebook_timeout)
+                after = package_hashes()
+                if after != hashes:
+                    raise PackageChanged(
+                        f"the grader's files changed on disk while it graded: {', '.join(changed_files(hashes, after))}. "
+                        f"Notebooks graded when it happened: "
+                        f"{', '.join(str(w.submission.path) for w in [worker, *running.values()])}. "
+                        f"Grading stopped: reinstall the package, then grade again with --resume")
+            now = time.monotonic()
+            for worker in running.values():
+                if now > worker.deadline and worker.status is None:
+                    end_processes(worker.submission.token, root=worker.pid)
+                    _kill(worker.pid)
+    finally:
+        for worker in running.values():
+            end_processes(worker.submission.token, root=worker.pid)
+            _kill(worker.pid)
+            try:
+                os.waitpid(worker.pid, 0)
+            except ChildProcessError:
+                pass
+            os.close(worker.pipe)
+        _end_orphans({})
+
+
+def _start(submission: _Submission, limits: dict[str, Any], notebook_timeout: float) -> _Worker:
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        os.close(read_end)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _worker_main(submission, write_end, limits)
+    os.close(write_end)
+    os.set_blocking(read_end, False)
+    return _Worker(submission, pid, read_end, time.monotonic() + notebook_timeout + 60, bytearray())
+
+
+def _read_pipes(running: dict[int, _Worker], timeout: float) -> None:
+    pipes = {worker.pipe: worker for worker in running.values()}
+    if not pipes:
+        time.sleep(timeout)
+        return
+    ready, _, _ = select.select(list(pipes), [], [], timeout)
+    for fd in ready:
+        worker = pipes[fd]
+        while len(worker.received) < 64 * 2 ** 20:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            worker.received += chunk
+
+
+def _exited(running: dict[int, _Worker]) -> list[int]:
+    """Workers that have exited (their status recorded); other dead children (orphans) are reaped."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid in running:
+            running[pid].status = status
+            ended.append(pid)
+    return ended
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _end_orphans(running: dict[int, _Worker]) -> None:
+    """End this process's children that are not running workers (orphans of a killed worker, which came to
+    this subreaper), with their descendants."""
+    if not os.path.isdir("/proc"):
+        return
+    me = os.getpid()
+    for pid, parent in _processes().items():
+        if parent == me and pid not in running:
+            end_processes(None, root=pid)
+
+
+def _result_of(worker: _Worker, notebook_timeout: float) -> NotebookResult:
+    path = worker.submission.path
+    try:
+        data = json.loads(bytes(worker.received))
+        result = NotebookResult.from_dict(data)
+        if result.path != str(path):
+            raise ValueError("a result for another notebook")
+        return result
+    except (ValueError, KeyError, TypeError):
+        pass
+    status = worker.status or 0
+    if os.WIFSIGNALED(status):
+        how = f"killed by signal {os.WTERMSIG(status)}"
+    else:
+        how = f"exit status {os.WEXITSTATUS(status)}"
+    if time.monotonic() > worker.deadline:
+        why = f"the notebook ran past its time limit of {notebook_timeout:g} s"
+    else:
+        why = f"the grading process ended without a result ({how}): the notebook's code may have killed it"
+    result = NotebookResult(str(path), sha256=hashlib.sha256(worker.submission.data).hexdigest())
+    try:
+        _, result.notebook = read(path, worker.submission.data)
+    except NotebookError as error:
+        result.error = str(error)
+        return result
+    result.verdicts = [Verdict(ex.id, ex.title, "error", 0, ex.points, f"not graded: {why}")
+                       for ex in NOTEBOOKS[result.notebook]]
+    return result

@@ -1,0 +1,96 @@
+"""Refusing library functions while an answer runs, whatever path calls them.
+
+Reading the answer's code (``core.forbidden_use``) catches ``gpipe(p, m)``
+written in it, but not a helper that calls it, ``getattr(gpipe_ref, name)`` or
+``importlib``. :class:`Guard` watches the calls themselves: while it is active
+(``sys.setprofile`` in this thread, ``threading.setprofile`` for threads started
+meanwhile, inherited by ranks forked meanwhile), entering a forbidden function
+or method, calling a forbidden builtin, or entering code that computes a case's
+expected value raises :class:`ForbiddenCall` and is remembered, so catching the
+exception does not help. A learner who removes the profiler on purpose is
+outside what a guard in their own process can stop (see the README's threat model).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import Any, Iterable
+
+
+class ForbiddenCall(Exception):
+    """An answer called a library function that does what its exercise asks."""
+
+
+def resolve(dotted: str) -> Any:
+    """The object a dotted name ("gpipe_ref.schedule.gpipe") names."""
+    module_name, _, attribute = dotted.rpartition(".")
+    module = __import__(module_name, fromlist=[attribute])
+    return getattr(module, attribute)
+
+
+def _codes_of(obj: Any) -> Iterable[types.CodeType]:
+    """The code objects entered when ``obj`` (a function, a class's methods, a wrapped function) runs."""
+    seen = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, type):
+            for value in vars(item).values():
+                stack.append(getattr(value, "__func__", value))
+                if isinstance(value, property):
+                    stack += [value.fget, value.fset]
+            continue
+        code = getattr(item, "__code__", None)
+        if isinstance(code, types.CodeType):
+            yield code
+        wrapped = getattr(item, "__wrapped__", None)
+        if wrapped is not None:
+            stack.append(wrapped)
+
+
+class Guard:
+    """``with Guard(names, codes) as guard:`` refuse the functions ``names`` and the code objects ``codes``."""
+
+    def __init__(self, forbidden: Iterable[str], codes: Iterable[types.CodeType] = (),
+                 reason: str = "does what this exercise asks you to write") -> None:
+        self.codes: dict[types.CodeType, str] = {code: "the grader's expected values" for code in codes}
+        self.builtins: dict[str, str] = {}
+        for dotted in forbidden:
+            try:
+                obj = resolve(dotted)
+            except (ImportError, AttributeError):
+                continue
+            found = list(_codes_of(obj))
+            for code in found:
+                self.codes.setdefault(code, dotted)
+            if not found and callable(obj):  # a builtin: matched by name, so a tensor's method counts too
+                self.builtins[getattr(obj, "__name__", dotted.rpartition(".")[2])] = dotted
+        self.reason = reason
+        self.hit: str | None = None
+        self._previous: list[Any] = []
+
+    def _profile(self, frame, event: str, arg: Any) -> None:
+        if event == "call":
+            name = self.codes.get(frame.f_code)
+        elif event == "c_call":
+            name = self.builtins.get(getattr(arg, "__name__", None))
+        else:
+            return
+        if name is not None:
+            self.hit = self.hit or name
+            raise ForbiddenCall(f"`{name}` was called while the answer ran: it {self.reason}")
+
+    def __enter__(self) -> "Guard":
+        self._previous = [sys.getprofile(), threading.getprofile() if hasattr(threading, "getprofile") else None]
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self._previous[0])
+        threading.setprofile(self._previous[1])
