@@ -8,17 +8,20 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 
 import nbformat
 import pytest
+import torch
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
 from gpipe_ref.grading.common import judge_fill_drain, schedule_generators
-from gpipe_ref.grading.core import Case, Exercise, forbidden_use, run_cases, same
-from gpipe_ref.grading.grader import MAX_TIMEOUT, grade_notebook, grade_paths, kernel_timeout
+from gpipe_ref.grading.core import Case, Exercise, forbidden_use, judge, run_cases, same
 from gpipe_ref.grading.notebooks import BEGIN, COURSE, END, build, exercise_of, student_copy
-from gpipe_ref.schedule import SCHEDULES, gpipe, register, schedule_spec, unregister
+from gpipe_ref.grading.runner import run_one
+from gpipe_ref.grading.wire import dumps, loads
+from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister
 
 SOLUTIONS = ROOT / "solutions"
 EXERCISE_DIR = ROOT / "exercises"
@@ -471,16 +474,20 @@ def test_judge_fill_drain_accepts_gpipe_and_names_what_is_wrong():
         "the schedule does not run: deadlock, cycle: device 0 waits at 0B0 for 1B0 (device 1); "
         "device 1 waits at 1F1 for 0F1 (device 0)")
 
+
 def test_run_cases_survives_what_answers_do():
     ex = Exercise("99.1", "test", "f", 1, lambda: [], lambda: [])
+    case = Case("x=1", lambda f: f(1), lambda: 1.0, hint="think")
 
-    def verdict(answer, expected=1.0, timeout=None):
-        return run_cases(ex, answer, [Case("x=1", lambda f: f(1), expected, hint="think")], timeout=timeout)
+    def verdict(answer, timeout=5.0, namespace=None):
+        namespace = {"f": answer} if namespace is None else namespace
+        return run_cases(ex, [case], lambda index: loads(dumps(run_one(ex, case, namespace, timeout))))
 
     assert verdict(lambda x: 1.0).passed
     assert verdict(lambda x: 1 / 0).status == "error" and "ZeroDivisionError" in verdict(lambda x: 1 / 0).feedback
     assert "expected a number" in verdict(lambda x: "1.0").feedback
     assert verdict(lambda x: None).status == "failed"
+    assert "think" in verdict(lambda x: 2.0).feedback
 
     def forever(x):
         while True:
@@ -488,8 +495,56 @@ def test_run_cases_survives_what_answers_do():
 
     slow = verdict(forever, timeout=0.5)
     assert slow.status == "timeout" and "0.5 s" in slow.feedback
-    assert run_cases(ex, 42, []).status == "failed"  # not a function
+
+    def loud(x):
+        print("x" * 100_000)
+        return 1.0
+
+    assert verdict(loud).passed  # what the answer prints is dropped
+
+    def stub(x):
+        raise NotImplementedError("Exercise 99.1: write f")
+
+    assert verdict(stub).status == "not attempted" and verdict(stub).cases_run == 0
+    assert verdict(42).status == "failed" and "must be a function" in verdict(42).feedback
+    assert verdict(None, namespace={}).status == "not attempted"
+    assert run_cases(ex, [], lambda index: {}).passed  # no cases: nothing to fail
+    assert judge(ex, case, {"label": "x=1", "outcome": "returned", "value": 1.0}) is None
     assert same([1, 2], [1, 3]) and not same((1.0, [2]), (1.0, [2]))
+
+
+def test_building_the_cases_computes_no_expected_value():
+    """Every case is built on the learner's side too: its expected value is a function only the grader calls."""
+    import time
+
+    start = time.perf_counter()
+    cases = [case for ex in EXERCISES.values() for case in ex.all_cases()]
+    assert time.perf_counter() - start < 1.0 and len(cases) > 250
+    for case in cases:
+        assert isinstance(case.expected, types.FunctionType), case.label  # not a partial: the guard needs its code
+    with pytest.raises(TypeError, match="expected must be a function"):
+        Case("x", lambda f: f(), 1.0)
+
+
+def test_compare_copes_with_any_result():
+    """A compare gets whatever the kernel sent back: it gives a reason, never a crash."""
+    odd = [None, True, -1, 10 ** 30, float("nan"), float("inf"), "", "0F0 0B0", "9" * 50, [], [[]], [None] * 3,
+           (1, 2, 3), (True, 1, 1), (0, 0, 0), {}, {1: 2}, {"held": None}, {"returned": 3}, [["a"]], [[-1] * 40] * 2,
+           torch.zeros(3), torch.zeros(0, 2), [torch.zeros(1)], ([torch.zeros(2)], torch.zeros(2)),
+           [[Action("F", 0, 0)]], [[Action("B", 7, 10 ** 9)]] * 8, "0F99999999999 0B99999999999",
+           "0F999999 0B999999"]
+    passed = []
+    for ex in EXERCISES.values():
+        for case in ex.all_cases():
+            if case.compare is None:
+                continue
+            expected = case.expected()
+            for value in odd:
+                reason = case.compare(value, expected)  # raises if it cannot cope
+                assert reason is None or isinstance(reason, str) and reason, (ex.id, case.label, value)
+                if reason is None:
+                    passed.append((ex.id, value))
+    assert {(ex_id, str(value)) for ex_id, value in passed} <= {("07.3", "None"), ("03.2", "(1, 2, 3)")}, passed
 
 
 # -- notebooks: the build and the grader ----------------------------------------------------------------

@@ -8,13 +8,15 @@ import torch
 from torch import nn
 
 from ..distributed.data_parallel import assign_buckets
-from .core import Case, Exercise
+from .core import Case, Exercise, short_repr
 
 # -- 01.1 average gradients with all-reduce ----------------------------------------------------------
 
 
 def _model(seed: int, frozen: bool) -> nn.Sequential:
-    torch.manual_seed(seed)
+    # The generator's own method: torch.manual_seed is wrapped by dynamo's generic wrapper once torch._dynamo is
+    # imported, whose code the guard also finds among DistributedDataParallel's methods.
+    torch.random.default_generator.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     if frozen:
         model[0].bias.requires_grad_(False)  # a parameter with no gradient: must be skipped, not crash
@@ -42,13 +44,14 @@ def _average_gradients_rank(rank: int, world: int, answer, seed: int, per_rank: 
 def _average_gradients_case(world: int, seed: int, per_rank: int = 4, frozen: bool = False) -> Case:
     from ..distributed.launch import launch
 
-    model = _model(seed, frozen)
-    x, y = _data(seed, world * per_rank)
-    nn.functional.mse_loss(model(x), y).backward()  # the whole batch on one device
-    expected = [_grads(model)] * world
-
     def run(answer):
         return launch(_average_gradients_rank, world, answer, seed, per_rank, frozen, timeout=20)
+
+    def expected():  # the whole batch on one device
+        model = _model(seed, frozen)
+        x, y = _data(seed, world * per_rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        return [_grads(model)] * world
 
     label = f"{world} ranks, {per_rank} samples each" + (", a frozen bias" if frozen else "")
     return Case(label, run, expected,
@@ -74,51 +77,59 @@ AVERAGE_GRADIENTS = Exercise(
 # -- 01.2 which chunk a rank sends at step k of a ring all-reduce ------------------------------------
 
 
-def _simulate_ring(chunk_to_send, world: int, seed: int) -> list[list[int]]:
-    """Run a ring all-reduce on integers with the learner's chunk order; return every rank's buffer."""
+PHASES = ("reduce_scatter", "all_gather")
+
+
+def _ring_start(world: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    buffers = [[rng.randrange(100) for _ in range(world)] for _ in range(world)]
-    for phase in ("reduce_scatter", "all_gather"):
+    return [[rng.randrange(100) for _ in range(world)] for _ in range(world)]
+
+
+def _chunk_table(chunk_to_send, world: int) -> list[list]:
+    """``chunk_to_send`` for every phase, then step, then rank: [phase][step * world + rank]."""
+    return [[chunk_to_send(r, k, world, phase) for k in range(world - 1) for r in range(world)] for phase in PHASES]
+
+
+def _ring_after(table: list[list[int]], world: int, seed: int) -> list[list[int]]:
+    """Every rank's buffer after a ring all-reduce on integers that sends the chunks ``table`` names."""
+    buffers = _ring_start(world, seed)
+    for phase, chunks in zip(PHASES, table):
         for step in range(world - 1):
-            messages = []
-            for rank in range(world):
-                chunk = chunk_to_send(rank, step, world, phase)
-                if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < world:
-                    raise ValueError(f"returned {chunk!r} for rank={rank}, step={step}, phase={phase!r}: "
-                                     f"a chunk index must be an int from 0 to {world - 1}")
-                messages.append((chunk, buffers[rank][chunk]))  # everyone sends at once, to rank + 1
-            for rank, (chunk, value) in enumerate(messages):
+            sent = [(chunks[step * world + rank], buffers[rank][chunks[step * world + rank]])
+                    for rank in range(world)]  # everyone sends at once, to rank + 1
+            for rank, (chunk, value) in enumerate(sent):
                 right = (rank + 1) % world
                 buffers[right][chunk] = buffers[right][chunk] + value if phase == "reduce_scatter" else value
     return buffers
 
 
 def _ring_case(world: int, seed: int) -> Case:
-    rng = random.Random(seed)
-    start = [[rng.randrange(100) for _ in range(world)] for _ in range(world)]
-    total = [sum(column) for column in zip(*start)]
+    def expected():
+        from ..distributed.collectives import ring_chunk_to_send
 
-    def run(answer):
-        order = [[answer(r, k, world, phase) for k in range(world - 1) for r in range(world)]
-                 for phase in ("reduce_scatter", "all_gather")]
-        return {"sum on every rank": _simulate_ring(answer, world, seed), "order": order}
-
-    from ..distributed.collectives import ring_chunk_to_send
-
-    expected_order = [[ring_chunk_to_send(r, k, world, phase) for k in range(world - 1) for r in range(world)]
-                      for phase in ("reduce_scatter", "all_gather")]
-    expected = {"sum on every rank": [total] * world, "order": expected_order}
+        return {"sum": [sum(column) for column in zip(*_ring_start(world, seed))],
+                "order": _chunk_table(ring_chunk_to_send, world)}
 
     def compare(actual, expected):
-        if actual["sum on every rank"] != expected["sum on every rank"]:
-            return (f"after the all-reduce the ranks hold {actual['sum on every rank']}, "
-                    f"expected the sum {total} on every rank")
-        if actual["order"] != expected["order"]:
+        width = world * (world - 1)
+        if not isinstance(actual, (list, tuple)) or len(actual) != 2 or \
+                not all(isinstance(chunks, (list, tuple)) and len(chunks) == width for chunks in actual):
+            return f"expected one chunk per (phase, step, rank), got {short_repr(actual)}"
+        for phase, chunks in zip(PHASES, actual):
+            for i, chunk in enumerate(chunks):
+                if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < world:
+                    return (f"returned {short_repr(chunk)} for rank={i % world}, step={i // world}, "
+                            f"phase={phase!r}: a chunk index must be an int from 0 to {world - 1}")
+        buffers = _ring_after(actual, world, seed)
+        if buffers != [expected["sum"]] * world:
+            return f"after the all-reduce the ranks hold {buffers}, expected the sum {expected['sum']} on every rank"
+        if [list(chunks) for chunks in actual] != expected["order"]:
             return "the ring sums correctly but not in the order the notebook defines (rank r ends the " \
                    "reduce-scatter holding chunk r + 1)"
         return None
 
-    return Case(f"world_size={world}, one integer per chunk", run, expected, compare=compare,
+    return Case(f"world_size={world}, one integer per chunk", lambda answer: _chunk_table(answer, world), expected,
+                compare=compare,
                 hint="at step 0 of the reduce-scatter rank r sends its own chunk r; at every later step it "
                      "forwards the chunk it has just added to; the all-gather starts from the chunk r + 1 "
                      "that rank r completed")
@@ -138,7 +149,7 @@ MB = 2 ** 20
 
 def _bucket_case(sizes: list[int], cap_mb: float, label: str | None = None) -> Case:
     return Case(label or f"sizes_in_bytes={sizes}, bucket_cap_mb={cap_mb}",
-                lambda answer: answer(list(sizes), cap_mb), assign_buckets(sizes, cap_mb),
+                lambda answer: answer(list(sizes), cap_mb), lambda: assign_buckets(sizes, cap_mb),
                 hint="walk the parameters from the LAST to the first (the backward produces their gradients in "
                      "that order); start a new bucket when adding a parameter would go over the cap")
 

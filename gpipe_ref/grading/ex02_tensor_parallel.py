@@ -19,8 +19,10 @@ def _tensors(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int):
 
 def _column_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, world: int) -> Case:
     x, weight, bias = _tensors(seed, batch, fan_in, fan_out)
-    rows = fan_out // world
-    expected = [x @ weight[r * rows:(r + 1) * rows].T + bias[r * rows:(r + 1) * rows] for r in range(world)]
+
+    def expected():
+        rows = fan_out // world
+        return [x @ weight[r * rows:(r + 1) * rows].T + bias[r * rows:(r + 1) * rows] for r in range(world)]
 
     def compare(actual, expected):
         if not isinstance(actual, (list, tuple)):
@@ -48,9 +50,11 @@ COLUMN = Exercise(
 
 def _row_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, world: int) -> Case:
     x, weight, bias = _tensors(seed, batch, fan_in, fan_out)
-    cols = fan_in // world
-    partials = [x[..., r * cols:(r + 1) * cols] @ weight[:, r * cols:(r + 1) * cols].T for r in range(world)]
-    expected = (partials, nn.functional.linear(x, weight, bias))
+
+    def expected():
+        cols = fan_in // world
+        partials = [x[..., r * cols:(r + 1) * cols] @ weight[:, r * cols:(r + 1) * cols].T for r in range(world)]
+        return partials, nn.functional.linear(x, weight, bias)
 
     def compare(actual, expected):
         if not isinstance(actual, tuple) or len(actual) != 2:
@@ -96,10 +100,12 @@ def _f_rank(rank: int, world: int, answer, seed: int, width: int, hidden: int):
 def _f_case(world: int, seed: int, width: int = 4, hidden: int = 8) -> Case:
     from ..distributed.launch import launch
 
-    dense = _dense_mlp(seed, width, hidden)
-    x = torch.randn(3, width, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_()
-    (dense(x) ** 2).sum().backward()
-    expected = [{"forward": x.detach(), "x.grad": x.grad}] * world
+    def expected():
+        dense = _dense_mlp(seed, width, hidden)
+        x = torch.randn(3, width, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_()
+        (dense(x) ** 2).sum().backward()
+        return [{"forward": x.detach(), "x.grad": x.grad}] * world
+
     return Case(f"{world} ranks, MLP {width} -> {hidden} -> {width} (f before the column layer)",
                 lambda answer: launch(_f_rank, world, answer, seed, width, hidden, timeout=20), expected,
                 hint="every rank uses the whole input x, so x's gradient is the SUM of the ranks' gradients: "

@@ -9,18 +9,20 @@ from torch import nn
 from ..partition import partition_costs
 from ..schedule import Action, gpipe
 from ..simulator import place
-from .core import Case, Exercise, same
+from .core import Case, Exercise, same, short_repr
 
 # -- 03.1 idle fraction of naive model parallelism -----------------------------------------------------
 
 
 def _idle_case(forward: list[float], backward: list[float], comm: float) -> Case:
-    p = len(forward)
-    durations = {Action("F", s, 0): forward[s] for s in range(p)}
-    durations.update({Action("B", s, 0): backward[s] for s in range(p)})
-    simulated = place(gpipe(p, 1), durations, comm).bubble_fraction  # one batch, no micro-batches
+    def expected():  # one batch, no micro-batches
+        p = len(forward)
+        durations = {Action("F", s, 0): forward[s] for s in range(p)}
+        durations.update({Action("B", s, 0): backward[s] for s in range(p)})
+        return place(gpipe(p, 1), durations, comm).bubble_fraction
+
     return Case(f"forward={forward}, backward={backward}, comm={comm}",
-                lambda answer: answer(list(forward), list(backward), comm), simulated,
+                lambda answer: answer(list(forward), list(backward), comm), expected,
                 hint="only one device works at a time: the step lasts the sum of every forward and backward "
                      "plus 2(p-1) transfers, and each device is busy for its own forward and backward only")
 
@@ -45,15 +47,10 @@ NAIVE_IDLE = Exercise(
 
 
 def _balance_case(costs: list[float], stages: int) -> Case:
-    best = max(_stage_sums(costs, partition_costs(costs, stages)))
-
-    def run(answer):
-        return answer(list(costs), stages)
-
     def compare(actual, expected):
         if not isinstance(actual, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool)
                                                              for n in actual):
-            return f"expected a list of ints (layers per stage), got {actual!r}"
+            return f"expected a list of ints (layers per stage), got {short_repr(actual)}"
         if len(actual) != stages:
             return f"expected {stages} stages, got {len(actual)}: {list(actual)}"
         if any(n < 1 for n in actual) or sum(actual) != len(costs):
@@ -64,7 +61,8 @@ def _balance_case(costs: list[float], stages: int) -> Case:
             return f"your balance {list(actual)} has a slowest stage of {slowest:g}; the best possible is {expected:g}"
         return None
 
-    return Case(f"costs={costs}, stages={stages}", run, best, compare=compare,
+    return Case(f"costs={costs}, stages={stages}", lambda answer: answer(list(costs), stages),
+                lambda: max(_stage_sums(costs, partition_costs(costs, stages))), compare=compare,
                 hint="the slowest stage sets the pace; try every place to cut (or binary-search the slowest "
                      "stage's cost and check it greedily)")
 
@@ -100,26 +98,27 @@ BEST_BALANCE = Exercise(
 
 
 def _split_case(layers: int, balance: list[int]) -> Case:
-    def run(answer):
+    def run(answer):  # the stages cannot leave the kernel: say which of the model's own layers each holds
         model = nn.Sequential(*[nn.Linear(2, 2) if i % 2 == 0 else nn.ReLU() for i in range(layers)])
         stages = answer(model, list(balance))
         if not isinstance(stages, (list, tuple)):
-            return f"a {type(stages).__name__}"
-        shape = []
-        for stage in stages:
-            if not isinstance(stage, nn.Sequential):
-                return f"a stage that is a {type(stage).__name__}, not an nn.Sequential"
-            shape.append([next(i for i, layer in enumerate(model) if layer is child) if
-                          any(layer is child for layer in model) else "a copy" for child in stage])
-        return shape
+            return {"returned": type(stages).__name__}
+        return [[next((i for i, layer in enumerate(model) if layer is child), None) for child in stage]
+                if isinstance(stage, nn.Sequential) else type(stage).__name__ for stage in stages]
 
-    expected, start = [], 0
-    for n in balance:
-        expected.append(list(range(start, start + n)))
-        start += n
+    def expected():
+        starts = [sum(balance[:k]) for k in range(len(balance))]
+        return [list(range(start, start + n)) for start, n in zip(starts, balance)]
+
     def compare(actual, expected):
-        if isinstance(actual, list) and any("a copy" in stage for stage in actual if isinstance(stage, list)):
-            return "the stages hold copies of the model's layers, not the layers themselves"
+        if isinstance(actual, dict):
+            return f"expected a list of nn.Sequential stages, got a {str(actual.get('returned'))[:60]}"
+        if isinstance(actual, list):
+            for k, stage in enumerate(actual):
+                if isinstance(stage, str):
+                    return f"stage {k} is a {stage[:60]}, not an nn.Sequential"
+                if isinstance(stage, list) and None in stage:
+                    return "the stages hold copies of the model's layers, not the layers themselves"
         return same(actual, expected, "stage")
 
     return Case(f"{layers} layers, balance={balance}", run, expected, compare=compare,

@@ -11,21 +11,16 @@ from .core import Case, Exercise
 
 
 def _gpipe_case(p: int, m: int) -> Case:
-    def run(answer):
-        schedule = judge_fill_drain(answer(p, m), p, m)
+    def compare(actual, expected):
+        schedule = judge_fill_drain(actual, p, m)
         if isinstance(schedule, str):
             return schedule
         timeline = simulate(schedule, CostModel(forward=1, backward_input=1, backward_weight=1))
-        return round(timeline.bubble_fraction, 12)
+        bubble = round(timeline.bubble_fraction, 12)
+        return None if bubble == expected else f"simulated bubble {bubble:.4f}, GPipe's is {expected:.4f}"
 
-    expected = round((p - 1) / (m + p - 1), 12)
-
-    def compare(actual, expected):
-        if isinstance(actual, str):
-            return actual
-        return None if actual == expected else f"simulated bubble {actual:.4f}, GPipe's is {expected:.4f}"
-
-    return Case(f"p={p}, m={m}", run, expected, compare=compare,
+    return Case(f"p={p}, m={m}", lambda answer: answer(p, m), lambda: round((p - 1) / (m + p - 1), 12),
+                compare=compare,
                 hint="device d runs stage d: F(d, 0..m-1), then B(d, k) for every k; Action('F', d, k) "
                      "is written dFk. A backward order that differs between devices can deadlock")
 
@@ -42,8 +37,7 @@ GPIPE_SCHEDULE = Exercise(
 def _bubble_case(p: int, m: int) -> Case:
     from ..schedule import gpipe
 
-    simulated = simulate(gpipe(p, m)).bubble_fraction
-    return Case(f"p={p}, m={m}", lambda answer: answer(p, m), simulated,
+    return Case(f"p={p}, m={m}", lambda answer: answer(p, m), lambda: simulate(gpipe(p, m)).bubble_fraction,
                 hint="the step lasts m + p - 1 slots of (F + B) on every device, and a device computes in m of "
                      "them: the bubble is the idle share of the whole step, not idle relative to busy time")
 
@@ -61,8 +55,7 @@ BUBBLE = Exercise(
 def _split_case(batch: int, m: int) -> Case:
     import torch
 
-    expected = sizes(torch.empty(batch, 1), m)
-    return Case(f"batch={batch}, m={m}", lambda answer: answer(batch, m), expected,
+    return Case(f"batch={batch}, m={m}", lambda answer: answer(batch, m), lambda: sizes(torch.empty(batch, 1), m),
                 hint="m sizes that add up to the batch and differ by at most one, the larger ones first "
                      "(what torch.tensor_split does); torch.chunk can return fewer than m pieces")
 

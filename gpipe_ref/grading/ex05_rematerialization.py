@@ -30,14 +30,14 @@ def measured_peaks(schedule: str, checkpoint: str, p: int, m: int, blocks: int) 
 
 
 def _peak_cases(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> list[Case]:
-    peaks = measured_peaks(schedule, checkpoint, p, m, blocks)
     cases = []
     for d in range(p):
         held = m if schedule == "gpipe" else min(m, p - d)
         saved = blocks + 1 + (1 if d == p - 1 else 0)  # Linear inputs and ReLU outputs (+ the loss target)
         cases.append(Case(f"checkpoint={checkpoint!r}, held={held}, per_microbatch={saved} "
                           f"(measured: {schedule}, p={p}, m={m}, device {d})",
-                          lambda answer, c=checkpoint, h=held, a=saved: answer(c, h, a), int(peaks[d]),
+                          lambda answer, c=checkpoint, h=held, a=saved: answer(c, h, a),
+                          lambda d=d: int(measured_peaks(schedule, checkpoint, p, m, blocks)[d]),
                           hint="'always' keeps one input per held micro-batch plus the internals of the one being "
                                "recomputed; 'except_last' also keeps everything of the last micro-batch, and "
                                "recomputes nothing when that is the only one"))
@@ -57,7 +57,7 @@ def _peak_hidden() -> list[Case]:
 
 
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
-                _peak_shown, _peak_hidden)
+                _peak_shown, _peak_hidden, forbidden=("gpipe_ref.grading.ex05_rematerialization.measured_peaks",))
 
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
 
@@ -76,12 +76,14 @@ def _checkpoint_case(width: int, depth: int, rows: int, seed: int) -> Case:
         return {"output": y.detach(), "saved, in inputs": saved, "x.grad": x.grad,
                 "weight grads": [p.grad for p in stage.parameters()]}
 
-    stage = mlp(width=width, depth=depth, seed=seed)
-    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
-    y = stage(x)
-    y.pow(2).sum().backward()
-    expected = {"output": y.detach(), "saved, in inputs": 1.0, "x.grad": x.grad,
+    def expected():
+        stage = mlp(width=width, depth=depth, seed=seed)
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        y = stage(x)
+        y.pow(2).sum().backward()
+        return {"output": y.detach(), "saved, in inputs": 1.0, "x.grad": x.grad,
                 "weight grads": [p.grad for p in stage.parameters()]}
+
     return Case(f"stage of {depth} (Linear, ReLU) blocks, width {width}, {rows} rows", run_stage, expected,
                 hint="torch.utils.checkpoint.checkpoint(stage, x, use_reentrant=False) keeps only x and "
                      "recomputes the rest in the backward; no_grad or detach would cut the gradient")
@@ -97,9 +99,9 @@ CHECKPOINTED = Exercise(
 
 
 def _held_case(schedule: str, p: int, m: int, device: int) -> Case:
-    expected = simulate(make_schedule(schedule, p, m)).peak_in_flight(device)
     return Case(f"schedule={schedule!r}, p={p}, m={m}, device={device}",
-                lambda answer: answer(schedule, p, m, device), expected,
+                lambda answer: answer(schedule, p, m, device),
+                lambda: simulate(make_schedule(schedule, p, m)).peak_in_flight(device),
                 hint="GPipe runs every forward before any backward; 1F1B starts a backward as soon as the first "
                      "micro-batch comes back, which takes p - device forwards on device `device`")
 

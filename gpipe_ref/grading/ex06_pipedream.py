@@ -11,9 +11,8 @@ from .core import Case, Exercise
 
 
 def _warmup_case(p: int, m: int, device: int) -> Case:
-    actions = one_f_one_b(p, m).per_device[device]
-    expected = next(i for i, a in enumerate(actions) if a.op == "B")
-    return Case(f"p={p}, m={m}, device={device}", lambda answer: answer(p, m, device), expected,
+    return Case(f"p={p}, m={m}, device={device}", lambda answer: answer(p, m, device),
+                lambda: next(i for i, a in enumerate(one_f_one_b(p, m).per_device[device]) if a.op == "B"),
                 hint="micro-batch 0's gradient comes back to device d after it has gone through the p - d - 1 "
                      "later stages and back; count the forwards d can start meanwhile, and no more than m")
 
@@ -28,28 +27,23 @@ WARMUP = Exercise(
 
 
 def _one_f_one_b_case(p: int, m: int) -> Case:
-    def run(answer):
-        schedule = judge_fill_drain(answer(p, m), p, m, "yours", forwards_first=False)
+    def expected():
+        return {"held": [min(m, p - d) for d in range(p)], "bubble": round((p - 1) / (m + p - 1), 12)}
+
+    def compare(actual, expected):
+        schedule = judge_fill_drain(actual, p, m, "yours", forwards_first=False)
         if isinstance(schedule, str):
             return schedule
         timeline = simulate(schedule)
-        return {"micro-batches held per device": [timeline.peak_in_flight(d) for d in range(p)],
-                "bubble": round(timeline.bubble_fraction, 12)}
-
-    expected = {"micro-batches held per device": [min(m, p - d) for d in range(p)],
-                "bubble": round((p - 1) / (m + p - 1), 12)}
-
-    def compare(actual, expected):
-        if isinstance(actual, str):
-            return actual
-        held, want = actual["micro-batches held per device"], expected["micro-batches held per device"]
-        if held != want:
-            return f"your schedule holds {held} micro-batches per device at its peak; 1F1B holds {want}"
-        if actual["bubble"] != expected["bubble"]:
-            return f"simulated bubble {actual['bubble']:.4f}, 1F1B's is {expected['bubble']:.4f}"
+        held = [timeline.peak_in_flight(d) for d in range(p)]
+        if held != expected["held"]:
+            return f"your schedule holds {held} micro-batches per device at its peak; 1F1B holds {expected['held']}"
+        bubble = round(timeline.bubble_fraction, 12)
+        if bubble != expected["bubble"]:
+            return f"simulated bubble {bubble:.4f}, 1F1B's is {expected['bubble']:.4f}"
         return None
 
-    return Case(f"p={p}, m={m}", run, expected, compare=compare,
+    return Case(f"p={p}, m={m}", lambda answer: answer(p, m), expected, compare=compare,
                 hint="device d: a warm-up of min(p - d - 1, m) forwards, then alternate one forward and one "
                      "backward while forwards remain, then the remaining backwards, all in micro-batch order")
 
@@ -64,13 +58,16 @@ ONE_F_ONE_B = Exercise(
 
 
 def _version_case(p: int, stage: int, microbatch: int) -> Case:
-    schedule = pipedream_async(p, microbatch + p)
-    version = weight_versions(schedule)[Action("F", stage, microbatch)]
-    device = schedule.per_device[schedule.stage_to_device[stage]]
-    updates_before_backward = sum(1 for a in device[:device.index(Action("B", stage, microbatch))]
-                                  if a.op == "B" and a.stage == stage)
+    def expected():
+        schedule = pipedream_async(p, microbatch + p)
+        version = weight_versions(schedule)[Action("F", stage, microbatch)]
+        device = schedule.per_device[schedule.stage_to_device[stage]]
+        updates_before_backward = sum(1 for a in device[:device.index(Action("B", stage, microbatch))]
+                                      if a.op == "B" and a.stage == stage)
+        return version, updates_before_backward - version
+
     return Case(f"p={p}, stage={stage}, microbatch={microbatch}", lambda answer: answer(p, stage, microbatch),
-                (version, updates_before_backward - version),
+                expected,
                 hint="the forward of micro-batch k on stage s comes after that stage's backwards of the "
                      "micro-batches more than p - 1 - s ahead of it; staleness counts the updates between the "
                      "forward and the update that applies k's gradient")

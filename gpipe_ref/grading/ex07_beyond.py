@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import re
+
 from ..planner import ClusterConfig, ModelConfig, estimate
 from ..playground import PLAYGROUND_COST, analyse
 from ..schedule import make_schedule
 from ..simulator import CostModel, simulate
 from .common import schedule_generators
-from .core import Case, Exercise
+from .core import Case, Exercise, short_repr
 
 # -- 07.1 the interleaved bubble ------------------------------------------------------------------------------
 
 
 def _interleaved_case(p: int, m: int, v: int) -> Case:
-    cost = CostModel(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
-    simulated = simulate(make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v), cost).bubble_fraction
-    return Case(f"p={p}, m={m}, v={v}", lambda answer: answer(p, m, v), simulated,
+    def expected():
+        cost = CostModel(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
+        return simulate(make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v), cost).bubble_fraction
+
+    return Case(f"p={p}, m={m}, v={v}", lambda answer: answer(p, m, v), expected,
                 hint="each device still computes m micro-batches of a whole stage's work, but the fill and the drain "
                      "take p - 1 THIN stages, each 1/v of a stage: the bubble's share of the whole step")
 
@@ -30,29 +34,29 @@ INTERLEAVED = Exercise(
 
 
 def _own_schedule_case(p: int, m: int) -> Case:
-    gpipe_bubble = simulate(make_schedule("gpipe", p, m), PLAYGROUND_COST).bubble_fraction
-
-    def run(answer):
-        text = answer(p, m)
-        if not isinstance(text, str):
-            return f"returned a {type(text).__name__}: return the schedule as text, one line per device"
-        result = analyse(text)
+    def compare(actual, expected):
+        if not isinstance(actual, str):
+            return f"returned a {type(actual).__name__}: return the schedule as text, one line per device"
+        # Numbers far past p and m (micro-batch 10**9) would make the analysis slow: refuse them first.
+        huge = next((n for n in re.findall(r"\d+", actual[:100_000]) if len(n) > 6 or int(n) >= 100 * (p + m)), None)
+        if huge is not None or len(actual) > 100_000:
+            return f"a schedule of {p} stages and {m} micro-batches names stages 0..{p - 1} and micro-batches " \
+                   f"0..{m - 1}, got " + (f"the number {huge[:12]}" if huge else f"{len(actual)} characters")
+        result = analyse(actual)
         if not result.valid:
             return result.verdict()
         s = result.schedule
         if (s.num_stages, s.num_devices, s.num_microbatches) != (p, p, m):
             return f"a schedule of {s.num_stages} stages on {s.num_devices} devices for {s.num_microbatches} " \
                    f"micro-batches; wanted {p} stages, one per device, and {m} micro-batches"
-        return round(result.timeline.bubble_fraction, 12)
-
-    def compare(actual, expected):
-        if isinstance(actual, str):
-            return actual
-        if actual >= expected - 1e-9:
-            return f"valid, but its bubble {actual:.2%} does not beat GPipe's {expected:.2%}"
+        bubble = round(result.timeline.bubble_fraction, 12)
+        if bubble >= expected - 1e-9:
+            return f"valid, but its bubble {bubble:.2%} does not beat GPipe's {expected:.2%}"
         return None
 
-    return Case(f"p={p}, m={m}", run, round(gpipe_bubble, 12), compare=compare,
+    return Case(f"p={p}, m={m}", lambda answer: answer(p, m),
+                lambda: round(simulate(make_schedule("gpipe", p, m), PLAYGROUND_COST).bubble_fraction, 12),
+                compare=compare,
                 hint="with F = 1 and B = 2 every fill-drain or 1F1B order has GPipe's bubble; split each B into B "
                      "and W (1 each) and delay the W's: the backward wave crosses the devices twice as fast")
 
@@ -87,22 +91,18 @@ def best_layout(model: ModelConfig, cluster: ClusterConfig) -> tuple[int, int, i
 
 
 def _layout_case(label: str, model: ModelConfig, cluster: ClusterConfig) -> Case:
-    expected = best_layout(model, cluster)
-
-    def run(answer):
-        return answer(model, cluster)
-
     def compare(actual, expected):
         if expected is None:
-            return None if actual is None else f"nothing fits here, so expected None, got {actual!r}"
-        if not (isinstance(actual, tuple) and len(actual) == 3 and all(isinstance(n, int) for n in actual)):
-            return f"expected a tuple (dp, tp, pp) of ints, got {actual!r}"
-        dp, tp, pp = actual
+            return None if actual is None else f"nothing fits here, so expected None, got {short_repr(actual)}"
+        if not (isinstance(actual, tuple) and len(actual) == 3
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in actual)):
+            return f"expected a tuple (dp, tp, pp) of ints, got {short_repr(actual)}"
         if actual == expected:
             return None
+        dp, tp, pp = actual
         try:
             e = estimate(model, cluster, dp=dp, tp=tp, pp=pp, recompute=True)
-        except ValueError as error:
+        except (ValueError, ArithmeticError) as error:
             return f"{actual} is not a valid layout: {error}"
         if cluster.gpus_per_node % tp:
             return f"tp={tp} does not divide the {cluster.gpus_per_node} GPUs of a node"
@@ -113,7 +113,7 @@ def _layout_case(label: str, model: ModelConfig, cluster: ClusterConfig) -> Case
             return f"{actual} fits but takes {e.step_time:.3g} s a step; {expected} takes {best.step_time:.3g} s"
         return None
 
-    return Case(label, run, expected, compare=compare,
+    return Case(label, lambda answer: answer(model, cluster), lambda: best_layout(model, cluster), compare=compare,
                 hint="try every tp dividing the node and every pp dividing the rest; keep the layouts whose "
                      "estimate(..., recompute=True).fits, and return the one with the smallest step_time")
 
