@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test   create .venv if missing, install, run every test (unit, notebooks, browser)
-#   make lab    create .venv if missing, install, start JupyterLab on the course (notebooks/, exercises/)
+#   make lab    create .venv if missing, install, copy the exercises you lack into work/ (never
+#               overwriting your answers), start JupyterLab on the course (notebooks/, work/)
 # GPU users: install the torch build for your CUDA into .venv first (see README);
 # an installed torch is kept.
 
@@ -11,6 +12,8 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 PYTEST_ARGS ?=
+# Extra options for `jupyter lab`, e.g. LAB_ARGS="--ip 0.0.0.0 --no-browser" on a remote machine.
+LAB_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: test lab browser notebooks exercises bench clean
@@ -40,15 +43,19 @@ test: $(STAMP) browser
 	$(PY) -m pytest tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$tmp; exit $$rc
 
+# Learners answer in work/, their copy of exercises/: `exercises start` copies only the notebooks work/
+# lacks, so running it every time is safe.
 lab: $(STAMP)
+	$(PY) -m gpipe_ref exercises start work
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb \
-	  $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 # Re-execute the committed notebooks in place (after editing one).
 notebooks: $(STAMP)
 	$(PY) tools/execute_notebooks.py notebooks/*.ipynb solutions/*.ipynb
 
-# Rebuild exercises/ from solutions/ (after editing a solution notebook).
+# Rebuild exercises/ from solutions/ (after editing a solution notebook); it refuses to overwrite a
+# notebook there that holds answers (python -m gpipe_ref exercises build --force does).
 exercises: $(STAMP)
 	$(PY) -m gpipe_ref exercises build
 

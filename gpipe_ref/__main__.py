@@ -227,17 +227,26 @@ def _staleness_parser(commands) -> argparse.ArgumentParser:
 def _exercises_parser(commands) -> argparse.ArgumentParser:
     exercises = commands.add_parser(
         "exercises",
-        help="build exercises/ from solutions/ (instructors)",
-        description="Write each exercises/NN_topic.ipynb from solutions/NN_topic.ipynb: every answer between "
-                    "'### BEGIN SOLUTION' and '### END SOLUTION' becomes '# YOUR CODE HERE' and a "
-                    "NotImplementedError; outputs of exercise and check cells are cleared.",
+        help="copy the exercises into your work folder (learners); build exercises/ from solutions/ (instructors)",
+        description="start: copy each exercises/NN_topic.ipynb into DIR (default: work), never over a notebook "
+                    "already there; answer in those copies. build: write each exercises/NN_topic.ipynb from "
+                    "solutions/NN_topic.ipynb: every answer between '### BEGIN SOLUTION' and "
+                    "'### END SOLUTION' becomes '# YOUR CODE HERE' and a NotImplementedError; outputs of "
+                    "exercise and check cells are cleared; a notebook there that holds answers is not "
+                    "overwritten unless --force. check: exit 1 if exercises/ differs from what build writes.",
     )
-    exercises.add_argument("action", choices=("build", "check"),
-                           help="build: write exercises/; check: exit 1 if exercises/ differs from what build writes")
-    exercises.add_argument("--solutions", default="solutions", type=folder,
+    exercises.add_argument("action", choices=("start", "build", "check"),
+                           help="start: copy exercises/ into DIR; build: write exercises/; "
+                                "check: exit 1 if exercises/ differs from what build writes")
+    exercises.add_argument("work", nargs="?", metavar="DIR",
+                           help="start only: your work folder, made if missing (default: work)")
+    exercises.add_argument("--solutions", default="solutions",  # checked by build and check only
                            help="folder of solution notebooks (default: solutions)")
     exercises.add_argument("--exercises", default="exercises",
-                           help="folder to write, made if missing (default: exercises)")
+                           help="folder of exercise notebooks: what build writes, made if missing, and what "
+                                "start copies (default: exercises)")
+    exercises.add_argument("--force", action="store_true",
+                           help="build only: overwrite notebooks that hold answers too")
     return exercises
 
 
@@ -332,11 +341,22 @@ def _bench(args: argparse.Namespace) -> int:
 def _exercises(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .grading.notebooks import build
+    from .grading.notebooks import AnswersWouldBeLost, answers_in, build, listing, read
 
+    if args.action != "start":  # a learner's `start` needs no solutions/
+        try:
+            folder(args.solutions)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"argument --solutions: {exc}") from None
     exercises = Path(args.exercises)
     if exercises.exists() and not exercises.is_dir():
         raise ValueError(f"--exercises: {args.exercises!r} is not a folder")
+    if args.work is not None and args.action != "start":
+        raise ValueError(f"DIR: only `exercises start` takes a folder, got {args.work!r} with {args.action}")
+    if args.force and args.action != "build":
+        raise ValueError(f"--force: only `exercises build` takes it, not {args.action}")
+    if args.action == "start":
+        return _start(args, exercises)
     if args.action == "build":
         try:
             _writable_folder(exercises)
@@ -346,21 +366,72 @@ def _exercises(args: argparse.Namespace) -> int:
         raise ValueError(f"--solutions: no solution notebooks (NN_topic.ipynb) in {args.solutions!r}")
     if args.action == "build":
         try:
-            for path in build(Path(args.solutions), exercises):
+            for path in build(Path(args.solutions), exercises, force=args.force):
                 print(f"wrote {path}")
+        except AnswersWouldBeLost as lost:
+            raise ValueError(f"--exercises: the build would overwrite {listing(lost.at_risk)}; nothing was "
+                             f"written. {_keep_answers(args, lost.at_risk)}; or pass --force to overwrite "
+                             f"them") from None
         except OSError as exc:  # a folder that cannot be made (/proc/x), a full disk
             raise ValueError(f"--exercises: cannot write {exc.filename or args.exercises!r}: {exc.strerror}") from None
         return 0
     with tempfile.TemporaryDirectory() as fresh:
-        stale = []
+        stale, answered = [], {}
         for path in build(Path(args.solutions), Path(fresh)):
             current = exercises / path.name
             if not current.exists() or current.read_text() != path.read_text():
                 stale.append(str(current))
+                if what := answers_in(current, read(path)[0]):
+                    answered[current] = what
+    if answered:  # `exercises build` would refuse: say how to keep them, not to rebuild
+        print(f"{listing(answered)}: {args.exercises}/ must stay as the build writes it. "
+              f"{_keep_answers(args, answered)}")
+        return 1
     if stale:
         print("out of date (run `python -m gpipe_ref exercises build`): " + ", ".join(stale))
         return 1
     print(f"{args.exercises}/ is what `exercises build` writes from {args.solutions}/")
+    return 0
+
+
+def _keep_answers(args: argparse.Namespace, at_risk: dict[Path, str]) -> str:
+    """How to save the answers in ``at_risk`` (notebooks of ``--exercises``) before rebuilding over them."""
+    import shlex
+
+    options = "".join(f" --{name} {shlex.quote(value)}" for name, value, default in (
+        ("solutions", args.solutions, "solutions"), ("exercises", args.exercises, "exercises")) if value != default)
+    rebuild = f"`{PROG} exercises build --force{options}`"
+    taken = [str(Path("work") / path.name) for path in at_risk if os.path.lexists(Path("work") / path.name)]
+    if taken:  # `exercises start` would keep those work copies and not save these answers
+        return (f"To keep the answers, copy those notebooks by hand to new names ({', '.join(taken)} already "
+                f"exist{'s' if len(taken) == 1 else ''} and must not be overwritten), then run {rebuild}")
+    start = f"{PROG} exercises start" + (f" --exercises {shlex.quote(args.exercises)}"
+                                         if args.exercises != "exercises" else "")
+    return f"To keep the answers, copy them to work/ with `{start}` (it never overwrites), then run {rebuild}"
+
+
+def _start(args: argparse.Namespace, exercises: Path) -> int:
+    from .grading.notebooks import start
+
+    given = args.work if args.work is not None else "work"
+    work = Path(given)
+    if not any(exercises.glob("[0-9][0-9]_*.ipynb")):
+        raise ValueError(f"--exercises: no exercise notebooks (NN_topic.ipynb) in {args.exercises!r}")
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"DIR: {given!r} is not a folder")
+    if work.exists() and work.resolve() == exercises.resolve():
+        raise ValueError(f"DIR: {given!r} is the --exercises folder itself; answer in another folder "
+                         f"(default: work)")
+    try:
+        _writable_folder(work)
+        copied, kept = start(exercises, work)
+    except OSError as exc:
+        raise ValueError(f"DIR: cannot write to {given!r}: {exc.strerror}") from None
+    for path in copied:
+        print(f"copied {exercises / path.name} to {path}")
+    if kept:
+        print(f"kept (already in {given}/, never overwritten): {', '.join(path.name for path in kept)}")
+    print(f"answer in {given}/NN_topic.ipynb; grade one with `{PROG} grade {given}/NN_topic.ipynb`")
     return 0
 
 

@@ -1,20 +1,27 @@
-"""Exercise notebooks: finding exercise and check cells, and building exercises/ from solutions/.
+"""Exercise notebooks: finding exercise and check cells, building exercises/ from solutions/,
+and copying exercises/ into a learner's work folder.
 
 A solution cell starts with ``# Exercise NN.K · title`` and holds its answer
 between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers).
 The student copy replaces each such block with ``# YOUR CODE HERE`` and a
 ``raise NotImplementedError("Exercise NN.K: ...")`` and clears the outputs of
 exercise and check cells; every other cell is kept as it is.
+
+exercises/ stays the pristine build; learners answer in their own copy (``work/``),
+which :func:`start` makes and never overwrites. :func:`build` refuses to write over
+a notebook whose exercise cells hold answers unless forced.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import nbformat
 
 COURSE = "gpipe-parallelism"
+NOTEBOOK_NAMES = "[0-9][0-9]_*.ipynb"  # NN_topic.ipynb
 HEADER = re.compile(r"^\s*# Exercise (\d\d\.\d+)\b")
 CHECK = re.compile(r"""\bcheck\(\s*["'](\d\d\.\d+)["']""")
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -22,6 +29,20 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
 class NotebookError(ValueError):
     """A path that is not an exercise notebook of this course."""
+
+
+class AnswersWouldBeLost(ValueError):
+    """The build would write over notebooks holding answers; ``at_risk`` maps each to what it holds."""
+
+    def __init__(self, at_risk: dict[Path, str]) -> None:
+        self.at_risk = at_risk
+        super().__init__(f"the build would overwrite {listing(at_risk)}; nothing was written "
+                         f"(copy them to a work folder with start(), or build with force=True)")
+
+
+def listing(at_risk: dict[Path, str]) -> str:
+    """``exercises/01_data_parallel.ipynb (answers to 01.1, 01.2), ...``"""
+    return ", ".join(f"{path} ({what})" for path, what in at_risk.items())
 
 
 def exercise_of(cell) -> str | None:
@@ -111,25 +132,81 @@ def student_copy(solution: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode
     return nb, found
 
 
-def build(solutions: Path, exercises: Path) -> list[Path]:
-    """Write ``exercises/NN_topic.ipynb`` for every ``solutions/NN_topic.ipynb``; return the paths written."""
+def answers_in(path: Path, built: nbformat.NotebookNode) -> str | None:
+    """What writing ``built`` over ``path`` would lose: ``"answers to 01.1, 01.2"`` when an exercise
+    cell's source differs from ``built``'s stub for it, ``"not a readable notebook"``, or None (no
+    such file, or every exercise cell is the stub: an untouched, possibly outdated, copy)."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        current = nbformat.read(path, as_version=4)
+        cells = list(current.cells)
+    except Exception:  # a folder, invalid JSON, not a notebook: nothing tells us it is safe to replace
+        return "not a readable notebook"
+    stubs = {exercise_of(cell): cell.source for cell in built.cells if exercise_of(cell)}
+    answered = [exercise_of(cell) for cell in cells
+                if exercise_of(cell) and cell.get("source") != stubs.get(exercise_of(cell))]
+    return f"answers to {', '.join(answered)}" if answered else None
+
+
+def build(solutions: Path, exercises: Path, *, force: bool = False) -> list[Path]:
+    """Write ``exercises/NN_topic.ipynb`` for every ``solutions/NN_topic.ipynb``; return the paths written.
+
+    Refuses (:class:`AnswersWouldBeLost`, nothing written) when a notebook it would replace holds
+    answers, unless ``force``; untouched copies, current or outdated, are rewritten."""
     from . import NOTEBOOKS
 
-    sources = sorted(Path(solutions).glob("[0-9][0-9]_*.ipynb"))
+    sources = sorted(Path(solutions).glob(NOTEBOOK_NAMES))
     if not Path(solutions).is_dir():
         raise ValueError(f"solutions must be a folder, got {str(solutions)!r}")
     if not sources:  # refused before exercises/ is made
         raise ValueError(f"solutions: no solution notebooks (NN_topic.ipynb) in {str(solutions)!r}")
-    written = []
     exercises = Path(exercises)
-    exercises.mkdir(parents=True, exist_ok=True)
-    for source in sources:
+    built = {}
+    for source in sources:  # every notebook built and checked before any is written
         solution, name = read(source)
         nb, found = student_copy(solution)
         wanted = [ex.id for ex in NOTEBOOKS[name]]
         if found != wanted:
             raise ValueError(f"{source}: exercise cells {found}, expected {wanted} (one cell each, in order)")
-        target = exercises / source.name
+        built[exercises / source.name] = nb
+    at_risk = {target: what for target, nb in built.items() if (what := answers_in(target, nb))}
+    if at_risk and not force:
+        raise AnswersWouldBeLost(at_risk)
+    exercises.mkdir(parents=True, exist_ok=True)
+    for target, nb in built.items():
         target.write_text(nbformat.writes(nb) + "\n")
-        written.append(target)
-    return written
+    return list(built)
+
+
+def start(exercises: Path, work: Path) -> tuple[list[Path], list[Path]]:
+    """Copy every ``exercises/NN_topic.ipynb`` into ``work`` (made if missing), never over a file
+    already there; return the copies made and the paths kept as they were."""
+    exercises, work = Path(exercises), Path(work)
+    sources = sorted(exercises.glob(NOTEBOOK_NAMES))
+    if not exercises.is_dir():
+        raise ValueError(f"exercises must be a folder, got {str(exercises)!r}")
+    if not sources:
+        raise ValueError(f"exercises: no exercise notebooks (NN_topic.ipynb) in {str(exercises)!r}")
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"work must be a folder, got {str(work)!r}")
+    if work.exists() and work.resolve() == exercises.resolve():
+        raise ValueError(f"work must be another folder than exercises, got {str(work)!r} for both")
+    work.mkdir(parents=True, exist_ok=True)
+    copied, kept = [], []
+    for source in sources:
+        target = work / source.name
+        data = source.read_bytes()
+        try:
+            copy = open(target, "xb")  # exclusive: a learner's notebook is never replaced
+        except FileExistsError:
+            kept.append(target)
+            continue
+        try:
+            with copy:
+                copy.write(data)
+        except BaseException:  # a half-written copy would be kept forever after: remove ours
+            target.unlink(missing_ok=True)
+            raise
+        copied.append(target)
+    return copied, kept
