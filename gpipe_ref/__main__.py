@@ -251,26 +251,42 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
 
 
 def _grade_parser(commands) -> argparse.ArgumentParser:
-    from .grading.grader import MAX_TIMEOUT, timeout_seconds
+    from .grading.grader import DEFAULT_NOTEBOOK_TIMEOUT, MAX_TIMEOUT, timeout_seconds
 
     timeout = checked(timeout_seconds, float)
     grade = commands.add_parser(
         "grade",
-        help="grade exercise notebooks: each in a fresh kernel, on shown and hidden cases",
-        description="Run each notebook in a fresh Jupyter kernel with a time limit per cell, then judge every "
-                    "exercise on the cases check() shows and on hidden ones. Prints a table per notebook and a "
-                    "total. An exercise that raises, hangs or breaks a later cell scores 0 on its own. Paths "
-                    "that are missing or not exercise notebooks are reported by name (exit status 2).",
+        help="grade exercise notebooks: each in a fresh kernel, judged outside it, on shown and hidden cases",
+        description="Copy each notebook into its own temporary folder, run it in a fresh Jupyter kernel with a time "
+                    "limit per cell, then run every exercise's answer there on the cases check() shows and on "
+                    "hidden ones, and judge what comes back in the grader's own process. Prints a table per "
+                    "notebook, a per-exercise summary and a total. An exercise that raises, hangs or breaks a "
+                    "later cell scores 0 on its own. Paths that are missing or not exercise notebooks are "
+                    "reported by name (exit status 2); if the grader's own files change while it runs, it stops "
+                    "with an alert (exit status 3).",
     )
     grade.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for *.ipynb")
     grade.add_argument("--json", metavar="FILE", type=output_file(),
                        help="also write every score and feedback as JSON, rewritten after each notebook")
+    grade.add_argument("--resume", action="store_true",
+                       help="with --json: keep the results already in FILE for notebooks whose content has not "
+                            "changed, and grade only the rest")
+    grade.add_argument("--csv", metavar="FILE", type=output_file(),
+                       help="write a gradebook: one row per notebook, one column per exercise, the total")
+    grade.add_argument("--feedback", metavar="DIR",
+                       help="write one Markdown file per notebook with each exercise's verdict and points "
+                            "(a failing hidden case is named by its label only); DIR is made if missing")
+    grade.add_argument("--jobs", type=checked(positive_int, int), default=None,
+                       help="notebooks graded at the same time (default: the number of CPU cores)")
     grade.add_argument("--cell-timeout", type=timeout, default=60.0,
-                       help=f"seconds a notebook cell may run before it is stopped, rounded up to whole seconds, "
-                            f"at most {MAX_TIMEOUT:g} (default: 60)")
+                       help=f"seconds a notebook cell may run before it is stopped, at most {MAX_TIMEOUT:g} "
+                            f"(default: 60)")
     grade.add_argument("--case-timeout", type=timeout, default=None,
                        help=f"seconds an answer may take on one case, at most {MAX_TIMEOUT:g} "
                             f"(default: each exercise's own, 20-40)")
+    grade.add_argument("--notebook-timeout", type=timeout, default=DEFAULT_NOTEBOOK_TIMEOUT,
+                       help=f"seconds one notebook may take in all, re-runs included, at most {MAX_TIMEOUT:g} "
+                            f"(default: {DEFAULT_NOTEBOOK_TIMEOUT:g})")
     return grade
 
 
@@ -436,20 +452,83 @@ def _start(args: argparse.Namespace, exercises: Path) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from .grading.grader import format_table, grade_paths, summary
+    from .grading.classroom import PackageChanged, grade_paths
+    from .grading.reports import feedback_markdown, feedback_name, format_by_exercise, format_table, \
+        gradebook_csv, summary
 
+    done = _earlier_results(args) if args.resume else None
+    feedback = Path(args.feedback) if args.feedback else None
+    if feedback is not None:  # checked before any notebook is graded
+        try:
+            _writable_folder(feedback)
+            feedback.mkdir(parents=True, exist_ok=True)
+            probe_writable(feedback / ".probe")
+        except OSError as exc:
+            raise ValueError(f"--feedback: cannot write into {args.feedback!r}: {exc.strerror}") from None
     output = ResultsFile(args)
-    results = grade_paths(args.paths, cell_timeout=args.cell_timeout, case_timeout=args.case_timeout,
-                          on_result=lambda done: output.save(summary(done)))
+    roots = [Path(p) for p in args.paths if Path(p).is_dir()]
+
+    def save(results) -> None:
+        output.save(summary(results))
+        if args.csv:
+            _write_quietly(Path(args.csv), gradebook_csv(results), "--csv")
+        if feedback is not None:
+            latest = results[-1]
+            root = next((r for r in roots if Path(latest.path).is_relative_to(r)), None)
+            _write_quietly(feedback / feedback_name(latest, root), feedback_markdown(latest), "--feedback")
+
+    alert = None
+    try:
+        results = grade_paths(args.paths, jobs=args.jobs, cell_timeout=args.cell_timeout,
+                              case_timeout=args.case_timeout, notebook_timeout=args.notebook_timeout,
+                              on_result=save, done=done)
+    except PackageChanged as changed:
+        alert, results = str(changed), getattr(changed, "results", [])
     for result in results:
         print(format_table(result))
         print()
     report = summary(results)
+    if len(results) > 1:
+        print(format_by_exercise(results))
     graded = len(results) - report["errors"]
     print(f"total: {report['points']}/{report['max_points']} points over {graded} notebook(s)"
           + (f"; {report['errors']} path(s) could not be graded" if report["errors"] else ""))
+    if feedback is not None:
+        for result in results:  # resumed results too
+            root = next((r for r in roots if Path(result.path).is_relative_to(r)), None)
+            _write_quietly(feedback / feedback_name(result, root), feedback_markdown(result), "--feedback")
+        print(f"wrote {len(results)} feedback file(s) in {feedback}")
+    if args.csv and _write_quietly(Path(args.csv), gradebook_csv(results), "--csv"):
+        print(f"wrote {args.csv}")
     status = output.finish(report)
+    if alert:
+        print(f"{PROG} grade: ALERT: {alert}", file=sys.stderr)
+        return 3
     return 2 if report["errors"] else status
+
+
+def _earlier_results(args: argparse.Namespace) -> dict[str, dict]:
+    """--resume: the notebooks already graded in the --json file, by path."""
+    if not args.json:
+        raise ValueError("--resume needs --json FILE: the results of the run to resume")
+    path = Path(args.json)
+    if not path.exists() or path.stat().st_size == 0:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {nb["path"]: nb for nb in data["notebooks"] if isinstance(nb, dict) and "path" in nb}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resume: {args.json!r} is not the JSON of an earlier grade run ({exc})") from None
+
+
+def _write_quietly(path: Path, text: str, option: str) -> bool:
+    """Write a report file; a failure is said on stderr and grading goes on."""
+    try:
+        path.write_text(text)
+        return True
+    except OSError as exc:
+        print(f"{PROG} grade: warning: {option}: cannot write {str(path)!r}: {exc.strerror or exc}", file=sys.stderr)
+        return False
 
 
 def _staleness(args: argparse.Namespace) -> int:

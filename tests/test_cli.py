@@ -358,20 +358,21 @@ def test_an_unwritable_output_stops_the_command_before_any_work(argv, target, tm
 def test_grade_writes_each_notebook_as_it_is_graded(tmp_path, monkeypatch, capsys):
     paths = [tmp_path / "a.ipynb", tmp_path / "b.ipynb"]
     out = tmp_path / "report.json"
-    on_disk = []
+    seen = tmp_path / "seen.json"  # what b's worker (a forked process) found on disk
 
     def graded(path, **limits):
         if path.name == "b.ipynb":
-            on_disk.append(json.loads(out.read_text()))
+            seen.write_text(out.read_text())
             raise RuntimeError("no kernel")  # the grader's own failure: this notebook only
-        assert limits == {"cell_timeout": 60.0, "case_timeout": None}
+        assert (limits["cell_timeout"], limits["case_timeout"], limits["notebook_timeout"]) == (60.0, None, 900.0)
+        assert limits["data"] == b"{}"  # the submission as read before any kernel ran
         return NotebookResult(str(path))
 
     monkeypatch.setattr("gpipe_ref.grading.grader.grade_notebook", graded)
     for path in paths:
         path.write_text("{}")
-    assert main(["grade", *map(str, paths), "--json", str(out)]) == 2
-    assert [nb["path"] for nb in on_disk[0]["notebooks"]] == [str(paths[0])]
+    assert main(["grade", *map(str, paths), "--json", str(out), "--jobs", "1"]) == 2
+    assert [nb["path"] for nb in json.loads(seen.read_text())["notebooks"]] == [str(paths[0])]
     report = json.loads(out.read_text())
     assert [(nb["path"], nb["error"]) for nb in report["notebooks"]] == [
         (str(paths[0]), None), (str(paths[1]), f"{paths[1]}: the grader failed (RuntimeError: no kernel)")]
@@ -386,7 +387,7 @@ def test_grade_prints_its_report_when_the_json_folder_vanishes(tmp_path, monkeyp
     notebook.write_text("{}")
 
     def graded(path, **limits):
-        folder.rmdir()  # before the first write: every write fails
+        folder.rmdir()  # before the first write (in the worker, a forked process): every write fails
         return NotebookResult(str(path))
 
     monkeypatch.setattr("gpipe_ref.grading.grader.grade_notebook", graded)

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterable
 from . import NOTEBOOKS
 from .core import Verdict
 from .notebooks import NotebookError, read
-from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, grade_notebook
+from . import grader
+from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts
 from .kernel import _processes, become_subreaper, end_processes
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -107,11 +108,11 @@ def _worker_main(submission: _Submission, write_end: int, limits: dict[str, Any]
         import torch
 
         torch.set_num_threads(1)  # a forked child computing with torch's OpenMP pool can hang
-        result = grade_notebook(submission.path, data=submission.data, token=submission.token, **limits)
+        result = grader.grade_notebook(submission.path, data=submission.data, token=submission.token, **limits)
         payload = json.dumps(result.to_dict()).encode()
     except BaseException as error:  # the grader's own failure, not the notebook's
         traceback.print_exc()
-        payload = json.dumps(NotebookResult(str(submission.path), error=f"the grader failed "
+        payload = json.dumps(NotebookResult(str(submission.path), error=f"{submission.path}: the grader failed "
                                             f"({type(error).__name__}: {error})").to_dict()).encode()
         code = 1
     try:
@@ -169,15 +170,20 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
             bar.update(1)
             if on_result is not None:
                 on_result(results)
+    except PackageChanged as changed:
+        changed.results = results  # what was graded before: kept, and written by on_result already
+        raise
     finally:
         bar.close()
-    return results
+    order = {str(path): n for n, path in enumerate(notebooks)}
+    return sorted(results, key=lambda r: order.get(r.path, -1))  # bad paths first, then as collected
 
 
 def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: int, notebook_timeout: float,
                  hashes: dict[str, str]) -> Iterable[NotebookResult]:
     """Fork a worker per submission, ``jobs`` at a time; yield each result as its worker ends."""
     become_subreaper()  # a killed worker's kernel and its children come to this process, to be ended
+    before = _children()
     waiting = list(submissions)
     running: dict[int, _Worker] = {}
     try:
@@ -191,7 +197,7 @@ def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: i
                 _read_pipes({pid: worker}, timeout=0)
                 os.close(worker.pipe)
                 end_processes(worker.submission.token)
-                _end_orphans(running)
+                _end_orphans(running, before)
                 yield _result_of(worker, notebook_timeout)
                 after = package_hashes()
                 if after != hashes:
@@ -214,7 +220,7 @@ def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: i
             except ChildProcessError:
                 pass
             os.close(worker.pipe)
-        _end_orphans({})
+        _end_orphans({}, before)
 
 
 def _start(submission: _Submission, limits: dict[str, Any], notebook_timeout: float) -> _Worker:
@@ -250,17 +256,15 @@ def _read_pipes(running: dict[int, _Worker], timeout: float) -> None:
 
 
 def _exited(running: dict[int, _Worker]) -> list[int]:
-    """Workers that have exited (their status recorded); other dead children (orphans) are reaped."""
+    """Workers that have exited, their status recorded (only our workers are waited for)."""
     ended = []
-    while True:
+    for pid, worker in running.items():
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            break
-        if pid == 0:
-            break
-        if pid in running:
-            running[pid].status = status
+            done, status = pid, 0
+        if done == pid:
+            worker.status = status
             ended.append(pid)
     return ended
 
@@ -272,15 +276,24 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _end_orphans(running: dict[int, _Worker]) -> None:
-    """End this process's children that are not running workers (orphans of a killed worker, which came to
-    this subreaper), with their descendants."""
+def _end_orphans(running: dict[int, _Worker], before: set[int]) -> None:
+    """End this process's children that are neither running workers nor children it had before grading:
+    orphans of a killed worker, which came to this subreaper, with their descendants."""
     if not os.path.isdir("/proc"):
         return
     me = os.getpid()
     for pid, parent in _processes().items():
-        if parent == me and pid not in running:
+        if parent == me and pid not in running and pid not in before:
             end_processes(None, root=pid)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    return {pid for pid, parent in _processes().items() if parent == me} if os.path.isdir("/proc") else set()
 
 
 def _result_of(worker: _Worker, notebook_timeout: float) -> NotebookResult:

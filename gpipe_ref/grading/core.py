@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .guard import resolve
+from .guard import EXPECTED_VALUES, resolve
 
 
 class CaseTimeout(Exception):
@@ -295,6 +295,9 @@ def _is_not_attempted(error: BaseException) -> bool:
     return re.search(r"NotImplementedError: Exercise \d\d\.\d+", str(error)) is not None
 
 
+COMPARE_TIMEOUT = 60.0
+
+
 def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, str] | None:
     """The grader's side: None when the kernel's ``reply`` for ``case`` passes, else (status, feedback).
 
@@ -306,7 +309,10 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
         return "error", f"case {case.label}: the kernel answered for another case ({str(reply.get('label'))[:60]!r})"
     if outcome == "returned":
         try:
-            reason = (case.compare or same)(reply.get("value"), case.expected())
+            with time_limit(COMPARE_TIMEOUT):  # what the learner returned may be built to make comparing slow
+                reason = (case.compare or same)(reply.get("value"), case.expected())
+        except CaseTimeout:
+            reason = f"comparing the result took longer than {COMPARE_TIMEOUT:g} s"
         except Exception as failure:
             reason = f"could not compare the result: {_describe_error(failure)}"
         return ("failed", f"case {case.label}: {reason}{hint}") if reason else None
@@ -314,6 +320,9 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
         return "not attempted", f"`{exercise.answer}` is not defined: its cell did not run or raised"
     if outcome == "not attempted":
         return "not attempted", "not attempted: the exercise still raises NotImplementedError"
+    if outcome == "forbidden" and str(reply.get("name")).startswith(EXPECTED_VALUES):
+        return "failed", (f"`{exercise.answer}` called a case's expected value while it ran: answers compute "
+                          f"their result themselves")
     if outcome == "forbidden":
         return "failed", (f"`{exercise.answer}` uses `{str(reply.get('name'))[:120]}`, which does what this exercise "
                           f"asks you to write: write it without it")

@@ -261,8 +261,8 @@ class _Grading:
                 if trouble.kind == "timeout" and self.deadline <= time.monotonic():
                     raise OutOfTime() from None
                 self.verdicts[ex_id] = _blame(ex, "timeout" if trouble.kind == "timeout" else "error",
-                                              f"grading {trouble.message} (an endless loop, or code that stops "
-                                              f"the kernel?)")
+                                              f"while its cases ran: {trouble.message} (an endless loop, or "
+                                              f"code that stops the kernel?)")
                 return -1, trouble  # restart for the rest
             cell_error = errors.get(ex_id)
             if verdict.status == "not attempted" and cell_error and not _not_attempted_error(cell_error):

@@ -19,6 +19,9 @@ import types
 from typing import Any, Iterable
 
 
+EXPECTED_VALUES = "the grader's expected values"  # the name a call into a case's ``expected`` is reported by
+
+
 class ForbiddenCall(Exception):
     """An answer called a library function that does what its exercise asks."""
 
@@ -46,9 +49,11 @@ def _codes_of(obj: Any) -> Iterable[types.CodeType]:
                     stack += [value.fget, value.fset]
             continue
         code = getattr(item, "__code__", None)
-        if isinstance(code, types.CodeType):
-            yield code
         wrapped = getattr(item, "__wrapped__", None)
+        # a decorator's wrapper (functools.wraps) is shared by every function it decorates: only the function
+        # itself is refused, never the wrapper's code
+        if isinstance(code, types.CodeType) and (wrapped is None or code.co_qualname == item.__qualname__):
+            yield code
         if wrapped is not None:
             stack.append(wrapped)
 
@@ -58,7 +63,7 @@ class Guard:
 
     def __init__(self, forbidden: Iterable[str], codes: Iterable[types.CodeType] = (),
                  reason: str = "does what this exercise asks you to write") -> None:
-        self.codes: dict[types.CodeType, str] = {code: "the grader's expected values" for code in codes}
+        self.codes: dict[types.CodeType, str] = {code: EXPECTED_VALUES for code in codes}
         self.builtins: dict[str, str] = {}
         for dotted in forbidden:
             try:
@@ -87,10 +92,16 @@ class Guard:
 
     def __enter__(self) -> "Guard":
         self._previous = [sys.getprofile(), threading.getprofile() if hasattr(threading, "getprofile") else None]
-        sys.setprofile(self._profile)
-        threading.setprofile(self._profile)
+        if hasattr(threading, "setprofile_all_threads"):  # Python >= 3.12: threads already running too
+            threading.setprofile_all_threads(self._profile)
+        else:  # 3.11: this thread and the threads started while the answer runs
+            sys.setprofile(self._profile)
+            threading.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self._previous[0])
+        if hasattr(threading, "setprofile_all_threads"):
+            threading.setprofile_all_threads(self._previous[0])
+        else:
+            sys.setprofile(self._previous[0])
         threading.setprofile(self._previous[1])

@@ -81,6 +81,9 @@ class Kernel:
         while True:
             try:
                 msg = self.client.shell_channel.get_msg(timeout=0.2)
+            except (KeyError, ValueError, TypeError, UnicodeDecodeError):  # its json.dumps replaced, say
+                return Trouble("error", "the kernel sent a reply that is not Jupyter's protocol "
+                                        "(something replaced what the kernel sends with)")
             except queue.Empty:
                 if not self.manager.is_alive():
                     return Trouble("died", "the kernel died while running it")

@@ -64,17 +64,18 @@ def check_of(cell) -> str | None:
     return match.group(1) if match else None
 
 
-def read(path: str | Path) -> tuple[nbformat.NotebookNode, str]:
-    """Read an exercise notebook; return it and its course notebook name ("04_gpipe")."""
+def read(path: str | Path, data: bytes | None = None) -> tuple[nbformat.NotebookNode, str]:
+    """Read an exercise notebook (from ``data``, its bytes read earlier, when given); return it and its course
+    notebook name ("04_gpipe")."""
     from . import NOTEBOOKS
 
     path = Path(path)
-    if not path.exists():
+    if data is None and not path.exists():
         raise NotebookError(f"{path}: no such file")
     if path.suffix != ".ipynb":
         raise NotebookError(f"{path}: not a Jupyter notebook (expected a .ipynb file)")
     try:
-        nb = nbformat.read(path, as_version=4)
+        nb = nbformat.read(path, as_version=4) if data is None else nbformat.reads(data.decode(), as_version=4)
     except Exception as error:  # invalid JSON, not a notebook schema, unreadable
         raise NotebookError(f"{path}: not a readable Jupyter notebook ({type(error).__name__}: "
                             f"{str(error).splitlines()[0] if str(error) else ''})") from None

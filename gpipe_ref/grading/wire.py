@@ -30,6 +30,10 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int64, torch.bool)}
 
 
+NUMPY_SCALARS = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "bool_", "bool"}  # exact numpy scalar types, turned into Python numbers
+
+
 class Refused(ValueError):
     """The kernel side: a value that cannot travel as data (the reason names it)."""
 
@@ -66,6 +70,10 @@ def encode(value: Any, _depth: int = 0, _budget: list[int] | None = None) -> Any
         return {"$action": [encode(value.op), encode(value.stage), encode(value.microbatch)]}
     if kind in (torch.Tensor, torch.nn.Parameter):
         return _encode_tensor(value, budget)
+    if kind is torch.Size:
+        return {"$tuple": list(value)}
+    if kind.__module__ == "numpy" and kind.__name__ in NUMPY_SCALARS:  # np.float64(0.25), np.int64(3)
+        return encode(value.item(), _depth, budget)
     raise Refused(f"returned {_kind(value)}")
 
 
@@ -152,8 +160,14 @@ def _decode_tensor(body: dict) -> torch.Tensor:
     if dtype not in DTYPES or type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape) \
             or type(data) is not list or math.prod(shape) != len(data) or len(data) > MAX_ELEMENTS:
         raise Malformed(f"a tensor that is not (dtype, shape, data of that many elements): dtype {str(dtype)[:20]}")
-    if any(type(v) not in (int, float, bool) and v not in ("nan", "inf", "-inf") for v in data):
-        raise Malformed("a tensor whose data are not numbers")
+    if DTYPES[dtype] == torch.bool:
+        allowed: tuple[type, ...] = (bool,)
+    elif DTYPES[dtype].is_floating_point:
+        allowed = (int, float)
+    else:
+        allowed = (int,)
+    if any(type(v) not in allowed and not (float in allowed and v in ("nan", "inf", "-inf")) for v in data):
+        raise Malformed(f"a {dtype} tensor whose data are not all {' or '.join(t.__name__ for t in allowed)}")
     values = [float(v) if type(v) is str else v for v in data]
     try:
         return torch.tensor(values, dtype=DTYPES[dtype]).reshape(shape)

@@ -1,0 +1,244 @@
+"""The notebook grader end to end: solutions score full marks, untouched exercises 0, planted wrong answers
+are caught, a broken exercise costs only itself, time limits hold, a class is graded in parallel with a
+gradebook, feedback files and --resume. (Attacks on the grader: test_grading_attacks.py.)"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS
+from gpipe_ref.grading.classroom import grade_paths
+from gpipe_ref.grading.grader import MAX_TIMEOUT, grade_notebook
+from gpipe_ref.grading.notebooks import COURSE, exercise_of
+from test_grading import WRONG
+
+SOLUTIONS = ROOT / "solutions"
+EXERCISE_DIR = ROOT / "exercises"
+
+
+def _grade_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "gpipe_ref", "grade", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_solutions_score_full_marks(tmp_path):
+    report = tmp_path / "solutions.json"
+    result = _grade_cli(SOLUTIONS, "--json", report)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    assert len(data["notebooks"]) == len(NOTEBOOKS)
+    assert data["points"] == data["max_points"] == sum(ex.points for ex in EXERCISES.values()), result.stdout
+    assert all(not nb["warnings"] for nb in data["notebooks"])
+    assert f"total: {data['points']}/{data['max_points']} points over {len(NOTEBOOKS)} notebook(s)" in result.stdout
+
+
+@pytest.mark.slow
+def test_unchanged_exercises_score_zero_not_attempted(tmp_path):
+    report = tmp_path / "exercises.json"
+    result = _grade_cli(EXERCISE_DIR, "--json", report)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    assert data["points"] == 0 and len(data["notebooks"]) == len(NOTEBOOKS)
+    for nb in data["notebooks"]:
+        assert not nb["warnings"], nb  # every course cell runs in the student copy
+        assert [e["status"] for e in nb["exercises"]] == ["not attempted"] * len(NOTEBOOKS[nb["notebook"]])
+
+
+def _submission(tmp_path, name: str, answers: dict[str, str], student: str = "student"):
+    """A copy of exercises/NAME with the given exercise cells' code replaced."""
+    nb = nbformat.read(EXERCISE_DIR / f"{name}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if exercise_of(cell) in answers:
+            cell.source = f"# Exercise {exercise_of(cell)}\n" + textwrap.dedent(answers[exercise_of(cell)])
+    folder = tmp_path / student
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+def test_grader_fails_planted_wrong_notebooks(tmp_path):
+    """One wrong answer per exercise, planted in the student notebooks, graded end to end."""
+    firsts: dict[str, str] = {}
+    for exercise_id, _, code in WRONG:
+        firsts.setdefault(exercise_id, code)
+    paths = [_submission(tmp_path, name, {ex.id: firsts[ex.id] for ex in exercises})
+             for name, exercises in NOTEBOOKS.items()]
+    report = tmp_path / "wrong.json"
+    result = _grade_cli(*paths, "--json", report)
+    data = json.loads(report.read_text())
+    assert data["points"] == 0, result.stdout
+    statuses = {e["exercise"]: e["status"] for nb in data["notebooks"] for e in nb["exercises"]}
+    assert set(statuses) == set(EXERCISES) and all(s in ("failed", "error") for s in statuses.values()), statuses
+
+
+@pytest.mark.slow
+def test_grader_isolates_a_broken_exercise(tmp_path):
+    """Breaking a later cell, looping forever, printing megabytes, the wrong type, killing the kernel and
+    hanging at definition each cost one exercise; the right answer beside them keeps its points."""
+    gpipe_nb = _submission(tmp_path, "04_gpipe", {
+        "04.1": """
+            import gpipe_ref
+            from gpipe_ref import Action
+            gpipe_ref.gpipe = None  # breaks the course cell below that calls gpipe(3, 4)
+            def gpipe_actions(p, m):
+                return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in range(m)]
+                        for d in range(p)]
+            """,
+        "04.2": """
+            def bubble_fraction(p, m):
+                while True:
+                    pass
+            """,
+        "04.3": """
+            def microbatch_sizes(batch, m):
+                return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+            """})
+    model_nb = _submission(tmp_path, "03_model_parallel", {
+        "03.1": """
+            def naive_idle_fraction(forward, backward, comm):
+                print("x" * 5_000_000)
+                return "0.75"
+            """,
+        "03.2": """
+            import os
+            def best_balance(costs, stages):
+                os._exit(3)
+            """,
+        "03.3": """
+            while True:
+                pass
+            """})
+    results = {r.notebook: r for r in (grade_notebook(gpipe_nb, cell_timeout=10, case_timeout=3),
+                                       grade_notebook(model_nb, cell_timeout=10, case_timeout=3))}
+    gpipe_verdicts = {v.exercise: v for v in results["04_gpipe"].verdicts}
+    assert gpipe_verdicts["04.1"].points == 0 and "broke a later cell" in gpipe_verdicts["04.1"].feedback
+    assert gpipe_verdicts["04.2"].status == "timeout"
+    assert gpipe_verdicts["04.3"].passed and results["04_gpipe"].points == 2
+    model_verdicts = {v.exercise: v for v in results["03_model_parallel"].verdicts}
+    assert model_verdicts["03.1"].status == "failed" and "expected a number" in model_verdicts["03.1"].feedback
+    assert model_verdicts["03.2"].status == "error" and "kernel" in model_verdicts["03.2"].feedback
+    assert model_verdicts["03.3"].status == "timeout" and "its cell" in model_verdicts["03.3"].feedback
+    assert results["03_model_parallel"].points == 0
+
+
+def test_grader_bad_inputs_give_clear_errors(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "broken.ipynb").write_text("{not json")
+    result = _grade_cli(tmp_path / "missing.ipynb", tmp_path / "notes.txt", tmp_path / "broken.ipynb",
+                        ROOT / "notebooks" / "04_gpipe.ipynb", timeout=120)
+    assert result.returncode == 2
+    out = result.stdout
+    assert "missing.ipynb: no such file or folder" in out
+    assert "notes.txt: not a Jupyter notebook" in out
+    assert "broken.ipynb: not a readable Jupyter notebook" in out
+    assert "04_gpipe.ipynb: not an exercise notebook of this course" in out
+    assert "Traceback" not in result.stderr
+
+
+# -- the grader's time limits ------------------------------------------------------------------------------
+@pytest.mark.parametrize("limits,message", [
+    ({"case_timeout": 0}, "case_timeout must be a finite number > 0, got 0"),
+    ({"case_timeout": float("nan")}, "case_timeout must be a finite number > 0, got nan"),
+    ({"case_timeout": float("inf")}, "case_timeout must be a finite number > 0, got inf"),
+    ({"case_timeout": 1e12}, "case_timeout must be a number of seconds in (0, 86400], got 1000000000000.0"),
+    ({"cell_timeout": 0}, "cell_timeout must be a finite number > 0, got 0"),
+    ({"cell_timeout": -1.0}, "cell_timeout must be a finite number > 0, got -1.0"),
+    ({"cell_timeout": True}, "cell_timeout must be a finite number > 0, got True"),
+    ({"notebook_timeout": 0}, "notebook_timeout must be a finite number > 0, got 0"),
+])
+def test_time_limits_are_refused_before_any_notebook_runs(limits, message, tmp_path, monkeypatch):
+    graded = []
+    monkeypatch.setattr("gpipe_ref.grading.grader.read", lambda path, data=None: graded.append(path))
+    for grade_one in (lambda: grade_notebook(tmp_path / "a.ipynb", **limits),
+                      lambda: grade_paths([tmp_path], **limits)):
+        with pytest.raises(ValueError) as refused:
+            grade_one()
+        assert str(refused.value) == message
+    assert graded == [] and MAX_TIMEOUT == 86_400
+
+
+def test_a_cell_limit_under_a_second_still_stops_a_cell(tmp_path):
+    """--cell-timeout 0.5 once became int(0.5) = 0, which nbclient read as no limit at all."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["gpipe_ref"] = {"course": COURSE, "notebook": "04_gpipe"}
+    nb.cells.append(nbformat.v4.new_code_cell("# Exercise 04.1\nimport time\ntime.sleep(30)\n"))
+    nbformat.write(nb, tmp_path / "sleeps.ipynb")
+    verdicts = grade_notebook(tmp_path / "sleeps.ipynb", cell_timeout=0.5).verdicts
+    assert [(v.exercise, v.status, v.feedback) for v in verdicts] == [
+        ("04.1", "timeout", "its cell ran longer than 0.5 s; it was skipped to grade the rest"),
+        ("04.2", "not attempted", "its exercise cell is missing"),
+        ("04.3", "not attempted", "its exercise cell is missing")]
+
+
+# -- a class: gradebook, feedback, summary, --resume -----------------------------------------------------------
+HIDDEN_MISS = """
+def microbatch_sizes(batch, m):
+    if m == 1:
+        return [batch, 0]  # right on every shown case, wrong on the hidden m = 1
+    return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+"""
+
+
+@pytest.mark.slow
+def test_a_class_gets_a_gradebook_feedback_files_a_summary_and_resumes(tmp_path):
+    cls = tmp_path / "class"
+    (cls / "ann").mkdir(parents=True)
+    (cls / "ann" / "04_gpipe.ipynb").write_bytes((SOLUTIONS / "04_gpipe.ipynb").read_bytes())
+    (cls / "ben").mkdir()
+    (cls / "ben" / "04_gpipe.ipynb").write_bytes((EXERCISE_DIR / "04_gpipe.ipynb").read_bytes())
+    cat = _submission(cls, "04_gpipe", {"04.3": HIDDEN_MISS}, student="cat")
+    out, gradebook, feedback = tmp_path / "g.json", tmp_path / "g.csv", tmp_path / "feedback"
+    first = _grade_cli(cls, "--jobs", "2", "--json", out, "--csv", gradebook, "--feedback", feedback)
+    assert first.returncode == 0, first.stdout + first.stderr
+    data = json.loads(out.read_text())
+    assert [(nb["path"].split("/")[-2], nb["points"]) for nb in data["notebooks"]] == [("ann", 7), ("ben", 0), ("cat", 0)]
+    rows = list(csv.DictReader(gradebook.open()))
+    assert [(r["path"].split("/")[-2], r["04.1"], r["04.2"], r["04.3"], r["total"], r["max"]) for r in rows] == [
+        ("ann", "3", "2", "2", "7", "7"), ("ben", "0", "0", "0", "0", "7"), ("cat", "0", "0", "0", "0", "7")]
+    assert rows[0]["01.1"] == "" and list(rows[0])[:3] == ["path", "notebook", "01.1"]
+    assert sorted(p.name for p in feedback.iterdir()) == ["ann__04_gpipe.md", "ben__04_gpipe.md", "cat__04_gpipe.md"]
+    cat_feedback = (feedback / "cat__04_gpipe.md").read_text()
+    cat_verdict = data["notebooks"][2]["exercises"][2]
+    assert cat_verdict["feedback"].startswith("case batch=1, m=1: expected")  # the instructor sees the values
+    assert "hidden case batch=1, m=1: failed; hint:" in cat_feedback  # the learner sees the label only
+    assert "expected" not in cat_feedback.split("Exercise 04.3")[1]
+    summary = data["exercises"]["04.3"]
+    assert (summary["notebooks"], summary["full_marks"], summary["mean_points"]) == (3, 1, 0.67)
+    assert data["exercises"]["04.1"]["most_common_failure"] == "not attempted"
+    assert summary["most_common_failure"] in ("not attempted", "failed on case batch=1, m=1")
+    assert "most common failure" in first.stdout
+    cat.write_text(cat.read_text().replace("[batch, 0]", "[batch]"))  # cat fixes the answer
+    again = _grade_cli(cls, "--json", out, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    resumed = json.loads(out.read_text())["notebooks"]
+    assert [nb["seconds"] for nb in resumed[:2]] == [nb["seconds"] for nb in data["notebooks"][:2]]  # not re-run
+    assert resumed[2]["points"] == 2 and resumed[2]["sha256"] != data["notebooks"][2]["sha256"]
+
+
+def test_resume_needs_the_json_of_an_earlier_run(tmp_path):
+    (tmp_path / "g.json").write_text("not json")
+    result = _grade_cli(EXERCISE_DIR / "04_gpipe.ipynb", "--resume", timeout=60)
+    assert result.returncode == 2 and "--resume needs --json FILE" in result.stderr
+    result = _grade_cli(EXERCISE_DIR / "04_gpipe.ipynb", "--resume", "--json", tmp_path / "g.json", timeout=60)
+    assert result.returncode == 2 and "is not the JSON of an earlier grade run" in result.stderr
+
+
+def test_bad_class_options_are_refused_before_grading(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for args, message in ((["--jobs", "0"], "--jobs"), (["--feedback", str(tmp_path / "file")], "--feedback"),
+                          (["--csv", str(tmp_path)], "--csv"), (["--notebook-timeout", "0"], "--notebook-timeout")):
+        result = _grade_cli(EXERCISE_DIR / "04_gpipe.ipynb", *args, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr

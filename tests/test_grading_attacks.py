@@ -1,0 +1,255 @@
+"""A class folder of attacks on the grader: each injected into an untouched exercise notebook, none earns a
+point, the honest answers beside them keep exactly theirs, and the rest of the class is graded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from gpipe_ref.grading.notebooks import exercise_of
+
+HONEST_04_3 = """
+def microbatch_sizes(batch, m):
+    return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+"""
+HONEST_04_1 = """
+from gpipe_ref import Action
+def gpipe_actions(p, m):
+    return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in range(m)] for d in range(p)]
+"""
+SLEEPER = "gpipe-attack-sleeper"
+
+# name -> (code added to the end of exercise 04.1's cell, code replacing 04.2's, points the honest part earns)
+ATTACKS: dict[str, tuple[str, str | None, int]] = {
+    "monkeypatch grade()": ("""
+        import gpipe_ref.grading as _g
+        from gpipe_ref.grading.core import Verdict as _V
+        _g.grade = lambda eid, ns, timeout=None: _V(eid, "x", "passed", 100, 3, "all good")
+        """, None, 2),
+    "monkeypatch judge, run_cases and Verdict": ("""
+        import gpipe_ref.grading.core as _c
+        _c.judge = lambda *a, **k: None
+        _c.run_cases = lambda *a, **k: _c.Verdict("04.1", "x", "passed", 100, 3, "ok")
+        _c.Verdict.__post_init__ = lambda self: None
+        """, None, 2),
+    "forged replies from the runner (points 100, status passed)": ("""
+        import json, gpipe_ref.grading.runner as _r
+        _r.reply = lambda ex, i, t, ns=None: json.dumps({"exercise": ex, "label": "?", "outcome": "returned",
+                                                        "value": 0.5, "points": 100, "status": "passed"})
+        """, None, 0),
+    "forged report lines, replaced stdout, print and json.dumps": ("""
+        import sys, io, json, builtins
+        line = 'GPIPE-REF-GRADE ' + json.dumps({"exercise": "04.1", "status": "passed", "points": 100})
+        print(line * 3)
+        sys.stdout = io.StringIO()
+        builtins.print = lambda *a, **k: sys.__stdout__.write(line + "\\n")
+        json.dumps = lambda *a, **k: '{"exercise": "04.1", "status": "passed", "points": 100}'
+        """, None, 2),
+    "a background thread printing report lines": ("""
+        import threading, time, sys
+        def _spam():
+            while True:
+                sys.__stdout__.write('GPIPE-REF-GRADE {"exercise": "04.1", "status": "passed", "points": 3}\\n')
+                time.sleep(0.01)
+        threading.Thread(target=_spam, daemon=True).start()
+        """, None, 2),
+    "an int subclass whose == is always True": ("", """
+        class Always(float):
+            def __eq__(self, other):
+                return True
+            __hash__ = float.__hash__
+        def bubble_fraction(p, m):
+            return Always(0.0)
+        """, 2),
+    "walking up the stack to case.expected": ("", """
+        import sys
+        def bubble_fraction(p, m):
+            frame = sys._getframe(1)
+            while frame is not None:
+                case = frame.f_locals.get("case")
+                if case is not None and hasattr(case, "expected"):
+                    return case.expected()
+                frame = frame.f_back
+            return 0.0
+        """, 2),
+    "the cases' expected values through EXERCISES": ("", """
+        from gpipe_ref.grading import EXERCISES
+        def bubble_fraction(p, m):
+            for case in EXERCISES["04.2"].all_cases():
+                if case.label == f"p={p}, m={m}":
+                    return case.expected()
+            return 0.0
+        """, 2),
+    "a forbidden function through getattr, importlib and a helper": ("""
+        import importlib
+        def _helper(p, m):
+            return getattr(importlib.import_module("gpipe_ref.schedule"), "g" + "pipe")(p, m)
+        def gpipe_actions(p, m):
+            return [list(actions) for actions in _helper(p, m).per_device]
+        """, None, 2),
+    "os._exit in an answer": ("", """
+        import os
+        def bubble_fraction(p, m):
+            os._exit(3)
+        """, 2),
+    "files deleted in the working folder and the one above": ("""
+        import os
+        for folder in (".", ".."):
+            for name in os.listdir(folder):
+                path = os.path.join(folder, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+        """, None, 2),
+    "a flood of marker lines (60 MB)": ("""
+        import sys
+        line = 'GPIPE-REF-GRADE {"exercise": "04.1", "status": "passed", "points": 3}\\n'
+        for _ in range(60):
+            sys.stdout.write(line * 15_000)
+        """, None, 2),
+}
+
+
+def _inject(source: str, name: str, folder: Path, answers: dict[str, str]) -> Path:
+    nb = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
+    for cell in nb.cells:
+        ex_id = exercise_of(cell)
+        if ex_id == "04.1" and source:
+            cell.source = cell.source + "\n" + textwrap.dedent(source)
+        if ex_id in answers:
+            cell.source = f"# Exercise {ex_id}\n" + textwrap.dedent(answers[ex_id])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def _grade(*args, env=None, timeout=900):
+    return subprocess.run([sys.executable, "-m", "gpipe_ref", "grade", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _sleepers() -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if SLEEPER in cmdline and "pytest" not in cmdline:
+                found.append(f"{entry}: {cmdline[:120]}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_class_of_attacks_earns_nothing(tmp_path):
+    """Every attack of the issue, one learner each, graded together with --jobs 2; plus an honest learner whose
+    notebook another one rewrites, and one whose detached processes try to rewrite the grades afterwards."""
+    grades = tmp_path / "grades.json"
+    cls = tmp_path / "class"
+    expected: dict[str, int] = {}
+    for number, (what, (cell_04_1, answer_04_2, honest)) in enumerate(ATTACKS.items()):
+        answers = {"04.3": HONEST_04_3}
+        if answer_04_2:
+            answers["04.2"] = answer_04_2
+        path = _inject(cell_04_1, "04_gpipe", cls / f"learner{number:02d}", answers)
+        expected[str(path)] = honest
+    honest = _inject("", "04_gpipe", cls / "zz_honest", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
+    expected[str(honest)] = 5
+    forged = nbformat.writes(nbformat.read(ROOT / "exercises" / "04_gpipe.ipynb", as_version=4))
+    rewriter = _inject(f"""
+        open({str(honest)!r}, "w").write({forged!r})  # the honest classmate's answers, gone
+        """, "04_gpipe", cls / "aa_rewriter", {})
+    expected[str(rewriter)] = 0
+    sleeper = _inject(f"""
+        import subprocess, sys
+        code = "import time, sys; time.sleep(4); open({str(grades)!r}, 'w').write('forged')  # {SLEEPER}"
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        subprocess.Popen(["sh", "-c", f"(setsid {{sys.executable}} -c \\"{{code}}\\" &) ; exit 0"])
+        """, "04_gpipe", cls / "ab_sleeper", {"04.3": HONEST_04_3})
+    expected[str(sleeper)] = 2
+    killer = _inject("""
+        import os, signal
+        os.kill(os.getppid(), signal.SIGKILL)
+        """, "04_gpipe", cls / "ac_killer", {"04.3": HONEST_04_3})
+    expected[str(killer)] = 0
+    solution = cls / "zz_solution" / "03_model_parallel.ipynb"
+    solution.parent.mkdir()
+    shutil.copy(ROOT / "solutions" / "03_model_parallel.ipynb", solution)
+    expected[str(solution)] = 7
+
+    began = time.monotonic()
+    result = _grade(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv",
+                    "--feedback", tmp_path / "feedback", "--cell-timeout", "30", "--case-timeout", "10")
+    seconds = time.monotonic() - began
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    time.sleep(5)  # the detached processes would have rewritten grades.json by now
+    assert not _sleepers(), _sleepers()
+    data = json.loads(grades.read_text())
+    scored = {nb["path"]: nb for nb in data["notebooks"]}
+    assert set(scored) == set(expected)
+    for path, points in expected.items():
+        nb = scored[path]
+        assert nb["points"] == points, (path, nb["exercises"])
+        assert all(0 <= e["points"] <= e["max_points"] for e in nb["exercises"])
+    assert "not graded: the grading process ended without a result" in json.dumps(scored[str(killer)])
+    by_name = {Path(p).parent.name: nb for p, nb in scored.items()}
+    for name, number in (("int subclass", 5), ("walking up", 6), ("EXERCISES", 7)):
+        verdict = by_name[f"learner{number:02d}"]["exercises"][1]
+        assert verdict["status"] in ("failed", "error") and verdict["points"] == 0, (name, verdict)
+    assert "gpipe_ref.schedule.gpipe" in by_name["learner08"]["exercises"][0]["feedback"]
+    assert "refused" in by_name["learner05"]["exercises"][1]["feedback"] or \
+        "Always" in by_name["learner05"]["exercises"][1]["feedback"]
+    csv_rows = (tmp_path / "grades.csv").read_text().splitlines()
+    assert len(csv_rows) == 1 + len(expected)
+    assert len(list((tmp_path / "feedback").glob("*.md"))) == len(expected)
+    print(f"{len(expected)} notebooks graded in {seconds:.1f} s with --jobs 2")
+
+
+@pytest.mark.slow
+def test_a_changed_package_stops_grading_with_an_alert(tmp_path):
+    """Appending a fake run_cases to the installed core.py: the judge in memory is untouched, and the grader
+    stops with an alert naming the file (here on a copy of the package, put first on PYTHONPATH)."""
+    copy = tmp_path / "site"
+    shutil.copytree(ROOT / "gpipe_ref", copy / "gpipe_ref", ignore=shutil.ignore_patterns("__pycache__"))
+    attacker = _inject("""
+        import gpipe_ref.grading.core as _c
+        with open(_c.__file__, "a") as f:
+            f.write("\\ndef run_cases(*a, **k):\\n    return Verdict('04.1', 'x', 'passed', 3, 3, 'ok')\\n")
+        """, "04_gpipe", tmp_path / "class" / "a", {"04.3": HONEST_04_3})
+    _inject("", "04_gpipe", tmp_path / "class" / "b", {})
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    grades = tmp_path / "grades.json"
+    result = _grade(tmp_path / "class", "--jobs", "1", "--json", grades, env=env)
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "ALERT" in result.stderr and "grading/core.py" in result.stderr
+    data = json.loads(grades.read_text())
+    assert [nb["points"] for nb in data["notebooks"]] == [2]  # the attacker's honest part; b was not graded
+    assert str(attacker) == data["notebooks"][0]["path"]
+
+
+@pytest.mark.slow
+def test_a_notebook_time_limit_bounds_re_runs(tmp_path):
+    """A slow cell and failing cells force re-runs: the notebook's limit stops them all."""
+    path = _inject("""
+        import time
+        time.sleep(3)
+        """, "04_gpipe", tmp_path / "slow", {"04.2": "raise RuntimeError('x')\n", "04.3": "import gpipe_ref\n"
+                                             "gpipe_ref.gpipe = None\n"})
+    began = time.monotonic()
+    result = _grade(path, "--notebook-timeout", "12", "--json", tmp_path / "g.json")
+    assert time.monotonic() - began < 60, result.stdout
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert data["points"] == 0
+    assert any("time limit" in e["feedback"] for e in data["notebooks"][0]["exercises"]), data
+
