@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
 import nbformat
 import pytest

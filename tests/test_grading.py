@@ -4,7 +4,6 @@ answer loses its exercise's points, and the grader survives what learners' noteb
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
 from gpipe_ref.grading.common import judge_fill_drain, schedule_generators
 from gpipe_ref.grading.core import Case, Exercise, forbidden_use, judge, run_cases, same
-from gpipe_ref.grading.notebooks import BEGIN, COURSE, END, build, exercise_of, student_copy
+from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
 from gpipe_ref.grading.runner import run_one
 from gpipe_ref.grading.wire import dumps, loads
 from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister

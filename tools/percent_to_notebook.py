@@ -14,6 +14,8 @@ from pathlib import Path
 
 import nbformat
 
+from gpipe_ref.grading.notebooks import COURSE
+
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
 
@@ -42,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     nb = build(Path(args.source).read_text())
     if args.notebook:
-        nb.metadata["gpipe_ref"] = {"course": "gpipe-parallelism", "notebook": args.notebook}
+        nb.metadata["gpipe_ref"] = {"course": COURSE, "notebook": args.notebook}
     nbformat.write(nb, args.target)
 
 
