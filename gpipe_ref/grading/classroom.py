@@ -34,7 +34,7 @@ from .core import Verdict
 from .notebooks import NotebookError, read
 from . import grader
 from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts
-from .kernel import _processes, become_subreaper, end_processes
+from .kernel import become_subreaper, end_processes, live_processes
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -282,7 +282,7 @@ def _end_orphans(running: dict[int, _Worker], before: set[int]) -> None:
     if not os.path.isdir("/proc"):
         return
     me = os.getpid()
-    for pid, parent in _processes().items():
+    for pid, parent in live_processes().items():
         if parent == me and pid not in running and pid not in before:
             end_processes(None, root=pid)
             try:
@@ -293,7 +293,7 @@ def _end_orphans(running: dict[int, _Worker], before: set[int]) -> None:
 
 def _children() -> set[int]:
     me = os.getpid()
-    return {pid for pid, parent in _processes().items() if parent == me} if os.path.isdir("/proc") else set()
+    return {pid for pid, parent in live_processes().items() if parent == me} if os.path.isdir("/proc") else set()
 
 
 def _result_of(worker: _Worker, notebook_timeout: float) -> NotebookResult:

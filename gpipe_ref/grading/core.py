@@ -276,7 +276,7 @@ def forbidden_use(answer: Any, forbidden: Sequence[str]) -> str | None:
     return None
 
 
-def _describe_error(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     text = str(error)
     if "Traceback (most recent call last)" in text:  # a rank's traceback: its first line and its last
         head, _, trace = text.partition("Traceback (most recent call last)")
@@ -288,7 +288,7 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _is_not_attempted(error: BaseException) -> bool:
+def is_not_attempted(error: BaseException) -> bool:
     """The exercise's stub raised, here or on a launched rank (whose error arrives as text)."""
     if isinstance(error, NotImplementedError):
         return "Exercise" in str(error)
@@ -314,7 +314,7 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
         except CaseTimeout:
             reason = f"comparing the result took longer than {COMPARE_TIMEOUT:g} s"
         except Exception as failure:
-            reason = f"could not compare the result: {_describe_error(failure)}"
+            reason = f"could not compare the result: {describe_error(failure)}"
         return ("failed", f"case {case.label}: {reason}{hint}") if reason else None
     if outcome == "undefined":
         return "not attempted", f"`{exercise.answer}` is not defined: its cell did not run or raised"

@@ -157,7 +157,7 @@ def become_subreaper() -> bool:
         return False
 
 
-def _processes() -> dict[int, int]:
+def live_processes() -> dict[int, int]:
     """pid -> parent pid of every live process we can see (Linux /proc)."""
     parents = {}
     for entry in os.scandir("/proc"):
@@ -185,7 +185,7 @@ def processes_to_end(token: str | None, root: int | None = None) -> set[int]:
     too, unless it is this process)."""
     if not os.path.isdir("/proc"):
         return set()
-    parents = _processes()
+    parents = live_processes()
     me = os.getpid()
     marker = f"{MARKER_VARIABLE}={token}".encode() if token else None
     found = {pid for pid in parents if pid != me and marker and _carries(pid, marker)}

@@ -13,7 +13,7 @@ import functools
 import types
 from typing import Any
 
-from .core import BoundedSink, Case, CaseTimeout, Exercise, _describe_error, _is_not_attempted, forbidden_use, \
+from .core import BoundedSink, Case, CaseTimeout, Exercise, describe_error, forbidden_use, is_not_attempted, \
     time_limit
 from .guard import ForbiddenCall, Guard
 from .wire import Refused, dumps, encode
@@ -61,9 +61,9 @@ def run_one(exercise: Exercise, case: Case, namespace: dict[str, Any], timeout: 
         if "ForbiddenCall: `" in str(error):  # refused on a launched rank: its traceback arrives as text
             name = str(error).split("ForbiddenCall: `", 1)[1].split("`", 1)[0]
             return {**head, "outcome": "forbidden", "name": name}
-        if _is_not_attempted(error):
+        if is_not_attempted(error):
             return {**head, "outcome": "not attempted"}
-        return {**head, "outcome": "raised", "error": _describe_error(error)}
+        return {**head, "outcome": "raised", "error": describe_error(error)}
     if guard.hit:
         return {**head, "outcome": "forbidden", "name": guard.hit}
     try:
