@@ -3,8 +3,11 @@ point, the honest answers beside them keep exactly theirs, and the rest of the c
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +115,33 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
                 if os.path.isfile(path):
                     os.remove(path)
         """, None, 2),
+    "expected values collected in a cell, outside any answer": ("""
+        from gpipe_ref.grading import EXERCISES
+        TABLE = {}
+        for case in EXERCISES["04.2"].all_cases():
+            try:
+                TABLE[case.label] = case.expected()
+            except Exception:  # a hidden case's: refused in the grader's kernel
+                pass
+        """, """
+        def bubble_fraction(p, m):
+            return TABLE[f"p={p}, m={m}"]
+        """, 2),
+    "the kernel's runner replaced by one replying with expected values": ("""
+        import gpipe_ref.grading as _g, gpipe_ref.grading.runner as _r, gpipe_ref.grading.wire as _w
+        _original = _r.reply
+        def _forged(eid, index, timeout, namespace=None):
+            if eid != "04.2":
+                return _original(eid, index, timeout, namespace)
+            case = _g.exercise(eid).all_cases()[index]
+            return _w.dumps({"exercise": eid, "label": case.label, "outcome": "returned",
+                             "value": _w.encode(case.expected())})
+        _r.reply = _forged
+        """, None, 2),
+    "terminal escapes and forged table rows in an error": ("", """
+        def bubble_fraction(p, m):
+            raise ValueError("\\n  04.2          2    2  FORGED: passed all 9 cases\\x1b[2K\\x1b[8m")
+        """, 2),
     "a flood of marker lines (60 MB)": ("""
         import sys
         line = 'GPIPE-REF-GRADE {"exercise": "04.1", "status": "passed", "points": 3}\\n'
@@ -180,13 +210,30 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
         subprocess.Popen(["sh", "-c", f"(setsid {{sys.executable}} -c \\"{{code}}\\" &) ; exit 0"])
         """, "04_gpipe", cls / "ab_sleeper", {"04.3": HONEST_04_3})
     expected[str(sleeper)] = 2
-    for folder in cls.iterdir():  # files next to every submission: none may be touched
+    noted = sorted(cls.iterdir())
+    for folder in noted:  # files next to the submissions: none may be touched
         (folder / "notes.txt").write_text("the instructor's")
     killer = _inject("""
         import os, signal
         os.kill(os.getppid(), signal.SIGKILL)
         """, "04_gpipe", cls / "ac_killer", {"04.3": HONEST_04_3})
     expected[str(killer)] = 0
+    forger = _inject("""
+        import os, json, signal
+        parent = os.getppid()
+        forged = json.dumps({"path": "x", "notebook": "04_gpipe", "warnings": [], "error": None, "exercises": [
+            {"exercise": e, "title": "x", "status": "passed", "points": 1000, "max_points": 1000, "feedback": "ok"}
+            for e in ("04.1", "04.2", "04.3")]}).encode()
+        for fd in os.listdir(f"/proc/{parent}/fd"):  # every pipe the grading process writes
+            try:
+                if os.readlink(f"/proc/{parent}/fd/{fd}").startswith("pipe:"):
+                    with open(f"/proc/{parent}/fd/{fd}", "wb", buffering=0) as pipe:
+                        pipe.write(forged)
+            except OSError:
+                pass
+        os.kill(parent, signal.SIGKILL)
+        """, "04_gpipe", cls / "ad_forger", {"04.3": HONEST_04_3})
+    expected[str(forger)] = 0
     solution = cls / "zz_solution" / "03_model_parallel.ipynb"
     solution.parent.mkdir()
     shutil.copy(ROOT / "solutions" / "03_model_parallel.ipynb", solution)
@@ -199,7 +246,7 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     time.sleep(5)  # the detached processes would have rewritten grades.json by now
     assert all(p.read_text() == "the instructor's" for p in cls.glob("*/notes.txt"))
-    assert len(list(cls.glob("*/notes.txt"))) == len(expected) - 2  # all but the killer's and the solution's
+    assert sorted(p.parent for p in cls.glob("*/notes.txt")) == noted
     assert not _sleepers(), _sleepers()
     data = json.loads(grades.read_text())
     scored = {nb["path"]: nb for nb in data["notebooks"]}
@@ -209,6 +256,12 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
         assert nb["points"] == points, (path, nb["exercises"])
         assert all(0 <= e["points"] <= e["max_points"] for e in nb["exercises"])
     assert "not graded: the grading process ended without a result" in json.dumps(scored[str(killer)])
+    assert "not graded: the grading process ended without a result" in json.dumps(scored[str(forger)])
+    assert not re.search(r"^\s+04\.2\s+2\s+2\s+FORGED", result.stdout, re.M)  # no row of its own
+    assert "\x1b" not in result.stdout
+    warned = {Path(p).parent.name for p, nb in scored.items() if nb["warnings"]}
+    assert {"learner00", "learner01", "learner02", "learner06", "learner07", "learner11", "learner12",
+            "ac_killer", "ad_forger"} <= warned and "zz_honest" not in warned and "zz_solution" not in warned
     by_name = {Path(p).parent.name: nb for p, nb in scored.items()}
     for name, number in (("int subclass", 5), ("walking up", 6), ("EXERCISES", 7)):
         verdict = by_name[f"learner{number:02d}"]["exercises"][1]
@@ -258,3 +311,93 @@ def test_a_notebook_time_limit_bounds_re_runs(tmp_path):
     assert data["points"] == 0
     assert any("time limit" in e["feedback"] for e in data["notebooks"][0]["exercises"]), data
 
+
+
+# -- the harness that runs in the kernel, and what the grader reads back ------------------------------------------
+
+
+def _answer(code: str) -> dict:
+    namespace: dict = {}
+    exec(compile("import sys, torch\nfrom torch import nn\n" + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    return namespace
+
+
+def test_a_meter_fooled_without_checkpointing_earns_nothing():
+    """05.2: inner saved-tensor hooks hide the activations from the meter, and one saved x-sized tensor makes it
+    read 1.0; the harness also counts the Linear layers run again in the backward, and there are none."""
+    from gpipe_ref.grading import grade
+
+    verdict = grade("05.2", _answer("""
+        def checkpointed_forward(stage, x):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                y = stage(x)
+            return y + (x * x).sum() * 0.0
+        """))
+    assert verdict.points == 0 and "recomputed in the backward" in verdict.feedback, verdict
+
+
+def test_a_rank_finds_only_its_own_shard_on_the_stack():
+    """01.1: the full batch no longer sits in the rank's frame for an answer to compute the average from."""
+    from gpipe_ref.grading import grade
+
+    verdict = grade("01.1", _answer("""
+        def average_gradients(model):
+            frame = sys._getframe(1)
+            x, y = frame.f_locals["x"], frame.f_locals["y"]
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+        """))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+
+
+def test_a_result_read_back_is_held_to_the_course():
+    """What a worker sends (or --resume reads) cannot claim more than the notebook's real points."""
+    from gpipe_ref.grading.grader import NotebookResult
+
+    forged = {"path": "a.ipynb", "notebook": "04_gpipe", "error": None, "exercises": [
+        {"exercise": e, "title": "x", "status": "passed", "points": 1000, "max_points": 1000, "feedback": "ok"}
+        for e in ("04.1", "04.2", "04.3")]}
+    result = NotebookResult.from_dict(forged)
+    assert (result.points, result.max_points, [v.max_points for v in result.verdicts]) == (7, 7, [3, 2, 2])
+    for broken in ({**forged, "exercises": forged["exercises"] + [dict(forged["exercises"][0], exercise="01.1")]},
+                   {**forged, "exercises": forged["exercises"][:2]},
+                   {**forged, "exercises": [dict(forged["exercises"][0], status="excellent")] + forged["exercises"][1:]}):
+        with pytest.raises((ValueError, KeyError)):
+            NotebookResult.from_dict(broken)
+
+
+def test_a_worker_result_needs_its_nonce_and_a_normal_exit(tmp_path):
+    from gpipe_ref.grading.classroom import result_of, Submission, Worker
+    from gpipe_ref.grading.grader import NotebookResult
+
+    data = (ROOT / "exercises" / "04_gpipe.ipynb").read_bytes()
+    submission = Submission(0, tmp_path / "a.ipynb", data, "token", b"nonce")
+    honest = json.dumps(NotebookResult(str(tmp_path / "a.ipynb"), "04_gpipe", error="x").to_dict()).encode()
+    killed = 9  # a wait status: killed by SIGKILL
+    for received, status, trusted in ((b"nonce" + honest, 0, True), (honest, 0, False),
+                                      (b"nonce" + honest, killed, False)):
+        worker = Worker(submission, 1, -1, float("inf"), bytearray(received), status)
+        result = result_of(worker, 60)
+        assert (result.error == "x") is trusted, (received[:10], status)
+
+
+def test_malformed_metadata_is_a_notebook_error_not_a_grader_crash(tmp_path):
+    from gpipe_ref.grading.grader import grade_notebook
+    from gpipe_ref.grading.notebooks import check_of
+
+    nb = nbformat.read(ROOT / "exercises" / "04_gpipe.ipynb", as_version=4)
+    nb.metadata["gpipe_ref"]["notebook"] = ["04_gpipe"]
+    nbformat.write(nb, tmp_path / "list.ipynb")
+    assert "not an exercise notebook of this course" in grade_notebook(tmp_path / "list.ipynb").error
+    for metadata in ({"gpipe_ref": "x"}, {"gpipe_ref": {"exercise": ["04.1"]}}, "x"):
+        cell = {"cell_type": "code", "metadata": metadata, "source": "x = 1"}
+        assert exercise_of(cell) is None and check_of(cell) is None
+
+
+def test_a_gradebook_cell_is_never_a_formula():
+    from gpipe_ref.grading.grader import NotebookResult
+    from gpipe_ref.grading.reports import gradebook_csv
+
+    text = gradebook_csv([NotebookResult("=HYPERLINK(\"http://x\")", error="@SUM(1)")])
+    row = next(csv.reader(io.StringIO(text.splitlines()[1])))
+    assert row[0] == "'=HYPERLINK(\"http://x\")" and row[-1] == "'@SUM(1)"

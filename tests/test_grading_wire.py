@@ -318,13 +318,13 @@ SIZES_ATTEMPTS = {
             while "case" not in frame.f_locals:
                 frame = frame.f_back
             return frame.f_locals["case"].expected()
-        """, "the grader's expected values"),
+        """, None),
     "the stack's case.expected() (inspect.stack)": ("""
         import inspect
         def microbatch_sizes(batch, m):
             case = next(info.frame.f_locals["case"] for info in inspect.stack() if "case" in info.frame.f_locals)
             return case.expected()
-        """, "the grader's expected values"),
+        """, None),
     "EXERCISES[...].all_cases()": ("""
         def microbatch_sizes(batch, m):
             from gpipe_ref.grading import EXERCISES
@@ -343,7 +343,7 @@ SIZES_ATTEMPTS = {
             from gpipe_ref.grading import EXERCISES
             e = next(c for c in EXERCISES["04.3"].all_cases() if c.label == f"batch={batch}, m={m}").expected
             return types.FunctionType(e.__code__.replace(co_name="mine"), e.__globals__, closure=e.__closure__)()
-        """, "gpipe_ref.microbatch.sizes"),
+        """, "the grader's expected values"),  # the copy has expected's file, line and bytecode
 }
 
 
@@ -353,7 +353,11 @@ def test_expected_values_and_builtins_are_refused_while_the_answer_runs(attempt)
     namespace = _namespace(code)
     ex = EXERCISES["04.3"]
     reply = run_one(ex, ex.cases()[1], namespace, 10)
-    assert reply == {"exercise": "04.3", "label": ex.cases()[1].label, "outcome": "forbidden", "name": name}
+    if name is None:  # the kernel's runner keeps no case in its frames: the walk finds nothing to call
+        assert reply["outcome"] == "raised" and "value" not in reply, reply
+        name = EXPECTED_VALUES  # grade() runs in one process: run_cases's frame holds the case, and the guard
+    else:
+        assert reply == {"exercise": "04.3", "label": ex.cases()[1].label, "outcome": "forbidden", "name": name}
     verdict = grade("04.3", namespace)
     shown = "called a case's expected value" if name == EXPECTED_VALUES else name
     assert verdict.status == "failed" and verdict.points == 0 and shown in verdict.feedback

@@ -33,8 +33,8 @@ from . import NOTEBOOKS
 from .core import Verdict
 from .notebooks import NotebookError, read
 from . import grader
-from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts
-from .kernel import become_subreaper, end_processes, live_processes
+from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, suspicious
+from .kernel import become_private, become_subreaper, end_processes, live_processes
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -83,16 +83,17 @@ def collect(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Notebo
 
 
 @dataclass
-class _Submission:
+class Submission:
     index: int
     path: Path
     data: bytes
-    token: str
+    token: str  # marks every process its kernel starts
+    nonce: bytes  # opens the worker's result: known to this process and the worker only, never to the kernel
 
 
 @dataclass
-class _Worker:
-    submission: _Submission
+class Worker:
+    submission: Submission
     pid: int
     pipe: int
     deadline: float
@@ -100,10 +101,11 @@ class _Worker:
     status: int | None = None
 
 
-def _worker_main(submission: _Submission, write_end: int, limits: dict[str, Any]) -> None:
+def _worker_main(submission: Submission, write_end: int, limits: dict[str, Any]) -> None:
     """In the forked worker: grade one notebook, end every process it started, send the result, exit."""
     code = 0
     try:
+        become_private()
         become_subreaper()
         import torch
 
@@ -117,7 +119,7 @@ def _worker_main(submission: _Submission, write_end: int, limits: dict[str, Any]
         code = 1
     try:
         end_processes(submission.token, root=os.getpid(), reap=True)
-        view = memoryview(payload)
+        view = memoryview(submission.nonce + payload)
         while view:
             view = view[os.write(write_end, view):]
         os.close(write_end)
@@ -153,7 +155,8 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
         if earlier and earlier.get("sha256") == hashlib.sha256(data).hexdigest() and not earlier.get("error"):
             results.append(NotebookResult.from_dict(earlier))
             continue
-        submissions.append(_Submission(len(submissions), path, data, secrets.token_hex(16)))
+        submissions.append(Submission(len(submissions), path, data, secrets.token_hex(16),
+                                       secrets.token_hex(16).encode()))
     if not submissions:
         return results
     preload()
@@ -179,13 +182,14 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
     return sorted(results, key=lambda r: order.get(r.path, -1))  # bad paths first, then as collected
 
 
-def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: int, notebook_timeout: float,
+def _run_workers(submissions: list[Submission], limits: dict[str, Any], jobs: int, notebook_timeout: float,
                  hashes: dict[str, str]) -> Iterable[NotebookResult]:
     """Fork a worker per submission, ``jobs`` at a time; yield each result as its worker ends."""
+    become_private()  # no kernel may open this process's pipes or read its memory through /proc
     become_subreaper()  # a killed worker's kernel and its children come to this process, to be ended
     before = _children()
     waiting = list(submissions)
-    running: dict[int, _Worker] = {}
+    running: dict[int, Worker] = {}
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
@@ -198,7 +202,7 @@ def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: i
                 os.close(worker.pipe)
                 end_processes(worker.submission.token)
                 _end_orphans(running, before)
-                yield _result_of(worker, notebook_timeout)
+                yield result_of(worker, notebook_timeout)
                 after = package_hashes()
                 if after != hashes:
                     raise PackageChanged(
@@ -223,7 +227,7 @@ def _run_workers(submissions: list[_Submission], limits: dict[str, Any], jobs: i
         _end_orphans({}, before)
 
 
-def _start(submission: _Submission, limits: dict[str, Any], notebook_timeout: float) -> _Worker:
+def _start(submission: Submission, limits: dict[str, Any], notebook_timeout: float) -> Worker:
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -234,10 +238,10 @@ def _start(submission: _Submission, limits: dict[str, Any], notebook_timeout: fl
         _worker_main(submission, write_end, limits)
     os.close(write_end)
     os.set_blocking(read_end, False)
-    return _Worker(submission, pid, read_end, time.monotonic() + notebook_timeout + 60, bytearray())
+    return Worker(submission, pid, read_end, time.monotonic() + notebook_timeout + 60, bytearray())
 
 
-def _read_pipes(running: dict[int, _Worker], timeout: float) -> None:
+def _read_pipes(running: dict[int, Worker], timeout: float) -> None:
     pipes = {worker.pipe: worker for worker in running.values()}
     if not pipes:
         time.sleep(timeout)
@@ -255,7 +259,7 @@ def _read_pipes(running: dict[int, _Worker], timeout: float) -> None:
             worker.received += chunk
 
 
-def _exited(running: dict[int, _Worker]) -> list[int]:
+def _exited(running: dict[int, Worker]) -> list[int]:
     """Workers that have exited, their status recorded (only our workers are waited for)."""
     ended = []
     for pid, worker in running.items():
@@ -276,7 +280,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _end_orphans(running: dict[int, _Worker], before: set[int]) -> None:
+def _end_orphans(running: dict[int, Worker], before: set[int]) -> None:
     """End this process's children that are neither running workers nor children it had before grading:
     orphans of a killed worker, which came to this subreaper, with their descendants."""
     if not os.path.isdir("/proc"):
@@ -296,17 +300,19 @@ def _children() -> set[int]:
     return {pid for pid, parent in live_processes().items() if parent == me} if os.path.isdir("/proc") else set()
 
 
-def _result_of(worker: _Worker, notebook_timeout: float) -> NotebookResult:
+def result_of(worker: Worker, notebook_timeout: float) -> NotebookResult:
     path = worker.submission.path
-    try:
-        data = json.loads(bytes(worker.received))
-        result = NotebookResult.from_dict(data)
-        if result.path != str(path):
-            raise ValueError("a result for another notebook")
-        return result
-    except (ValueError, KeyError, TypeError):
-        pass
     status = worker.status or 0
+    received, nonce = bytes(worker.received), worker.submission.nonce
+    # a result counts only from a worker that ended by itself, with status 0, opened by its nonce
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) in (0, 1) and received.startswith(nonce):
+        try:
+            result = NotebookResult.from_dict(json.loads(received[len(nonce):]))
+            if result.path != str(path):
+                raise ValueError("a result for another notebook")
+            return result
+        except (ValueError, KeyError, TypeError):
+            pass
     if os.WIFSIGNALED(status):
         how = f"killed by signal {os.WTERMSIG(status)}"
     else:
@@ -317,10 +323,11 @@ def _result_of(worker: _Worker, notebook_timeout: float) -> NotebookResult:
         why = f"the grading process ended without a result ({how}): the notebook's code may have killed it"
     result = NotebookResult(str(path), sha256=hashlib.sha256(worker.submission.data).hexdigest())
     try:
-        _, result.notebook = read(path, worker.submission.data)
+        nb, result.notebook = read(path, worker.submission.data)
     except NotebookError as error:
         result.error = str(error)
         return result
+    result.warnings = suspicious(nb)
     result.verdicts = [Verdict(ex.id, ex.title, "error", 0, ex.points, f"not graded: {why}")
                        for ex in NOTEBOOKS[result.notebook]]
     return result

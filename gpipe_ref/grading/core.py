@@ -11,12 +11,15 @@ passes: a plausible wrong answer must not earn them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
+import os
 import re
 import signal
 import threading
 import types
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -51,6 +54,24 @@ class Case:
                             f"(the grader calls it), got {type(self.expected).__name__}")
 
 
+MARKER_VARIABLE = "GPIPE_GRADE_RUN"  # set in every kernel the grader starts (and every process it starts)
+
+
+def sealed(expected: Callable[[], Any]) -> Callable[[], Any]:
+    """A hidden case's ``expected``: refused in a kernel the grader started, so a notebook cell that collects
+    ``all_cases()`` gets no expected value to read (check() only needs the shown cases')."""
+    def hidden_expected() -> Any:
+        if os.environ.get(MARKER_VARIABLE):
+            raise PermissionError("a hidden case's expected value is computed by the grader only, never in the "
+                                  "learner's kernel")
+        return expected()
+
+    return hidden_expected
+
+
+SEALED_CODE = sealed(lambda: None).__code__
+
+
 @dataclass(frozen=True)
 class Exercise:
     """A piece of the course the learner writes, with the cases that judge it."""
@@ -67,11 +88,16 @@ class Exercise:
     timeout: float = 20.0  # seconds per case
 
     def all_cases(self) -> list[Case]:
-        return list(self.cases()) + list(self.hidden())
+        """The shown cases, then the hidden ones, whose expected values only the grader's process computes."""
+        return list(self.cases()) + [dataclasses.replace(case, expected=sealed(case.expected))
+                                     for case in self.hidden()]
 
     def forbidden_names(self) -> tuple[str, ...]:
         """The dotted names an answer may not use, computed now (a schedule registered later counts)."""
         return tuple(self.forbidden() if callable(self.forbidden) else self.forbidden)
+
+
+STATUSES = ("passed", "failed", "not attempted", "error", "timeout")
 
 
 @dataclass
@@ -102,11 +128,22 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Verdict":
-        return cls(data["exercise"], data["title"], data["status"], data["points"], data["max_points"],
-                   data["feedback"], data.get("cases_run", 0), data.get("public", ""))
+        if data["status"] not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {str(data['status'])[:40]!r}")
+        return cls(str(data["exercise"]), str(data["title"]), data["status"], int(data["points"]),
+                   int(data["max_points"]), str(data["feedback"]), int(data.get("cases_run", 0)),
+                   str(data.get("public", "")))
 
 
 # -- comparing values ------------------------------------------------------------------------------
+
+def clean(text: Any, limit: int = 400) -> str:
+    """Text from the learner's kernel made safe to print: control characters (terminal escapes, newlines that
+    would forge table rows) become spaces, runs of spaces one, at most ``limit`` characters."""
+    text = "".join(" " if unicodedata.category(ch).startswith("C") else ch for ch in str(text)[:4 * limit])
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
 
 def short_repr(value: Any, limit: int = 160) -> str:
     """A one-line repr, cut to ``limit`` characters."""
@@ -304,9 +341,9 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
     ``reply`` is what :func:`.runner.run_one` produced, already decoded from data; only the outcome and the
     returned value are read from it, never points or a verdict."""
     hint = f"; hint: {case.hint}" if case.hint else ""
-    outcome, error = reply.get("outcome"), str(reply.get("error", ""))[:400]
+    outcome, error = reply.get("outcome"), clean(reply.get("error", ""))
     if outcome not in ("undefined", "wrong kind", "forbidden") and reply.get("label") != case.label:
-        return "error", f"case {case.label}: the kernel answered for another case ({str(reply.get('label'))[:60]!r})"
+        return "error", f"case {case.label}: the kernel answered for another case ({clean(reply.get('label'), 60)!r})"
     if outcome == "returned":
         try:
             with time_limit(COMPARE_TIMEOUT):  # what the learner returned may be built to make comparing slow
@@ -324,7 +361,7 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
         return "failed", (f"`{exercise.answer}` called a case's expected value while it ran: answers compute "
                           f"their result themselves")
     if outcome == "forbidden":
-        return "failed", (f"`{exercise.answer}` uses `{str(reply.get('name'))[:120]}`, which does what this exercise "
+        return "failed", (f"`{exercise.answer}` uses `{clean(reply.get('name'), 120)}`, which does what this exercise "
                           f"asks you to write: write it without it")
     if outcome == "wrong kind":
         return "failed", error
@@ -335,7 +372,7 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
         return "timeout", f"case {case.label}: {error} (an endless loop?)"
     if outcome == "raised":
         return "error", f"case {case.label}: raised {error}{hint}"
-    return "error", f"case {case.label}: a malformed result (outcome {str(outcome)[:40]!r})"
+    return "error", f"case {case.label}: a malformed result (outcome {clean(outcome, 40)!r})"
 
 
 def run_cases(exercise: Exercise, cases: Sequence[Case], ask: Callable[[int], dict[str, Any]],
@@ -351,7 +388,8 @@ def run_cases(exercise: Exercise, cases: Sequence[Case], ask: Callable[[int], di
         if shown is not None and run > shown and status not in ("passed", "not attempted"):
             case = cases[run - 1]
             public = f"hidden case {case.label}: {status}" + (f"; hint: {case.hint}" if case.hint else "")
-        return Verdict(exercise.id, exercise.title, status, exercise.points, exercise.points, feedback, run, public)
+        return Verdict(exercise.id, exercise.title, status, exercise.points, exercise.points, clean(feedback, 1000),
+                       run, clean(public, 1000))
 
     for index, case in enumerate(cases):
         try:

@@ -67,14 +67,24 @@ def _checkpoint_case(width: int, depth: int, rows: int, seed: int) -> Case:
         stage = mlp(width=width, depth=depth, seed=seed)
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
         meter = ActivationMeter(ignore=stage.parameters())
+        in_backward, recomputed = [False], [0]
+
+        def count(module, inputs, output):  # a Linear run again during the backward: the recomputation
+            recomputed[0] += in_backward[0]
+
+        for layer in stage.modules():
+            if isinstance(layer, nn.Linear):
+                layer.register_forward_hook(count)
         with meter.recording():
             y = answer(stage, x)
             saved = meter.live / (x.numel() * x.element_size())
         if not isinstance(y, torch.Tensor):
             return {"output": y}
+        in_backward[0] = True
         y.pow(2).sum().backward()
         return {"output": y.detach(), "saved, in inputs": saved, "x.grad": x.grad,
-                "weight grads": [p.grad for p in stage.parameters()]}
+                "weight grads": [p.grad for p in stage.parameters()],
+                "Linear layers recomputed in the backward": recomputed[0]}
 
     def expected():
         stage = mlp(width=width, depth=depth, seed=seed)
@@ -82,7 +92,8 @@ def _checkpoint_case(width: int, depth: int, rows: int, seed: int) -> Case:
         y = stage(x)
         y.pow(2).sum().backward()
         return {"output": y.detach(), "saved, in inputs": 1.0, "x.grad": x.grad,
-                "weight grads": [p.grad for p in stage.parameters()]}
+                "weight grads": [p.grad for p in stage.parameters()],
+                "Linear layers recomputed in the backward": sum(isinstance(m, nn.Linear) for m in stage.modules())}
 
     return Case(f"stage of {depth} (Linear, ReLU) blocks, width {width}, {rows} rows", run_stage, expected,
                 hint="torch.utils.checkpoint.checkpoint(stage, x, use_reentrant=False) keeps only x and "

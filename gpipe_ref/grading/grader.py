@@ -20,6 +20,7 @@ exercise only:
 from __future__ import annotations
 
 import hashlib
+import re
 import os
 import secrets
 import tempfile
@@ -74,8 +75,49 @@ class NotebookResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "NotebookResult":
-        return cls(data["path"], data.get("notebook"), [Verdict.from_dict(v) for v in data.get("exercises", [])],
-                   list(data.get("warnings", [])), data.get("error"), data.get("seconds", 0.0), data.get("sha256"))
+        """A result read back (from a worker, or the --json file for --resume), checked against the course: only
+        the notebook's own exercises, each scored within its real maximum, and only when passed."""
+        notebook = data.get("notebook")
+        exercises = {ex.id: ex for ex in NOTEBOOKS.get(notebook, [])} if isinstance(notebook, str) else {}
+        verdicts = {}
+        for raw in data.get("exercises", []):
+            verdict = Verdict.from_dict(raw)
+            ex = exercises.get(verdict.exercise)
+            if ex is None or verdict.exercise in verdicts:
+                raise ValueError(f"exercise {str(verdict.exercise)[:20]!r} is not one of {notebook}'s, or twice")
+            verdicts[ex.id] = Verdict(ex.id, ex.title, verdict.status, verdict.points, ex.points, verdict.feedback,
+                                      verdict.cases_run, verdict.public)
+        error = data.get("error")
+        if error is None and set(verdicts) != set(exercises):
+            raise ValueError(f"the result does not hold every exercise of {notebook}")
+        return cls(str(data["path"]), notebook if exercises else None, list(verdicts.values()),
+                   [str(w) for w in data.get("warnings", [])], None if error is None else str(error),
+                   float(data.get("seconds", 0.0)), data.get("sha256"))
+
+
+# What no honest answer needs, and what attacks on the grader use: named for the instructor to look at.
+SUSPICIOUS = (
+    (re.compile(r"_getframe|\bf_locals\b|\bf_back\b|\bf_globals\b|currentframe|inspect\.stack|\bgc\.get_"),
+     "reads the call stack or the interpreter's objects"),
+    (re.compile(r"setprofile|settrace"), "switches off the watch on refused calls"),
+    (re.compile(r"__code__|FunctionType|CodeType|co_code|\.replace\(\s*co_"), "rebuilds functions from code objects"),
+    (re.compile(r"grading(?!\s+import\s+check\b)"), "reaches into the grader"),
+    (re.compile(r"getppid|/proc\b|os\.kill|killpg|SIGKILL"), "reaches other processes"),
+    (re.compile(r"all_cases|\.expected\b"), "reads the grader's cases"),
+    (re.compile(r"GPIPE_GRADE_RUN|__closure__|cell_contents"), "unseals the grader's hidden values"),
+)
+
+
+def suspicious(nb) -> list[str]:
+    """Warnings for the instructor: code cells that do what no answer needs (an attack is not proven by it)."""
+    found = []
+    for index, cell in _code_cells(nb):
+        source = cell.source if isinstance(cell.source, str) else ""
+        for pattern, why in SUSPICIOUS:
+            match = pattern.search(source)
+            if match:
+                found.append(f"look at cell {index + 1}: it {why} ({match.group(0)!r})")
+    return found
 
 
 class OutOfTime(Exception):
@@ -120,6 +162,7 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
         result.error = str(error)
         return result
     result.notebook = name
+    result.warnings += suspicious(nb)
     with tempfile.TemporaryDirectory(prefix="gpipe-grade-", ignore_cleanup_errors=True) as root:
         (Path(root) / "work").mkdir(mode=0o700)
         (Path(root) / "work" / Path(path).name).write_bytes(data)  # the learner's own copy, in its own folder

@@ -58,6 +58,10 @@ def _codes_of(obj: Any) -> Iterable[types.CodeType]:
             stack.append(wrapped)
 
 
+def _likeness(code: types.CodeType) -> tuple[int, str, bytes]:
+    return code.co_firstlineno, code.co_filename, code.co_code
+
+
 class Guard:
     """``with Guard(names, codes) as guard:`` refuse the functions ``names`` and the code objects ``codes``."""
 
@@ -72,16 +76,19 @@ class Guard:
                 continue
             found = list(_codes_of(obj))
             for code in found:
-                self.codes.setdefault(code, dotted)
+                self.codes[code] = dotted
             if not found and callable(obj):  # a builtin: matched by name, so a tensor's method counts too
                 self.builtins[getattr(obj, "__name__", dotted.rpartition(".")[2])] = dotted
+        # a copy of a refused function's code (code.replace(co_name=...)) is refused too: same file, line, bytecode
+        self.copies = {_likeness(code): name for code, name in self.codes.items()}
         self.reason = reason
         self.hit: str | None = None
         self._previous: list[Any] = []
 
     def _profile(self, frame, event: str, arg: Any) -> None:
         if event == "call":
-            name = self.codes.get(frame.f_code)
+            code = frame.f_code
+            name = self.codes.get(code) or self.copies.get(_likeness(code))
         elif event == "c_call":
             name = self.builtins.get(getattr(arg, "__name__", None))
         else:

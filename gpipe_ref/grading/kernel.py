@@ -12,9 +12,10 @@ double fork is still its descendant).
 
 from __future__ import annotations
 
-import ast
+import base64
 import os
 import queue
+import re
 import signal
 import sys
 import time
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .core import MARKER_VARIABLE, clean
 from .wire import MAX_CHARS, Malformed, loads
 
-MARKER_VARIABLE = "GPIPE_GRADE_RUN"
+# the reply's text: the repr of one base64 string, checked before anything parses it
+BASE64_LITERAL = re.compile(r"'([A-Za-z0-9+/=]*)'")
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -99,9 +102,8 @@ class Kernel:
         if isinstance(content, Trouble):
             return content
         if content.get("status") == "error":
-            value = " ".join(str(content.get("evalue", "")).split())
-            name = str(content.get("ename", "Error"))
-            return Trouble("error", f"{name}: {value[:200]}" if value else name)
+            value, name = clean(content.get("evalue", ""), 200), clean(content.get("ename", "Error"), 80)
+            return Trouble("error", f"{name}: {value}" if value else name)
         return None
 
     def ask(self, exercise_id: str, index: int, case_timeout: float, slack: float = 15.0) -> dict[str, Any] | Trouble:
@@ -109,8 +111,8 @@ class Kernel:
 
         The request is a user expression of the grader's own execute request: the reply comes back in the
         execute reply, never on stdout. Raises :class:`.wire.Malformed` for a reply that is not data."""
-        expression = (f"__import__('gpipe_ref.grading.runner', fromlist=['reply'])"
-                      f".reply({exercise_id!r}, {int(index)}, {float(case_timeout)!r})")
+        expression = (f"__import__('base64').b64encode(__import__('gpipe_ref.grading.runner', fromlist=['reply'])"
+                      f".reply({exercise_id!r}, {int(index)}, {float(case_timeout)!r}).encode()).decode()")
         content = self._request("", case_timeout + slack, {"reply": expression})
         if isinstance(content, Trouble):
             return content
@@ -118,13 +120,14 @@ class Kernel:
         if not isinstance(result, dict) or result.get("status") != "ok":
             name = result.get("ename", "no reply") if isinstance(result, dict) else "no reply"
             raise Malformed(f"the kernel could not run the case ({str(name)[:80]})")
-        text = result.get("data", {}).get("text/plain")
-        if not isinstance(text, str) or len(text) > 2 * MAX_CHARS:
-            raise Malformed("the kernel's reply is not text of a sensible size")
+        text = result.get("data", {}).get("text/plain") if isinstance(result.get("data"), dict) else None
+        match = BASE64_LITERAL.fullmatch(text) if isinstance(text, str) and len(text) <= 2 * MAX_CHARS else None
+        if match is None:
+            raise Malformed("the kernel's reply is not one base64 string of a sensible size")
         try:
-            literal = ast.literal_eval(text)
-        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
-            raise Malformed("the kernel's reply is not a string") from None
+            literal = base64.b64decode(match.group(1), validate=True).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            raise Malformed("the kernel's reply is not base64 of UTF-8 text") from None
         return loads(literal)
 
     def close(self) -> None:
@@ -142,6 +145,24 @@ class Kernel:
 
 
 # -- ending every process a notebook started ---------------------------------------------------------------
+
+
+PR_SET_DUMPABLE = 4
+
+
+def become_private() -> bool:
+    """Make this process non-dumpable (Linux): its /proc/<pid>/fd, /mem and ptrace are closed to other
+    processes of the same user, so a learner's kernel cannot open the grader's pipes or read its memory.
+    A child that execs (the kernel) is dumpable again. False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def become_subreaper() -> bool:
@@ -238,4 +259,4 @@ def _reap() -> None:
             return
 
 
-__all__ = ["Kernel", "Malformed", "Trouble", "become_subreaper", "end_processes"]
+__all__ = ["Kernel", "Malformed", "Trouble", "become_private", "become_subreaper", "end_processes"]

@@ -49,10 +49,13 @@ def exercise_of(cell) -> str | None:
     """The exercise id an answer cell is for (its metadata, else its ``# Exercise NN.K`` first line)."""
     if cell.get("cell_type") != "code":
         return None
-    tagged = cell.get("metadata", {}).get("gpipe_ref", {}).get("exercise")
-    if tagged:
-        return str(tagged)
-    match = HEADER.match(cell.get("source", ""))
+    meta = cell.get("metadata")
+    meta = meta.get("gpipe_ref") if isinstance(meta, dict) else None
+    tagged = meta.get("exercise") if isinstance(meta, dict) else None
+    if isinstance(tagged, str) and tagged:
+        return tagged
+    source = cell.get("source", "")
+    match = HEADER.match(source) if isinstance(source, str) else None
     return match.group(1) if match else None
 
 
@@ -60,7 +63,8 @@ def check_of(cell) -> str | None:
     """The exercise id a check cell checks."""
     if cell.get("cell_type") != "code" or exercise_of(cell):
         return None
-    match = CHECK.search(cell.get("source", ""))
+    source = cell.get("source", "")
+    match = CHECK.search(source) if isinstance(source, str) else None
     return match.group(1) if match else None
 
 
@@ -81,7 +85,7 @@ def read(path: str | Path, data: bytes | None = None) -> tuple[nbformat.Notebook
                             f"{str(error).splitlines()[0] if str(error) else ''})") from None
     meta = nb.metadata.get("gpipe_ref", {})
     name = meta.get("notebook") if isinstance(meta, dict) else None
-    if not isinstance(meta, dict) or meta.get("course") != COURSE or name not in NOTEBOOKS:
+    if not isinstance(meta, dict) or meta.get("course") != COURSE or not isinstance(name, str) or name not in NOTEBOOKS:
         raise NotebookError(f"{path}: not an exercise notebook of this course (its metadata names no "
                             f"gpipe_ref notebook; expected one of exercises/{', exercises/'.join(NOTEBOOKS)})")
     return nb, name

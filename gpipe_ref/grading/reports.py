@@ -88,10 +88,16 @@ def gradebook_csv(results: list[NotebookResult]) -> str:
     writer.writerow(["path", "notebook", *columns, "total", "max", "error"])
     for result in results:
         points = {v.exercise: v.points for v in result.verdicts}
-        writer.writerow([result.path, result.notebook or "", *(points.get(c, "") for c in columns),
+        writer.writerow([_cell(result.path), result.notebook or "", *(points.get(c, "") for c in columns),
                          "" if result.error else result.points, "" if result.error else result.max_points,
-                         result.error or ""])
+                         _cell(result.error or "")])
     return out.getvalue()
+
+
+def _cell(text: str) -> str:
+    """A CSV cell a spreadsheet shows as text: one starting with = + - @ or a control character would be read as
+    a formula (a submission named '=HYPERLINK(...).ipynb')."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def feedback_name(result: NotebookResult, root: Path | None = None) -> str:

@@ -25,6 +25,7 @@ from ..schedule import Action
 MAX_CHARS = 16 * 2 ** 20  # one case's result, as JSON text
 MAX_ELEMENTS = 2 ** 22  # tensor elements in one result
 MAX_DEPTH = 64
+MAX_DIMS = 16
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
     torch.int64, torch.bool)}
@@ -157,6 +158,9 @@ def decode(data: Any, _depth: int = 0) -> Any:
 
 def _decode_tensor(body: dict) -> torch.Tensor:
     dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(n) is int and 0 <= n <= MAX_ELEMENTS
+                                                                  for n in shape):
+        raise Malformed(f"a tensor shape that is not at most {MAX_DIMS} sizes of at most {MAX_ELEMENTS}")
     if dtype not in DTYPES or type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape) \
             or type(data) is not list or math.prod(shape) != len(data) or len(data) > MAX_ELEMENTS:
         raise Malformed(f"a tensor that is not (dtype, shape, data of that many elements): dtype {str(dtype)[:20]}")
