@@ -30,27 +30,19 @@ def _grade_cli(*args, timeout=600):
 
 
 @pytest.mark.slow
-def test_solutions_score_full_marks(tmp_path):
-    report = tmp_path / "solutions.json"
-    result = _grade_cli(SOLUTIONS, "--json", report)
+def test_solutions_score_full_marks_and_untouched_exercises_zero(tmp_path):
+    report = tmp_path / "grades.json"
+    result = _grade_cli(SOLUTIONS, EXERCISE_DIR, "--json", report)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(report.read_text())
-    assert len(data["notebooks"]) == len(NOTEBOOKS)
-    assert data["points"] == data["max_points"] == sum(ex.points for ex in EXERCISES.values()), result.stdout
-    assert all(not nb["warnings"] for nb in data["notebooks"])
-    assert f"total: {data['points']}/{data['max_points']} points over {len(NOTEBOOKS)} notebook(s)" in result.stdout
-
-
-@pytest.mark.slow
-def test_unchanged_exercises_score_zero_not_attempted(tmp_path):
-    report = tmp_path / "exercises.json"
-    result = _grade_cli(EXERCISE_DIR, "--json", report)
-    assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(report.read_text())
-    assert data["points"] == 0 and len(data["notebooks"]) == len(NOTEBOOKS)
-    for nb in data["notebooks"]:
-        assert not nb["warnings"], nb  # every course cell runs in the student copy
+    solutions = [nb for nb in data["notebooks"] if nb["path"].startswith(str(SOLUTIONS))]
+    exercises = [nb for nb in data["notebooks"] if nb["path"].startswith(str(EXERCISE_DIR))]
+    assert len(solutions) == len(exercises) == len(NOTEBOOKS)
+    assert sum(nb["points"] for nb in solutions) == sum(ex.points for ex in EXERCISES.values()) == data["points"]
+    for nb in exercises:  # every course cell runs in the student copy, and nothing is attempted
         assert [e["status"] for e in nb["exercises"]] == ["not attempted"] * len(NOTEBOOKS[nb["notebook"]])
+    assert all(not nb["warnings"] for nb in data["notebooks"]), data["notebooks"]
+    assert f"total: {data['points']}/{data['max_points']} points over {2 * len(NOTEBOOKS)} notebook(s)" in result.stdout
 
 
 def _submission(tmp_path, name: str, answers: dict[str, str], student: str = "student"):

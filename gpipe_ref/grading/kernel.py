@@ -29,6 +29,7 @@ from .wire import MAX_CHARS, Malformed, loads
 # the reply's text: the repr of one base64 string, checked before anything parses it
 BASE64_LITERAL = re.compile(r"'([A-Za-z0-9+/=]*)'")
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_DUMPABLE = 4
 
 
 @dataclass
@@ -147,35 +148,28 @@ class Kernel:
 # -- ending every process a notebook started ---------------------------------------------------------------
 
 
-PR_SET_DUMPABLE = 4
+def _prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def become_private() -> bool:
     """Make this process non-dumpable (Linux): its /proc/<pid>/fd, /mem and ptrace are closed to other
-    processes of the same user, so a learner's kernel cannot open the grader's pipes or read its memory.
-    A child that execs (the kernel) is dumpable again. False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    processes of the same user (root excepted), so a learner's kernel cannot open the grader's pipes or read
+    its memory. A child that execs (the kernel) is dumpable again."""
+    return _prctl(PR_SET_DUMPABLE, 0)
 
 
 def become_subreaper() -> bool:
-    """Make orphaned descendants of this process its children (Linux), not init's; False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    """Make orphaned descendants of this process its children (Linux), not init's."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def live_processes() -> dict[int, int]:
