@@ -70,8 +70,8 @@ class ModelConfig:
         return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
 
     def flops_per_step(self, recompute: bool = True) -> float:
-        """Model FLOPs of one step: 72 B s l h^2 (1 + s / 6h + V / 16 l h), x 4/3 with recomputation
-        (the paper's count, sec. 5.1, is the one with recomputation: 96 B s l h^2 (...))."""
+        """FLOPs of one step: the model's 72 B s l h^2 (1 + s / 6h + V / 16 l h), x 4/3 with recomputation
+        (hardware FLOPs; the paper's count, sec. 5.1, is the one with recomputation: 96 B s l h^2 (...))."""
         b, s, l, h, v = self.batch, self.seq_len, self.layers, self.hidden, self.vocab
         return (96 if recompute else 72) * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
@@ -123,8 +123,9 @@ class Plan:
     dp_comm_time: float
     memory: dict = field(default_factory=dict)  # weights+grads+optimizer, activations, total (per GPU)
     fits: bool = True
-    flops_per_gpu: float = 0.0  # achieved model FLOP/s per GPU (the paper's count)
-    utilisation: float = 0.0  # flops_per_gpu / peak
+    flops_per_gpu: float = 0.0  # achieved FLOP/s per GPU, the recomputed forward included (the paper's count)
+    utilisation: float = 0.0  # flops_per_gpu / peak: hardware FLOPs utilisation (HFU)
+    model_flops_utilisation: float = 0.0  # MFU: the same without recomputation (Chowdhery et al. 2022, app. B)
 
     @property
     def bubble_fraction(self) -> float:
@@ -205,9 +206,10 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     states = params_per_gpu * BYTES_PER_PARAMETER
     memory = {STATE_MEMORY: states, ACTIVATION_MEMORY: activations, TOTAL_MEMORY: states + activations}
     achieved = model.flops_per_step(recompute=recompute) / (step_time * cluster.gpus)  # hardware FLOPs
+    model_flops = model.flops_per_step(recompute=False) / (step_time * cluster.gpus)  # recomputation excluded
     return Plan(dp, tp, pp, b, m, schedule, v, recompute, step_time, compute_time, bubble_time, tp_comm_time,
                 pp_comm_time, dp_comm_time, memory, memory[TOTAL_MEMORY] <= cluster.memory_bytes * cluster.usable_memory,
-                achieved, achieved / cluster.peak_flops)
+                achieved, achieved / cluster.peak_flops, model_flops / cluster.peak_flops)
 
 
 def _divisors(n: int) -> list[int]:

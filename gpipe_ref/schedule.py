@@ -427,7 +427,7 @@ def _fill_drain_bubble(p: int, m: int, v: int, r: float) -> float:
 
 register(ScheduleSpec(
     "gpipe", gpipe, "GPipe (fill-drain)", flush=True, bubble=_fill_drain_bubble, formula="(p-1)/(m+p-1)",
-    peak_held=lambda p, m, v: m, source="Huang et al. 2019, sec. 2.2"))
+    peak_held=lambda p, m, v: m, source="Huang et al. 2019, sec. 2.3"))
 register(ScheduleSpec(
     "1f1b", one_f_one_b, "1F1B (PipeDream-Flush)", flush=True, bubble=_fill_drain_bubble,
     formula="(p-1)/(m+p-1)", peak_held=lambda p, m, v: min(m, p), source="Narayanan et al. 2021, sec. 2.2",

@@ -1,4 +1,4 @@
-"""Exercises for notebook 01: averaging gradients, the ring's chunk order, DDP's buckets."""
+"""Exercises for notebook 01: averaging gradients, the ring's chunk order, DDP's buckets (simplified)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ RING_CHUNK = Exercise(
     forbidden=("gpipe_ref.distributed.collectives.ring_chunk_to_send",
                "gpipe_ref.distributed.collectives.ring_all_reduce"))
 
-# -- 01.3 DDP's gradient buckets -------------------------------------------------------------------------
+# -- 01.3 DDP's gradient buckets, simplified (closed before the cap; real DDP closes at >= cap) ------
 
 MB = 2 ** 20
 
@@ -153,7 +153,8 @@ def _bucket_case(sizes: list[int], cap_mb: float, label: str | None = None) -> C
     return Case(label or f"sizes_in_bytes={sizes}, bucket_cap_mb={cap_mb}",
                 lambda answer: answer(list(sizes), cap_mb), lambda: assign_buckets(sizes, cap_mb),
                 hint="walk the parameters from the LAST to the first (the backward produces their gradients in "
-                     "that order); start a new bucket when adding a parameter would go over the cap")
+                     "that order); start a new bucket when adding a parameter would go over the cap (this exercise's "
+                     "rule: real DDP adds it first and closes the bucket at >= the cap)")
 
 
 def _bucket_cases() -> list[Case]:
