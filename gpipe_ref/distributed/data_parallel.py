@@ -358,7 +358,11 @@ def parameters_reached(outputs: list[torch.Tensor]) -> set[int]:
 
 def assign_buckets(sizes_in_bytes: list[int], bucket_cap_mb: float) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_cap_mb`` (a bigger
-    parameter gets a bucket of its own), filled in reverse parameter order."""
+    parameter gets a bucket of its own), filled in reverse parameter order.
+
+    A simplification of DDP's rule (Li et al. 2020, sec. 3.2.3): DDP adds the
+    parameter first and closes the bucket once it reaches the cap (so a bucket may
+    pass it), and keeps its first bucket small (1 MB by default)."""
     cap = bucket_cap_mb * 2 ** 20
     buckets, current, filled = [], [], 0
     for i in reversed(range(len(sizes_in_bytes))):

@@ -62,7 +62,8 @@ class PlannerExplorer(Dashboard):
             return
         rows = "".join(f"<tr><td>{i + 1}</td><td>{p.label()}</td><td>{p.step_time:.2f} s</td>"
                        f"<td>{p.bubble_fraction:.1%}</td><td>{p.memory[TOTAL_MEMORY] / 1e9:.1f} GB</td>"
-                       f"<td>{p.flops_per_gpu / 1e12:.0f} ({p.utilisation:.0%})</td></tr>"
+                       f"<td>{p.flops_per_gpu / 1e12:.0f} ({p.utilisation:.0%} HFU, "
+                       f"{p.model_flops_utilisation:.0%} MFU)</td></tr>"
                        for i, p in enumerate(self.plans))
         self.ranking.value = ("<table><tr><th>#</th><th>configuration</th><th>step</th><th>bubble</th>"
                               "<th>memory/GPU</th><th>TFLOP/s per GPU</th></tr>" + rows + "</table>")
