@@ -1,0 +1,85 @@
+"""notebooks/GLOSSARY.md: every term is sorted, unique, and really used where the glossary says it is taught."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import pytest
+
+from conftest import ROOT
+
+GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
+TERM = re.compile(r"^\*\*(?P<name>[^*]+)\*\*(?: \((?P<spellings>[^)]+)\))?$")
+PLACE = re.compile(r"^(?P<notebook>\d\d_[a-z_]+) \((?P<heading>.+)\)$")
+
+
+def parse_glossary() -> list[dict]:
+    """One dict per table row: name, spellings (the name first), places [(notebook, heading)], source."""
+    rows = []
+    for line in GLOSSARY.read_text().splitlines():
+        if not line.startswith("|") or line.startswith(("| Term |", "|---")):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        assert len(cells) == 4, f"row needs term, meaning, taught in, source: {line!r}"
+        term, meaning, taught_in, source = cells
+        match = TERM.match(term)
+        assert match, f"term cell must be **term** or **term** (other, spellings): {term!r}"
+        spellings = [match["name"]] + [s.strip() for s in (match["spellings"] or "").split(",") if s.strip()]
+        places = []
+        for place in taught_in.split("; "):
+            found = PLACE.match(place)
+            assert found, f"{match['name']}: 'taught in' must read NN_topic (section heading), got {place!r}"
+            places.append((found["notebook"], found["heading"]))
+        rows.append({"name": match["name"], "spellings": spellings, "meaning": meaning, "places": places,
+                     "source": source})
+    return rows
+
+
+def normalise(text: str) -> str:
+    """Lower case, without the markup that splits a term in the notebook source ($f$, `1F0`), single spaces."""
+    return " ".join(re.sub(r"[$`*\\]", "", text).lower().split())
+
+
+@functools.cache
+def read_notebook(stem: str) -> tuple[str, set[str]]:
+    """A notebook's markdown and code as one normalised text, and its markdown headings."""
+    cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
+    sources = ["".join(cell["source"]) for cell in cells]
+    headings = {line.lstrip("#").strip()
+                for cell, source in zip(cells, sources) if cell["cell_type"] == "markdown"
+                for line in source.splitlines() if line.startswith("#")}
+    return normalise("\n".join(sources)), headings
+
+
+ROWS = parse_glossary()
+
+
+def test_glossary_has_at_least_40_terms():
+    assert len(ROWS) >= 40, f"{len(ROWS)} terms"
+
+
+def test_terms_are_sorted_and_unique():
+    names = [row["name"].casefold() for row in ROWS]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    assert not duplicates, f"duplicate terms: {duplicates}"
+    out_of_order = [(a, b) for a, b in zip(names, names[1:]) if a > b]
+    assert not out_of_order, f"not alphabetical: {out_of_order}"
+
+
+def test_every_row_has_a_meaning_and_a_source_cell():
+    for row in ROWS:
+        assert len(row["meaning"].split()) >= 8, f"{row['name']}: meaning too short"
+        assert row["source"], f"{row['name']}: empty source cell (write — when there is none)"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row["name"])
+def test_term_appears_in_the_notebook_and_section_named(row):
+    for notebook, heading in row["places"]:
+        path = ROOT / "notebooks" / f"{notebook}.ipynb"
+        assert path.exists(), f"{row['name']}: no notebook {path.name}"
+        text, headings = read_notebook(notebook)
+        assert heading in headings, f"{row['name']}: {notebook} has no section {heading!r}"
+        assert any(normalise(spelling) in text for spelling in row["spellings"]), (
+            f"{row['name']}: none of {row['spellings']} appears in {notebook}")
