@@ -1,5 +1,5 @@
 """JupyterLab in a real browser: open 04_gpipe, run all cells, move the micro-batch
-slider, and check the bubble readout follows the formula (and the same for 06 and 07).
+slider, and check the bubble readout follows the formula (and the same for 01, 06 and 07).
 
 Every check waits for the state it asserts, never for a fixed time nor for a neighbouring
 sign: a widget's readout, its picture and its highlights are separate widgets that the
@@ -193,6 +193,48 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_explorer.png"))
         except Exception:
             page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
+    """Step 01's ring all-reduce three times: the reduce-scatter is done, every rank holds one complete chunk."""
+    sync_api = _require_browser()
+    with sync_api.sync_playwright() as playwright:
+        browser = _browser(sync_api, playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            _open_and_run_all(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", "gpipe-ring-readout",
+                              "bytes sent per rank so far: 0/4")
+            readout, table = page.locator(".gpipe-ring-readout"), page.locator(".gpipe-ring-table")
+            slider = page.locator(".widget-hslider", has_text="ring step k").locator(".noUi-handle")
+            slider.scroll_into_view_if_needed()
+            slider.focus()
+            for _ in range(3):
+                slider.press("ArrowRight")
+
+            def reduce_scatter_done():  # the readout and the table are two widgets: wait for both
+                said = readout.inner_text()
+                assert "reduce-scatter step 3 of 3" in said and "bytes sent per rank so far: 3/4" in said
+                assert "rank r holds the complete chunk (r+1) mod 4" in said
+                assert table.locator("td.gpipe-ring-sent").count() == 4
+                assert table.locator("td.gpipe-ring-complete").count() == 4
+
+            _eventually(reduce_scatter_done)
+            readout.scroll_into_view_if_needed()
+            page.screenshot(path=str(artifacts_dir / "browser_01_ring_explorer.png"))
+            for _ in range(3):
+                slider.press("ArrowRight")
+
+            def all_reduce_done():
+                said = readout.inner_text()
+                assert "all-gather step 3 of 3" in said and "bytes sent per rank so far: 6/4" in said
+                assert table.locator("td.gpipe-ring-complete").count() == 16
+
+            _eventually(all_reduce_done)
+        except Exception:
+            page.screenshot(path=str(artifacts_dir / "browser_01_ring_failure.png"))
             raise
         finally:
             browser.close()

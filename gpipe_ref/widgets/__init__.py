@@ -4,6 +4,7 @@ from .base import Dashboard, schedule_choices
 from .bubble import BubbleExplorer, bubble_explorer, explorer_cost_model
 from .planner import PlannerExplorer, planner_explorer
 from .playground import SchedulePlayground, schedule_playground
+from .ring import RingAllReduceExplorer, ring_explorer
 from .staleness import StalenessExplorer, staleness_explorer
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "StalenessExplorer", "staleness_explorer",
     "SchedulePlayground", "schedule_playground",
     "PlannerExplorer", "planner_explorer",
+    "RingAllReduceExplorer", "ring_explorer",
 ]
