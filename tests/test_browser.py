@@ -9,6 +9,7 @@ still shows the old one (issue 12). The waits are long so that a loaded machine 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -154,157 +155,133 @@ def _open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: st
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=NOTEBOOK_MS)
 
 
-def _browser(sync_api, playwright):
-    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=WAIT_MS)
-
-
-def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
+@contextlib.contextmanager
+def _lab_page(artifacts_dir: Path, name: str):
+    """A headless Chromium page on JupyterLab; on failure a screenshot ``browser_<name>_failure.png`` is kept."""
     sync_api = _require_browser()
     with sync_api.sync_playwright() as playwright:
-        browser = _browser(sync_api, playwright)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=WAIT_MS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            _open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-bubble-readout", "simulated bubble")
-
-            def initial_readout():
-                p, m, simulated, formula = _readout(page)
-                assert (p, m) == (4, 8)
-                assert formula == pytest.approx((p - 1) / (m + p - 1), abs=5e-5)
-                assert simulated == pytest.approx(formula, abs=5e-5)
-
-            _eventually(initial_readout)
-
-            slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
-            slider.scroll_into_view_if_needed()
-            slider.focus()
-            for _ in range(4):
-                slider.press("ArrowRight")
-
-            def readout_after_four_steps():
-                p, m, simulated, formula = _readout(page)
-                assert (p, m) == (4, 12)
-                assert formula == pytest.approx(3 / 15, abs=5e-5)
-                assert simulated == pytest.approx(formula, abs=5e-5)
-
-            _eventually(readout_after_four_steps)
-            sync_api.expect(page.locator(".widget-html svg").first).to_be_attached(  # the timeline was redrawn
-                timeout=WAIT_MS)
-            page.locator(".gpipe-bubble-readout").scroll_into_view_if_needed()
-            page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_explorer.png"))
+            yield sync_api, page
         except Exception:
-            page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_failure.png"))
+            page.screenshot(path=str(artifacts_dir / f"browser_{name}_failure.png"))
             raise
         finally:
             browser.close()
+
+
+def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
+    with _lab_page(artifacts_dir, "04_gpipe") as (sync_api, page):
+        _open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-bubble-readout", "simulated bubble")
+
+        def initial_readout():
+            p, m, simulated, formula = _readout(page)
+            assert (p, m) == (4, 8)
+            assert formula == pytest.approx((p - 1) / (m + p - 1), abs=5e-5)
+            assert simulated == pytest.approx(formula, abs=5e-5)
+
+        _eventually(initial_readout)
+
+        slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
+        slider.scroll_into_view_if_needed()
+        slider.focus()
+        for _ in range(4):
+            slider.press("ArrowRight")
+
+        def readout_after_four_steps():
+            p, m, simulated, formula = _readout(page)
+            assert (p, m) == (4, 12)
+            assert formula == pytest.approx(3 / 15, abs=5e-5)
+            assert simulated == pytest.approx(formula, abs=5e-5)
+
+        _eventually(readout_after_four_steps)
+        sync_api.expect(page.locator(".widget-html svg").first).to_be_attached(  # the timeline was redrawn
+            timeout=WAIT_MS)
+        page.locator(".gpipe-bubble-readout").scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts_dir / "browser_04_gpipe_explorer.png"))
 
 
 def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Step 01's ring all-reduce three times: the reduce-scatter is done, every rank holds one complete chunk."""
-    sync_api = _require_browser()
-    with sync_api.sync_playwright() as playwright:
-        browser = _browser(sync_api, playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            _open_and_run_all(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", "gpipe-ring-readout",
-                              "bytes sent per rank so far: 0/4")
-            readout, table = page.locator(".gpipe-ring-readout"), page.locator(".gpipe-ring-table")
-            slider = page.locator(".widget-hslider", has_text="ring step k").locator(".noUi-handle")
-            slider.scroll_into_view_if_needed()
-            slider.focus()
-            for _ in range(3):
-                slider.press("ArrowRight")
+    with _lab_page(artifacts_dir, "01_ring") as (sync_api, page):
+        _open_and_run_all(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", "gpipe-ring-readout",
+                          "bytes sent per rank so far: 0/4")
+        readout, table = page.locator(".gpipe-ring-readout"), page.locator(".gpipe-ring-table")
+        slider = page.locator(".widget-hslider", has_text="ring step k").locator(".noUi-handle")
+        slider.scroll_into_view_if_needed()
+        slider.focus()
+        for _ in range(3):
+            slider.press("ArrowRight")
 
-            def reduce_scatter_done():  # the readout and the table are two widgets: wait for both
-                said = readout.inner_text()
-                assert "reduce-scatter step 3 of 3" in said and "bytes sent per rank so far: 3/4" in said
-                assert "rank r holds the complete chunk (r+1) mod 4" in said
-                assert table.locator("td.gpipe-ring-sent").count() == 4
-                assert table.locator("td.gpipe-ring-complete").count() == 4
+        def reduce_scatter_done():  # the readout and the table are two widgets: wait for both
+            said = readout.inner_text()
+            assert "reduce-scatter step 3 of 3" in said and "bytes sent per rank so far: 3/4" in said
+            assert "rank r holds the complete chunk (r+1) mod 4" in said
+            assert table.locator("td.gpipe-ring-sent").count() == 4
+            assert table.locator("td.gpipe-ring-complete").count() == 4
 
-            _eventually(reduce_scatter_done)
-            readout.scroll_into_view_if_needed()
-            page.screenshot(path=str(artifacts_dir / "browser_01_ring_explorer.png"))
-            for _ in range(3):
-                slider.press("ArrowRight")
+        _eventually(reduce_scatter_done)
+        readout.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts_dir / "browser_01_ring_explorer.png"))
+        for _ in range(3):
+            slider.press("ArrowRight")
 
-            def all_reduce_done():
-                said = readout.inner_text()
-                assert "all-gather step 3 of 3" in said and "bytes sent per rank so far: 6/4" in said
-                assert table.locator("td.gpipe-ring-complete").count() == 16
+        def all_reduce_done():
+            said = readout.inner_text()
+            assert "all-gather step 3 of 3" in said and "bytes sent per rank so far: 6/4" in said
+            assert table.locator("td.gpipe-ring-complete").count() == 16
 
-            _eventually(all_reduce_done)
-        except Exception:
-            page.screenshot(path=str(artifacts_dir / "browser_01_ring_failure.png"))
-            raise
-        finally:
-            browser.close()
+        _eventually(all_reduce_done)
 
 
 def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
-    sync_api = _require_browser()
-    with sync_api.sync_playwright() as playwright:
-        browser = _browser(sync_api, playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            _open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
-                              "weight stashing on")
-            readout = page.locator(".gpipe-staleness-readout")
+    with _lab_page(artifacts_dir, "06_staleness") as (sync_api, page):
+        _open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
+                          "weight stashing on")
+        readout = page.locator(".gpipe-staleness-readout")
 
-            def stashing_on():
-                before = readout.inner_text()
-                assert "weight stashing on" in before
-                assert "version mismatch 0" in before and "versions held per stage [4, 3, 2, 1]" in before
+        def stashing_on():
+            before = readout.inner_text()
+            assert "weight stashing on" in before
+            assert "version mismatch 0" in before and "versions held per stage [4, 3, 2, 1]" in before
 
-            _eventually(stashing_on)
-            checkbox = page.locator(".widget-checkbox", has_text="weight stashing").locator("input")
-            checkbox.scroll_into_view_if_needed()
-            checkbox.click()
+        _eventually(stashing_on)
+        checkbox = page.locator(".widget-checkbox", has_text="weight stashing").locator("input")
+        checkbox.scroll_into_view_if_needed()
+        checkbox.click()
 
-            def stashing_off():  # one reading of the readout, so the checks are about the same state
-                after = readout.inner_text()
-                assert "weight stashing off" in after
-                assert "versions held per stage [1, 1, 1, 1]" in after and "version mismatch 0" not in after
+        def stashing_off():  # one reading of the readout, so the checks are about the same state
+            after = readout.inner_text()
+            assert "weight stashing off" in after
+            assert "versions held per stage [1, 1, 1, 1]" in after and "version mismatch 0" not in after
 
-            _eventually(stashing_off)
-            page.screenshot(path=str(artifacts_dir / "browser_06_staleness_explorer.png"))
-        except Exception:
-            page.screenshot(path=str(artifacts_dir / "browser_06_staleness_failure.png"))
-            raise
-        finally:
-            browser.close()
+        _eventually(stashing_off)
+        page.screenshot(path=str(artifacts_dir / "browser_06_staleness_explorer.png"))
 
 
 def test_schedule_playground_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Type a deadlocking schedule into 07's playground: the verdict names the cycle and marks its actions."""
-    sync_api = _require_browser()
-    with sync_api.sync_playwright() as playwright:
-        browser = _browser(sync_api, playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            _open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-playground-verdict",
-                              "valid: bubble 33.33%")
-            text = page.locator(".gpipe-playground-text textarea")
-            text.scroll_into_view_if_needed()
-            text.fill("0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1")
-            text.press("Tab")  # the text area sends its value when it loses focus
-            # The verdict and the marked text are two widgets, updated one after the other: wait for both.
-            verdict, marks = page.locator(".gpipe-playground-verdict"), page.locator("mark.gpipe-offending")
+    with _lab_page(artifacts_dir, "07_playground") as (sync_api, page):
+        _open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-playground-verdict",
+                          "valid: bubble 33.33%")
+        text = page.locator(".gpipe-playground-text textarea")
+        text.scroll_into_view_if_needed()
+        text.fill("0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1")
+        text.press("Tab")  # the text area sends its value when it loses focus
+        # The verdict and the marked text are two widgets, updated one after the other: wait for both.
+        verdict, marks = page.locator(".gpipe-playground-verdict"), page.locator("mark.gpipe-offending")
 
-            def deadlock_shown():
-                said = verdict.inner_text()
-                assert "deadlock" in said
-                assert "device 0 waits at 0B0 for 1B0" in said and "device 1 waits at 1F1 for 0F1" in said
-                assert sorted(marks.all_inner_texts()) == ["0B0", "0F1", "1B0", "1F1"]
+        def deadlock_shown():
+            said = verdict.inner_text()
+            assert "deadlock" in said
+            assert "device 0 waits at 0B0 for 1B0" in said and "device 1 waits at 1F1 for 0F1" in said
+            assert sorted(marks.all_inner_texts()) == ["0B0", "0F1", "1B0", "1F1"]
 
-            _eventually(deadlock_shown)
-            page.screenshot(path=str(artifacts_dir / "browser_07_playground_deadlock.png"))
-            text.fill("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1")
-            text.press("Tab")
-            # The verdict turns valid a message before the old marks are cleared (issue 12): wait for both.
-            sync_api.expect(verdict).to_contain_text("valid: bubble", timeout=WAIT_MS)
-            sync_api.expect(marks).to_have_count(0, timeout=WAIT_MS)
-        except Exception:
-            page.screenshot(path=str(artifacts_dir / "browser_07_playground_failure.png"))
-            raise
-        finally:
-            browser.close()
+        _eventually(deadlock_shown)
+        page.screenshot(path=str(artifacts_dir / "browser_07_playground_deadlock.png"))
+        text.fill("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1")
+        text.press("Tab")
+        # The verdict turns valid a message before the old marks are cleared (issue 12): wait for both.
+        sync_api.expect(verdict).to_contain_text("valid: bubble", timeout=WAIT_MS)
+        sync_api.expect(marks).to_have_count(0, timeout=WAIT_MS)
