@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import math
 import os
 import re
@@ -243,25 +242,6 @@ def time_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-class BoundedSink(io.TextIOBase):
-    """A text stream that keeps the first ``limit`` characters and counts the rest."""
-
-    def __init__(self, limit: int = 4000) -> None:
-        self.limit, self.kept, self.dropped = limit, [], 0
-        self._size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        room = self.limit - self._size
-        if room > 0:
-            self.kept.append(text[:room])
-            self._size += min(room, len(text))
-        self.dropped += max(0, len(text) - max(room, 0))
-        return len(text)
 
 
 def _code_objects(obj: Any) -> Iterator[types.CodeType]:
