@@ -16,7 +16,11 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 3), made explic
 * memory: 16 bytes per parameter for mixed-precision Adam (fp16 weights and gradients, fp32 master weights
   and two moments; Rajbhandari et al. 2020, ZeRO, sec. 3.1), activations of s b h (10 + 24 / t + 5 a s / (h t))
   bytes per layer and micro-batch, or 2 s b h with full recomputation (Korthikanti et al. 2022, sec. 4), times
-  the micro-batches the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved).
+  the micro-batches the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved);
+* fit: a configuration fits when its memory per GPU is at most ``ClusterConfig.usable_memory`` (0.9 by
+  default) x the GPU's memory; :func:`plan` drops the others. The 10% kept back is this planner's allowance
+  for what the framework itself takes (CUDA context, communication buffers, allocator fragmentation), not a
+  published figure: set ``usable_memory`` to what you measure on your own cluster.
 
 What it leaves out: kernel-level efficiency differences between shapes (one ``efficiency`` for all),
 overlap of the gradient all-reduce with the backward, the embedding's extra memory and FLOPs on the first and
@@ -92,7 +96,7 @@ class ClusterConfig:
     intra_node_bandwidth: float = 300e9
     inter_node_bandwidth: float = 25e9
     efficiency: float = 0.6  # fraction of peak the layers' kernels sustain
-    usable_memory: float = 0.9  # fraction of memory left to the model (the rest: allocator, workspace)
+    usable_memory: float = 0.9  # share of memory a configuration may fill (the rest: CUDA context, buffers)
 
     def __post_init__(self) -> None:
         positive_int("gpus", self.gpus)
@@ -101,6 +105,11 @@ class ClusterConfig:
             positive(name, getattr(self, name))
         for name in ("efficiency", "usable_memory"):
             fraction(name, getattr(self, name))
+
+    @property
+    def usable_bytes(self) -> float:
+        """The memory per GPU a configuration may fill: ``usable_memory`` x ``memory_bytes`` (the fit rule)."""
+        return self.memory_bytes * self.usable_memory
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ class Plan:
     pp_comm_time: float
     dp_comm_time: float
     memory: dict = field(default_factory=dict)  # weights+grads+optimizer, activations, total (per GPU)
-    fits: bool = True
+    fits: bool = True  # memory[TOTAL_MEMORY] <= cluster.usable_bytes
     flops_per_gpu: float = 0.0  # achieved FLOP/s per GPU, the recomputed forward included (the paper's count)
     utilisation: float = 0.0  # flops_per_gpu / peak: hardware FLOPs utilisation (HFU)
     model_flops_utilisation: float = 0.0  # MFU: the same without recomputation (Chowdhery et al. 2022, app. B)
@@ -208,7 +217,7 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     achieved = model.flops_per_step(recompute=recompute) / (step_time * cluster.gpus)  # hardware FLOPs
     model_flops = model.flops_per_step(recompute=False) / (step_time * cluster.gpus)  # recomputation excluded
     return Plan(dp, tp, pp, b, m, schedule, v, recompute, step_time, compute_time, bubble_time, tp_comm_time,
-                pp_comm_time, dp_comm_time, memory, memory[TOTAL_MEMORY] <= cluster.memory_bytes * cluster.usable_memory,
+                pp_comm_time, dp_comm_time, memory, memory[TOTAL_MEMORY] <= cluster.usable_bytes,
                 achieved, achieved / cluster.peak_flops, model_flops / cluster.peak_flops)
 
 
@@ -297,7 +306,7 @@ def _why_nothing_fits(model: ModelConfig, cluster: ClusterConfig, plans: list[Pl
     """The reason :func:`plan` found nothing: every valid configuration is too large, or none is valid."""
     if plans:
         closest = min(plans, key=lambda p: p.memory[TOTAL_MEMORY])
-        usable = cluster.memory_bytes * cluster.usable_memory
+        usable = cluster.usable_bytes
         return NothingFits(
             f"no layout fits: the smallest memory need is {closest.memory[TOTAL_MEMORY] / 1e9:.1f} GB per GPU "
             f"({closest.label()}) but a GPU has {cluster.memory_bytes / 1e9:g} GB, "

@@ -89,6 +89,20 @@ def test_bigger_memory_admits_more_configurations():
     assert {p.label() for p in small} < {p.label() for p in large}
 
 
+def test_the_fit_rule_is_usable_memory_times_the_gpu_memory():
+    """Notebook 07 states the rule: a plan fits when its memory per GPU is at most usable_memory x memory;
+    raising usable_memory from its default 0.9 to 1 admits exactly the plans between 72 and 80 GB."""
+    model = ModelConfig(layers=80, hidden=12288, heads=96, batch=2304)
+    default = ClusterConfig(gpus=1536)
+    assert default.usable_memory == 0.9 and default.usable_bytes == pytest.approx(72e9)
+    everything = candidates(model, default)
+    assert all(p.fits == (p.memory["total"] <= 72e9) for p in everything)
+    whole = candidates(model, ClusterConfig(gpus=1536, usable_memory=1.0))
+    between = [p.label() for p in everything if 72e9 < p.memory["total"] <= 80e9]
+    assert between, "the example must have plans that only the 10% allowance drops"
+    assert sorted(p.label() for p in whole if p.fits) == sorted([p.label() for p in everything if p.fits] + between)
+
+
 def test_interleaving_pays_most_at_small_batch():
     """Narayanan et al. 2021 (sec. 5.3.2, Fig. 12): the interleaved schedule's gain shrinks as the batch grows."""
     gains = []
