@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+
+from .checks import one_of, positive_int
 
 
 class _Saved:
@@ -99,3 +102,232 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+
+# -- The memory anatomy: what one device holds, by category --------------------------------------------------------
+#
+# The model is the one the course measures: ``layers`` MLP blocks of width h, each Linear(h, f h) -> GELU ->
+# Linear(f h, h) (a transformer's MLP block, ``models.mlp_block``; split across tensor-parallel ranks as Megatron
+# does, ``ParallelMLP``), trained with Adam on an MSE loss. Every device of one pipeline stage holds the same
+# (data- and tensor-parallel ranks are alike), so the anatomy has one entry per stage.
+
+CATEGORIES = ("weights", "gradients", "optimizer state", "activations")
+MEMORY_SCHEDULES = ("gpipe", "1f1b")
+RECOMPUTE_MODES = ("never", "always")  # checkpoint nothing / every stage input (GPipe's checkpoint modes)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor. Adam's state is a master copy of the weights (mixed precision
+    only) and two moments (Kingma & Ba 2015); ZeRO's accounting (Rajbhandari et al. 2020, sec. 3.1)."""
+
+    label: str
+    weight: int
+    gradient: int
+    master_weight: int
+    moment: int
+    activation: int
+
+    @property
+    def optimizer(self) -> int:
+        """Optimizer-state bytes per parameter: the master weight and Adam's two moments."""
+        return self.master_weight + 2 * self.moment
+
+    @property
+    def per_parameter(self) -> int:
+        return self.weight + self.gradient + self.optimizer
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", weight=4, gradient=4, master_weight=0, moment=4, activation=4),
+    "mixed": Precision("mixed bf16", weight=2, gradient=2, master_weight=4, moment=4, activation=2),
+}
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """One training configuration: the model (``layers`` MLP blocks of width ``hidden``, inner width
+    ``ffn`` x ``hidden``), the global ``batch`` in rows, how it is split (``dp`` x ``tp`` x ``pp`` devices,
+    ``microbatches`` per data-parallel replica), the pipeline ``schedule``, ``recompute`` ("never", or "always":
+    keep only each stage's input per micro-batch) and ``precision`` ("fp32" or "mixed" bf16)."""
+
+    hidden: int = 1024
+    layers: int = 24
+    batch: int = 256
+    ffn: int = 4
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 8
+    schedule: str = "gpipe"
+    recompute: str = "never"
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "batch", "ffn", "dp", "tp", "pp", "microbatches"):
+            positive_int(name, getattr(self, name))
+        one_of("schedule", self.schedule, MEMORY_SCHEDULES)
+        one_of("recompute", self.recompute, RECOMPUTE_MODES)
+        one_of("precision", self.precision, tuple(PRECISIONS))
+        if self.layers % self.pp:
+            raise ValueError(f"layers ({self.layers}) must divide into pp ({self.pp}) equal stages, got pp={self.pp}")
+        if (self.ffn * self.hidden) % self.tp:
+            raise ValueError(f"tp must divide the inner width ffn x hidden = {self.ffn * self.hidden}, got tp={self.tp}")
+        if self.batch % (self.dp * self.microbatches):
+            raise ValueError(f"batch ({self.batch}) must divide into dp x microbatches = "
+                             f"{self.dp * self.microbatches} equal micro-batches, got batch={self.batch}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def rows_per_microbatch(self) -> int:
+        return self.batch // (self.dp * self.microbatches)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device holds at its peak, by category (activations: the saved ones, at their peak)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    def by_category(self) -> dict[str, int]:
+        return dict(zip(CATEGORIES, (self.weights, self.gradients, self.optimizer, self.activations)))
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    @property
+    def largest(self) -> str:
+        """The category holding the most bytes."""
+        parts = self.by_category()
+        return max(parts, key=parts.get)
+
+
+def block_parameters(hidden: int, ffn: int = 4, tp: int = 1) -> int:
+    """Parameters of one MLP block on one tensor-parallel rank: the two weight matrices and the first bias are
+    split t ways, the second bias (added after the all-reduce) is whole on every rank."""
+    inner = ffn * hidden // tp
+    return 2 * hidden * inner + inner + hidden
+
+
+def stage_parameters(setup: MemorySetup) -> int:
+    """Parameters one device holds: its stage's ``layers / pp`` blocks, its ``1/tp`` share of each."""
+    return setup.layers // setup.pp * block_parameters(setup.hidden, setup.ffn, setup.tp)
+
+
+def state_bytes(setup: MemorySetup) -> dict[str, int]:
+    """Weights, gradients and optimizer state of one device (every data-parallel rank keeps all three)."""
+    params, precision = stage_parameters(setup), PRECISIONS[setup.precision]
+    return {"weights": params * precision.weight, "gradients": params * precision.gradient,
+            "optimizer": params * precision.optimizer}
+
+
+def saved_per_microbatch(setup: MemorySetup, stage: int) -> tuple[int, int]:
+    """Elements one micro-batch saves on ``stage``: ``(stage input, everything)``. A block saves its input
+    (r x h, whole on every tensor-parallel rank), the GELU's input and the second Linear's input (r x f h / t
+    each); the last stage's loss also keeps its prediction and target (r x h each)."""
+    r, h = setup.rows_per_microbatch, setup.hidden
+    per_block = r * h + 2 * r * setup.ffn * h // setup.tp
+    loss = 2 * r * h if stage == setup.pp - 1 else 0
+    return r * h, setup.layers // setup.pp * per_block + loss
+
+
+def microbatches_in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
+    """The most micro-batches ``stage`` holds at once (forward done, backward not), as the simulator counts them:
+    all ``m`` under GPipe, ``min(m, p - stage)`` under 1F1B (notebook 05, section 3)."""
+    from .schedule import make_schedule
+    from .simulator import simulate
+
+    return simulate(make_schedule(schedule, pp, microbatches)).peak_in_flight(stage)
+
+
+def activation_bytes(setup: MemorySetup, stage: int, held: int | None = None) -> int:
+    """Peak saved-activation bytes on ``stage`` with ``held`` micro-batches in flight (default: the schedule's).
+    Without recomputation each held micro-batch keeps everything; with it each keeps its stage input, and the one
+    being recomputed has its other activations back."""
+    held = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches, stage) if held is None else held
+    stage_input, everything = saved_per_microbatch(setup, stage)
+    elements = held * everything if setup.recompute == "never" else held * stage_input + everything - stage_input
+    return elements * PRECISIONS[setup.precision].activation
+
+
+def memory_anatomy(setup: MemorySetup) -> list[DeviceMemory]:
+    """Predicted bytes per device of each pipeline stage, by category (see :data:`CATEGORIES`)."""
+    if not isinstance(setup, MemorySetup):
+        raise TypeError(f"setup must be a MemorySetup, got {type(setup).__name__}")
+    states = state_bytes(setup)
+    in_flight = [microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches, s) for s in range(setup.pp)]
+    return [DeviceMemory(states["weights"], states["gradients"], states["optimizer"],
+                         activation_bytes(setup, s, in_flight[s])) for s in range(setup.pp)]
+
+
+# -- The same quantities measured from the tensors of a real step ----------------------------------------------------
+
+def _measure_stages(setup: MemorySetup, seed: int, group=None) -> list[DeviceMemory]:
+    """Run one step of the setup on this process (one data-parallel replica's rows; with a ``group`` this process
+    is one tensor-parallel rank) and count the bytes of the tensors each stage holds."""
+    from torch import nn
+
+    from .models import mlp_block, regression_data
+    from .pipeline import GPipe
+
+    precision = PRECISIONS[setup.precision]
+    dtype = torch.float32 if precision.weight == 4 else torch.bfloat16
+    torch.manual_seed(seed)
+    blocks = [mlp_block(setup.hidden, setup.ffn * setup.hidden) for _ in range(setup.layers)]
+    if group is not None:
+        from .distributed.tensor_parallel import ParallelMLP
+
+        blocks = [ParallelMLP.from_dense(block, group=group) for block in blocks]
+    model = nn.Sequential(*blocks).to(dtype)
+    x, y = regression_data(samples=setup.batch // setup.dp, width=setup.hidden, seed=seed)
+    pipe = GPipe(model, balance=[setup.layers // setup.pp] * setup.pp, chunks=setup.microbatches,
+                 checkpoint=setup.recompute, schedule=setup.schedule)
+    pipe.step(x.to(dtype), y.to(dtype), nn.MSELoss())
+    measured = []
+    for s, stage in enumerate(pipe.stages):
+        params = list(stage.parameters())
+        if precision.master_weight:  # mixed precision: Adam updates fp32 master copies of the bf16 weights
+            masters = [p.detach().float() for p in params]
+            for master, p in zip(masters, params):
+                master.grad = p.grad.float()
+        else:
+            masters = params
+        optimizer = torch.optim.Adam(masters, lr=1e-3)
+        optimizer.step()
+        moments = sum(state[key].nbytes for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq"))
+        master_bytes = sum(m.nbytes for m in masters) if precision.master_weight else 0
+        measured.append(DeviceMemory(weights=sum(p.nbytes for p in params),
+                                     gradients=sum(p.grad.nbytes for p in params),
+                                     optimizer=master_bytes + moments,
+                                     activations=int(pipe.timeline.peak_memory[s])))
+    return measured
+
+
+def _measure_tensor_parallel_rank(rank: int, world_size: int, setup: MemorySetup, seed: int) -> list[DeviceMemory]:
+    torch.set_num_threads(1)
+    return _measure_stages(setup, seed, group=torch.distributed.group.WORLD)
+
+
+def measure_anatomy(setup: MemorySetup, seed: int = 0, timeout: float = 120.0) -> list[list[DeviceMemory]]:
+    """Measured bytes per device of each pipeline stage, for each tensor-parallel rank: ``[rank][stage]``.
+
+    One step of the setup runs on the CPU (pipeline stages simulated in one process, see ``GPipe``; with
+    ``tp > 1`` one process per tensor-parallel rank on gloo). Weights, gradients and optimizer state are the
+    bytes of the tensors themselves (Adam's ``exp_avg`` and ``exp_avg_sq``, plus the fp32 master weights in
+    mixed precision; its step counter, one scalar per tensor, is left out); activations are the peak the
+    :class:`ActivationMeter` records. A data-parallel rank is a whole replica on ``batch / dp`` rows: it is
+    measured as one replica on its rows (no all-reduce changes what it holds)."""
+    if not isinstance(setup, MemorySetup):
+        raise TypeError(f"setup must be a MemorySetup, got {type(setup).__name__}")
+    if setup.tp == 1:
+        return [_measure_stages(setup, seed)]
+    from .distributed import launch
+
+    return launch(_measure_tensor_parallel_rank, setup.tp, setup, seed, backend="gloo", timeout=timeout)
