@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from ..planner import (ACTIVATION_MEMORY, STATE_MEMORY, TOTAL_MEMORY, ClusterConfig, ModelConfig, NothingFits,
-                       plan, pipeline_timeline)
+                       candidates, plan, pipeline_timeline)
 from ..viz import timeline_svg
 from .base import Dashboard
 
@@ -20,6 +20,8 @@ class PlannerExplorer(Dashboard):
         "GPT 1.7B": (24, 2304, 24), "GPT 7.5B": (36, 4096, 32), "GPT 18.4B": (40, 6144, 48),
         "GPT 39.1B": (48, 8192, 64), "GPT 145.6B": (80, 12288, 96), "GPT 1T": (128, 25600, 160),
     }
+
+    DRAWN_MICROBATCHES = 16  # the picture draws at most this many of the plan's m micro-batches
 
     def __init__(self, model: str = "GPT 39.1B", gpus: int = 512, memory_gb: int = 80, batch: int = 1536) -> None:
         import ipywidgets as w
@@ -38,7 +40,7 @@ class PlannerExplorer(Dashboard):
         self.ranking.add_class("gpipe-planner-ranking")
         self.memory_bars = w.HTML()
         self.picture = w.HTML()
-        self.plans = []
+        self.plans, self.cluster = [], None
         for control in (self.model, self.gpus, self.memory, self.batch):
             control.observe(lambda _change: self.search(), names="value")
         self.choice.observe(lambda _change: self.show(), names="value")
@@ -51,6 +53,7 @@ class PlannerExplorer(Dashboard):
         layers, hidden, heads = self.PRESETS[self.model.value]
         model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=self.batch.value)
         cluster = ClusterConfig(gpus=self.gpus.value, memory_bytes=self.memory.value * 1e9)
+        self.cluster = cluster
         try:
             self.plans = plan(model, cluster, top=8)
         except NothingFits as nothing:  # the planner says why: shown in place of the table
@@ -60,12 +63,16 @@ class PlannerExplorer(Dashboard):
                                   f"{html.escape(str(nothing))}")
             self.choice.options, self.memory_bars.value, self.picture.value = [], "", ""
             return
+        every = candidates(model, cluster)
+        rule = (f"<div>{sum(p.fits for p in every)} of {len(every)} configurations fit: memory per GPU at most "
+                f"{cluster.usable_bytes / 1e9:.1f} GB, usable_memory = {cluster.usable_memory:g} of "
+                f"{self.memory.value} GB; the fastest {len(self.plans)}:</div>")
         rows = "".join(f"<tr><td>{i + 1}</td><td>{p.label()}</td><td>{p.step_time:.2f} s</td>"
                        f"<td>{p.bubble_fraction:.1%}</td><td>{p.memory[TOTAL_MEMORY] / 1e9:.1f} GB</td>"
                        f"<td>{p.flops_per_gpu / 1e12:.0f} ({p.utilisation:.0%} HFU, "
                        f"{p.model_flops_utilisation:.0%} MFU)</td></tr>"
                        for i, p in enumerate(self.plans))
-        self.ranking.value = ("<table><tr><th>#</th><th>configuration</th><th>step</th><th>bubble</th>"
+        self.ranking.value = (rule + "<table><tr><th>#</th><th>configuration</th><th>step</th><th>bubble</th>"
                               "<th>memory/GPU</th><th>TFLOP/s per GPU</th></tr>" + rows + "</table>")
         self.choice.options = [(p.label(), i) for i, p in enumerate(self.plans)]
         self.choice.value = 0
@@ -77,19 +84,33 @@ class PlannerExplorer(Dashboard):
             return
         chosen = self.plans[self.choice.value]
         budget = self.memory.value * 1e9
+        usable = self.cluster.usable_bytes
         parts = [(STATE_MEMORY, "#4e79a7"), (ACTIVATION_MEMORY, "#f28e2b")]
         bar = "".join(f"<div title='{name}: {chosen.memory[name] / 1e9:.1f} GB' style='display:inline-block;"
                       f"height:18px;background:{color};width:{min(100, 100 * chosen.memory[name] / budget):.1f}%'>"
                       f"</div>" for name, color in parts)
+        limit = (f"<div style='position:absolute;top:0;bottom:0;left:{100 * usable / budget:.1f}%;"
+                 f"border-left:2px dashed #b00' title='usable: {usable / 1e9:.1f} GB'></div>")
         self.memory_bars.value = (f"<div>memory per GPU: {chosen.memory[TOTAL_MEMORY] / 1e9:.1f} of "
-                                  f"{self.memory.value} GB (blue: weights, gradients, optimizer; orange: "
-                                  f"activations)</div><div style='width:600px;border:1px solid #888'>{bar}</div>")
+                                  f"{self.memory.value} GB, {usable / 1e9:.1f} GB usable (dashed line: "
+                                  f"usable_memory = {self.cluster.usable_memory:g}; blue: weights, gradients, optimizer; "
+                                  f"orange: activations)</div><div style='width:600px;border:1px solid #888;"
+                                  f"position:relative'>{bar}{limit}</div>")
         if chosen.pp > 1:
-            _, timeline = pipeline_timeline(chosen, max_microbatches=16)
-            self.picture.value = timeline_svg(timeline, title=f"one data-parallel replica's pipeline "
-                                                              f"(first {timeline.num_microbatches} micro-batches)")
+            _, timeline = pipeline_timeline(chosen, max_microbatches=self.DRAWN_MICROBATCHES)
+            self.picture.value = timeline_svg(timeline, title=self.picture_title(chosen, timeline))
         else:
             self.picture.value = "<i>no pipeline (pp = 1): nothing to draw</i>"
+
+    @staticmethod
+    def picture_title(chosen, timeline) -> str:
+        """Which m the table's bubble is for and which m is drawn (``timeline_svg`` adds the drawn one's bubble).
+        The table's bubble is a share of the whole step, the data-parallel all-reduce included; the picture's
+        is the pipeline's idle share alone."""
+        drawn = timeline.num_microbatches
+        return (f"table: m = {chosen.num_microbatches}, bubble {chosen.bubble_fraction:.1%} of the whole step; "
+                f"drawn: {'all' if drawn == chosen.num_microbatches else 'the first'} {drawn} micro-batches, "
+                f"the pipeline alone")
 
 
 def planner_explorer(**initial) -> PlannerExplorer:
