@@ -238,20 +238,22 @@ def saved_per_microbatch(setup: MemorySetup, stage: int) -> tuple[int, int]:
     return r * h, setup.layers // setup.pp * per_block + loss
 
 
-def microbatches_in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
-    """The most micro-batches ``stage`` holds at once (forward done, backward not), as the simulator counts them:
+def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> list[int]:
+    """The most micro-batches each stage holds at once (forward done, backward not), as the simulator counts them:
     all ``m`` under GPipe, ``min(m, p - stage)`` under 1F1B (notebook 05, section 3)."""
     from .schedule import make_schedule
     from .simulator import simulate
 
-    return simulate(make_schedule(schedule, pp, microbatches)).peak_in_flight(stage)
+    one_of("schedule", schedule, MEMORY_SCHEDULES)
+    timeline = simulate(make_schedule(schedule, pp, microbatches))
+    return [timeline.peak_in_flight(stage) for stage in range(pp)]
 
 
 def activation_bytes(setup: MemorySetup, stage: int, held: int | None = None) -> int:
     """Peak saved-activation bytes on ``stage`` with ``held`` micro-batches in flight (default: the schedule's).
     Without recomputation each held micro-batch keeps everything; with it each keeps its stage input, and the one
     being recomputed has its other activations back."""
-    held = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches, stage) if held is None else held
+    held = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches)[stage] if held is None else held
     stage_input, everything = saved_per_microbatch(setup, stage)
     elements = held * everything if setup.recompute == "never" else held * stage_input + everything - stage_input
     return elements * PRECISIONS[setup.precision].activation
@@ -262,7 +264,7 @@ def memory_anatomy(setup: MemorySetup) -> list[DeviceMemory]:
     if not isinstance(setup, MemorySetup):
         raise TypeError(f"setup must be a MemorySetup, got {type(setup).__name__}")
     states = state_bytes(setup)
-    in_flight = [microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches, s) for s in range(setup.pp)]
+    in_flight = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches)
     return [DeviceMemory(states["weights"], states["gradients"], states["optimizer"],
                          activation_bytes(setup, s, in_flight[s])) for s in range(setup.pp)]
 

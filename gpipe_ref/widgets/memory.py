@@ -1,0 +1,160 @@
+"""The memory-anatomy explorer: what one device holds (weights, gradients, optimizer state, activations)
+as the model is split dp x tp x pp, scheduled GPipe or 1F1B, recomputed or not, in fp32 or mixed bf16.
+
+The numbers come from :func:`gpipe_ref.memory.memory_anatomy`, which the tests hold equal to the bytes of a
+real step's tensors (:func:`gpipe_ref.memory.measure_anatomy`).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from dataclasses import replace
+
+from ..memory import CATEGORIES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy
+from .base import Dashboard
+
+__all__ = ["MemoryExplorer", "memory_explorer", "memory_readout", "memory_svg", "format_bytes"]
+
+COLOURS = {"weights": "#1f77b4", "gradients": "#ff7f0e", "optimizer state": "#2ca02c", "activations": "#d62728"}
+HATCHES = {"weights": "", "gradients": "//", "optimizer state": "..", "activations": "xx"}
+RECOMPUTE_LABELS = [("none", "never"), ("checkpoint every stage input", "always")]
+SCHEDULE_LABELS = [("GPipe (all forwards, then all backwards)", "gpipe"), ("1F1B", "1f1b")]
+PRECISION_LABELS = [(PRECISIONS[name].label, name) for name in PRECISIONS]
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in decimal units (GB = 1e9 bytes, as GPU datasheets count)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def memory_readout(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float) -> str:
+    """A summary line (devices, rows per micro-batch, the fullest device and its largest category) and a table
+    of every stage's bytes by category."""
+    fullest = max(range(len(anatomy)), key=lambda s: anatomy[s].total)
+    device = anatomy[fullest]
+    share = device.by_category()[device.largest] / device.total
+    fits = "fits in" if device.total <= capacity else "does not fit in"
+    summary = (f"<b>{setup.dp} x {setup.tp} x {setup.pp} = {setup.devices} devices</b> (dp x tp x pp), "
+               f"{setup.rows_per_microbatch} rows per micro-batch &middot; fullest device: stage {fullest}, "
+               f"<b>{format_bytes(device.total)}</b> ({fits} {format_bytes(capacity)}) &middot; largest category "
+               f"there: <b>{device.largest}</b>, {share:.0%} of it")
+    head = "".join(f"<th style='padding:2px 8px'>{name}</th>" for name in (*CATEGORIES, "total"))
+    rows = []
+    for s, memory in enumerate(anatomy):
+        cells = [*memory.by_category().values(), memory.total]
+        rows.append(f"<tr><th style='padding:2px 8px'>stage {s}</th>"
+                    + "".join(f"<td style='padding:2px 8px;text-align:right'>{format_bytes(v)}</td>" for v in cells)
+                    + "</tr>")
+    return (f"<div>{summary}</div><table class='gpipe-memory-table' style='border-collapse:collapse'>"
+            f"<tr><th></th>{head}</tr>{''.join(rows)}</table>")
+
+
+def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float) -> str:
+    """Stacked bars, one per pipeline stage (each stands for its dp x tp devices), one colour per category."""
+    from matplotlib.figure import Figure  # no pyplot: the notebook's backend is left alone
+
+    fig = Figure(figsize=(7.5, 3.2))
+    ax = fig.add_subplot()
+    stages = range(len(anatomy))
+    bottom = [0.0] * len(anatomy)
+    for name in CATEGORIES:
+        heights = [memory.by_category()[name] / 1e9 for memory in anatomy]
+        ax.bar(stages, heights, bottom=bottom, color=COLOURS[name], hatch=HATCHES[name], edgecolor="white",
+               label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    top = max(bottom)
+    if capacity / 1e9 <= 1.5 * top:  # the device's memory as a line, unless it would flatten the bars
+        ax.axhline(capacity / 1e9, color="black", linestyle="--", linewidth=1,
+                   label=f"{format_bytes(capacity)} device")
+        top = max(top, capacity / 1e9)
+    ax.set_xticks(list(stages), [f"stage {s}" for s in stages])
+    ax.set_ylabel("GB per device")
+    ax.set_ylim(0, top * 1.1)
+    ax.set_title(f"{PRECISIONS[setup.precision].label}, {setup.schedule}, recompute {setup.recompute}: "
+                 f"each of {setup.devices} device{'s' if setup.devices > 1 else ''}", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    order = [labels.index(name) for name in reversed(CATEGORIES)] + [i for i, label in enumerate(labels)
+                                                                     if label not in CATEGORIES]
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",  # top of the stack first
+              bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    out = io.StringIO()
+    fig.savefig(out, format="svg")
+    svg = out.getvalue()
+    return svg[svg.index("<svg"):]
+
+
+class MemoryExplorer(Dashboard):
+    """Split a model dp x tp x pp, pick the schedule, recomputation and precision; see each device's bytes.
+
+    The model is ``layers`` MLP blocks of width ``hidden`` trained on ``batch`` rows (tokens), as in
+    :class:`~gpipe_ref.memory.MemorySetup`; ``capacity`` is one device's memory in bytes (the dashed line).
+    """
+
+    PP_CHOICES = (1, 2, 3, 4, 6, 8)
+    POWERS_OF_TWO = (1, 2, 4, 8)
+    MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
+
+    def __init__(self, hidden: int = 2048, layers: int = 24, batch: int = 16384, dp: int = 1, tp: int = 1,
+                 pp: int = 1, microbatches: int = 8, schedule: str = "gpipe", recompute: str = "never",
+                 precision: str = "fp32", capacity: float = 80e9) -> None:
+        import ipywidgets as w
+
+        self.base = MemorySetup(hidden=hidden, layers=layers, batch=batch, dp=dp, tp=tp, pp=pp,
+                                microbatches=microbatches, schedule=schedule, recompute=recompute, precision=precision)
+        for name, value, choices in (("dp", dp, self.POWERS_OF_TWO), ("tp", tp, self.POWERS_OF_TWO),
+                                     ("pp", pp, self.PP_CHOICES), ("microbatches", microbatches,
+                                                                   self.MICROBATCH_CHOICES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        self.capacity = capacity
+        style = {"description_width": "150px"}
+        layout = w.Layout(width="420px")
+        self.dp = w.SelectionSlider(options=self.POWERS_OF_TWO, value=dp, description="data parallel dp",
+                                    style=style, layout=layout)
+        self.tp = w.SelectionSlider(options=self.POWERS_OF_TWO, value=tp, description="tensor parallel tp",
+                                    style=style, layout=layout)
+        self.pp = w.SelectionSlider(options=self.PP_CHOICES, value=pp, description="pipeline stages pp",
+                                    style=style, layout=layout)
+        self.microbatches = w.SelectionSlider(options=self.MICROBATCH_CHOICES, value=microbatches,
+                                              description="micro-batches m", style=style, layout=layout)
+        self.schedule = w.Dropdown(options=SCHEDULE_LABELS, value=schedule, description="schedule", style=style,
+                                   layout=layout)
+        self.recompute = w.Dropdown(options=RECOMPUTE_LABELS, value=recompute, description="recomputation",
+                                    style=style, layout=layout)
+        self.precision = w.Dropdown(options=PRECISION_LABELS, value=precision, description="precision",
+                                    style=style, layout=layout)
+        self.readout = w.HTML(layout=w.Layout(min_height="48px"))
+        self.readout.add_class("gpipe-memory-readout")
+        self.picture = w.HTML()
+        self.picture.add_class("gpipe-memory-picture")
+        self.setup, self.anatomy = self.base, []
+        controls = [self.dp, self.tp, self.pp, self.microbatches, self.schedule, self.recompute, self.precision]
+        for control in controls:
+            control.observe(lambda _change: self.redraw(), names="value")
+        self.widget = w.VBox([w.HBox([w.VBox(controls[:4]), w.VBox(controls[4:])]), self.readout, self.picture])
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Recompute the anatomy for the controls' values; redraw the readout and the bars."""
+        try:
+            self.setup = replace(self.base, dp=self.dp.value, tp=self.tp.value, pp=self.pp.value,
+                                 microbatches=self.microbatches.value, schedule=self.schedule.value,
+                                 recompute=self.recompute.value, precision=self.precision.value)
+        except ValueError as exc:
+            self.anatomy = []
+            self.readout.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+            self.picture.value = ""
+            return
+        self.anatomy = memory_anatomy(self.setup)
+        self.readout.value = memory_readout(self.setup, self.anatomy, self.capacity)
+        self.picture.value = memory_svg(self.setup, self.anatomy, self.capacity)
+
+
+def memory_explorer(**initial) -> MemoryExplorer:
+    """Build the memory-anatomy explorer (display it by leaving it last in a cell)."""
+    return MemoryExplorer(**initial)
