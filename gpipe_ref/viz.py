@@ -1,15 +1,25 @@
-"""Pictures of a Timeline with matplotlib.
+"""Pictures of a Timeline with matplotlib (and as SVG, for widgets).
 
 Every plot takes a :class:`~gpipe_ref.timeline.Timeline`, simulated or
 measured, so both are drawn the same way. A device that communicates gets a
 second row under its own: its comm track.
+
+Colour says what a bar does: forward, backward, weight gradient or
+communication, one colour each, the same in the bars and in the legend. The
+micro-batch is written in the bar (``F3``: micro-batch 3's forward, shortened
+to ``3`` when that is all that fits) and only where the text fits inside the
+bar as drawn: a colour per micro-batch would repeat after ten and could not
+be read off a legend. Idle time is one hatched grey band per row under the
+bars (hatching thousands of small gaps one by one is what makes matplotlib
+slow).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from .checks import integer, positive_int
 from .timeline import Timeline
@@ -17,26 +27,18 @@ from .timeline import Timeline
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
     from matplotlib.axes import Axes
 
-# Forward: the micro-batch's colour. Backward: the same colour, lighter.
-# W (weight gradient): the same colour, darker. Communication: lighter, coloured
-# by its place on the comm track. Idle: grey hatching, drawn as one hatched band
-# per row under the bars (hatching thousands of small gaps one by one is what
-# makes matplotlib slow).
 _COMM = "comm"  # the bar kind of a Transfer
 _KINDS = ("F", "B", "W", _COMM)  # drawing and legend order
-_LIGHTEN = {"F": 0.0, "B": 0.5, "W": -0.4, _COMM: 0.25}
-_LABEL_LIMIT = 400  # above this many bars, bars are not labelled (too small to read)
-
-
-def _shade(rgb: tuple[float, float, float], amount: float) -> tuple[float, float, float]:
-    """Blend towards white (amount > 0) or black (amount < 0)."""
-    if amount >= 0:
-        return tuple(c + (1.0 - c) * amount for c in rgb)
-    return tuple(c * (1.0 + amount) for c in rgb)
+KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", _COMM: "#8172b3"}  # bars and legend alike
+_IDLE_FILL, _IDLE_EDGE, _IDLE_HATCH = "#f2f2f2", "#b0b0b0", "////"
+_LABEL_LIMIT = 400  # above this many bars, bars are not labelled (too small to read, and slow)
+_LABEL_PAD_PX = 2  # clear space each side of a label inside its bar
+_BAR_HEIGHT = 0.8  # of a row
 
 
 def microbatch_color(microbatch: int) -> tuple[float, float, float]:
-    """A stable colour per micro-batch (tab10, cycling)."""
+    """A colour per micro-batch (tab10, so it repeats every 10): for plots of a few micro-batches.
+    Timelines colour by op instead and write the micro-batch in the bar."""
     from matplotlib import colormaps
 
     integer("microbatch", microbatch, 0)
@@ -51,15 +53,25 @@ def running_mean(values: list[float], window: int = 8) -> list[float]:
             for k in range(len(values))]
 
 
+def _hex(rgb: Sequence[float]) -> str:
+    return "#%02x%02x%02x" % tuple(round(255 * c) for c in rgb[:3])
+
+
+def _text_color(fill: str) -> str:
+    """Black on a light fill, white on a dark one (perceived luminance)."""
+    r, g, b = (int(fill[k:k + 2], 16) for k in (1, 3, 5))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "white"
+
+
 class _Bar(NamedTuple):
-    """One drawn bar: ``kind`` is F, B, W or "comm"; ``color`` indexes the tab10 palette."""
+    """One drawn bar: ``kind`` is F, B, W or "comm"; ``labels`` are the texts to try, longest first."""
 
     row: int
     start: float
     end: float
     kind: str
-    color: int
-    text: str
+    fill: str
+    labels: tuple[str, ...]
     tooltip: str
 
 
@@ -79,30 +91,46 @@ def _row_names(timeline: Timeline) -> list[str]:
     return [f"device {d}" + (" comm" if track == _COMM else "") for d, track in _rows(timeline)]
 
 
-def _bars(timeline: Timeline, color_by: str = "microbatch") -> list[_Bar]:
-    """Every compute event and transfer as a bar on its row. ``color_by="version"``
-    colours compute by weight version; a transfer is coloured and labelled ``C<k>``
-    by its place ``k`` on its comm track (its bucket, for data parallelism)."""
+def version_colors(versions: Sequence[int]) -> dict[int, str]:
+    """A distinct colour per weight version, evenly spaced along viridis (dark = old, yellow = new),
+    so that no two versions share a colour however many there are."""
+    from matplotlib import colormaps
+
+    distinct = sorted(set(versions))
+    steps = max(1, len(distinct) - 1)
+    return {v: _hex(colormaps["viridis"](k / steps)) for k, v in enumerate(distinct)}
+
+
+def _bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[_Bar], list[tuple[str, str]]]:
+    """Every compute event and transfer as a bar on its row, and the legend: ``(colour, name)``
+    for each colour drawn. ``color_by="microbatch"`` colours by op and writes the micro-batch in
+    the bar; ``"version"`` colours compute by the weight version it used (legend: one swatch per
+    version). A transfer is labelled ``C<k>`` by its place ``k`` on its comm track (its bucket,
+    for data parallelism)."""
     _check_color_by(color_by)
     row_of = {track: i for i, track in enumerate(_rows(timeline))}
-    by_microbatch = color_by == "microbatch"
-    bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op,
-                e.microbatch if by_microbatch else (e.weight_version or 0),
-                f"{e.op}{e.microbatch}" if by_microbatch else f"v{e.weight_version}",
-                f"{e.label} (weights v{e.weight_version})") for e in timeline.events]
+    if color_by == "microbatch":
+        bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, KIND_COLORS[e.op],
+                     (f"{e.op}{e.microbatch}", f"{e.microbatch}"), f"{e.label} (weights v{e.weight_version})")
+                for e in timeline.events]
+        kinds = {e.op for e in timeline.events}
+        names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input grad)",
+                 "W": "weight grad"}
+        legend = [(KIND_COLORS[k], names[k]) for k in _KINDS if k in kinds]
+    else:
+        colors = version_colors([e.weight_version or 0 for e in timeline.events])
+        bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, colors[e.weight_version or 0],
+                     (f"v{e.weight_version or 0}", f"{e.weight_version or 0}"),
+                     f"{e.label} (weights v{e.weight_version})") for e in timeline.events]
+        legend = [(fill, f"weights v{v}") for v, fill in colors.items()]
     for d in sorted({t.device for t in timeline.comm}):
         for k, t in enumerate(timeline.on_comm(d)):
             size = "" if t.bytes is None else f", {t.bytes} bytes"
-            bars.append(_Bar(row_of[(d, _COMM)], t.start, t.end, _COMM, k, f"C{k}", f"{t.name}{size}"))
-    return bars
-
-
-def _legend_kinds(bars: list[_Bar]) -> dict[str, str]:
-    """The kinds drawn, in legend order, with their legend names."""
-    kinds = {b.kind for b in bars}
-    names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input grad)",
-             "W": "weight grad", _COMM: "communication"}
-    return {kind: names[kind] for kind in _KINDS if kind in kinds}
+            bars.append(_Bar(row_of[(d, _COMM)], t.start, t.end, _COMM, KIND_COLORS[_COMM], (f"C{k}", f"{k}"),
+                             f"{t.name}{size}"))
+    if timeline.comm:
+        legend.append((KIND_COLORS[_COMM], "communication"))
+    return bars, legend
 
 
 def _check_color_by(color_by: str) -> None:
@@ -117,8 +145,9 @@ def _check_timeline(timeline: object) -> None:
 
 def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,
                   rows: list[str] | None = None, bubble: bool = True) -> "Axes":
-    """Draw one row per device (and one per comm track): bars coloured by micro-batch,
-    F/B/W told apart by shade, idle time hatched grey, bubble % in the title.
+    """Draw one row per device (and one per comm track): bars coloured by op (F, B, W,
+    communication; the legend, right of the axes, shows the same colours), the micro-batch
+    written in each bar wide enough to hold it, idle time hatched grey, bubble % in the title.
     ``rows`` renames the rows (default "device d", "device d comm"); ``bubble=False``
     leaves the bubble out of the title."""
     import matplotlib.pyplot as plt
@@ -132,66 +161,171 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
         names = list(rows)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.2))
-    bars = _bars(timeline)
+    bars, legend = _bars(timeline)
     _draw_bars(ax, bars, len(names), timeline.origin, timeline.makespan)
-    ax.set_xlim(0, timeline.makespan or 1.0)
-    ax.set_ylim(len(names) - 0.5, -0.5)  # device 0 on top
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(names)
-    ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
+    _frame(ax, names, timeline)
     if bubble:
         ax.set_title(f"{title} - bubble {timeline.bubble_fraction:.1%}" if title else
                      f"bubble {timeline.bubble_fraction:.1%}")
     else:
         ax.set_title(title or "")
-    _draw_legend(ax, bars)
+    _draw_legend(ax, legend)
     return ax
+
+
+def _frame(ax: "Axes", names: list[str], timeline: Timeline) -> None:
+    """Limits, row names (device 0 on top) and the time axis."""
+    ax.set_xlim(0, timeline.makespan or 1.0)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names)
+    ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
+
+
+@functools.cache
+def _bar_label_class():
+    """``BarLabel``, a matplotlib Text drawn only where it fits in its bar (built on first use,
+    as matplotlib is imported only when a plot is drawn)."""
+    from matplotlib.text import Text
+
+    class BarLabel(Text):
+        """A bar's label. At draw time, with the axes' final size (after ``tight_layout``,
+        subplots or a zoom), it measures each candidate text with the renderer and draws
+        the first whose extent fits inside the bar in display units, ``_LABEL_PAD_PX``
+        clear each side; ``shown`` is then that text, or None when none fits."""
+
+        def __init__(self, start: float, end: float, row: int, candidates: tuple[str, ...], **kwargs) -> None:
+            super().__init__((start + end) / 2, row, candidates[0], ha="center", va="center", **kwargs)
+            self.span = (start, end, row - _BAR_HEIGHT / 2, row + _BAR_HEIGHT / 2)
+            self.candidates = candidates
+            self.shown: str | None = None
+
+        def draw(self, renderer) -> None:
+            self.shown = None
+            if not self.get_visible() or self.axes is None:
+                return
+            x0, x1, y0, y1 = self.span
+            (px0, py0), (px1, py1) = self.axes.transData.transform([(x0, y0), (x1, y1)])
+            room_w, room_h = abs(px1 - px0) - 2 * _LABEL_PAD_PX, abs(py1 - py0)
+            for text in self.candidates:
+                width, height, _ = renderer.get_text_width_height_descent(text, self.get_fontproperties(),
+                                                                          ismath=False)
+                if width <= room_w and height <= room_h:
+                    self.set_text(text)
+                    self.shown = text
+                    super().draw(renderer)
+                    return
+
+    return BarLabel
 
 
 def _draw_bars(ax: "Axes", bars: list[_Bar], num_rows: int, origin: float, span: float) -> None:
     """The hatched idle band of every row, then one collection of bars per kind, then their labels."""
     from matplotlib.collections import PolyCollection
 
-    height = 0.8
-
     def box(row: int, start: float, end: float) -> list[tuple[float, float]]:
-        y = row - height / 2
-        return [(start, y), (end, y), (end, y + height), (start, y + height)]
+        y = row - _BAR_HEIGHT / 2
+        return [(start, y), (end, y), (end, y + _BAR_HEIGHT), (start, y + _BAR_HEIGHT)]
 
     ax.add_collection(PolyCollection(
         [box(r, 0.0, span) for r in range(num_rows)],
-        facecolors="#f2f2f2", edgecolors="#b0b0b0", hatch="////", linewidths=0.0,
+        facecolors=_IDLE_FILL, edgecolors=_IDLE_EDGE, hatch=_IDLE_HATCH, linewidths=0.0,
     ))
-    palette = [_shade(microbatch_color(i), 0.0) for i in range(10)]
     labelled = len(bars) <= _LABEL_LIMIT
     for kind in _KINDS:
         of_kind = [b for b in bars if b.kind == kind]
-        if not of_kind:
-            continue
-        shades = [_shade(c, _LIGHTEN[kind]) for c in palette]
-        ax.add_collection(PolyCollection(
-            [box(b.row, b.start - origin, b.end - origin) for b in of_kind],
-            facecolors=[shades[b.color % 10] for b in of_kind],
-            edgecolors="white", linewidths=0.5 if labelled else 0.0,
-        ))
+        if of_kind:
+            ax.add_collection(PolyCollection(
+                [box(b.row, b.start - origin, b.end - origin) for b in of_kind],
+                facecolors=[b.fill for b in of_kind], edgecolors="white", linewidths=0.5 if labelled else 0.0,
+            ))
     if labelled:
+        bar_label = _bar_label_class()
         for b in bars:
-            ax.text((b.start + b.end) / 2 - origin, b.row, b.text, ha="center", va="center", fontsize=7,
-                    color="white" if b.kind == "W" else "black", clip_on=True)
+            ax.add_artist(bar_label(b.start - origin, b.end - origin, b.row, b.labels, fontsize=7,
+                                    color=_text_color(b.fill), clip_on=True))
 
 
-def _draw_legend(ax: "Axes", bars: list[_Bar]) -> None:
+def _draw_legend(ax: "Axes", legend: list[tuple[str, str]], extra: Sequence = ()) -> None:
+    """A swatch per colour drawn (the bars' own colours), ``extra`` handles, then the idle hatching;
+    right of the axes, off the data."""
     from matplotlib.patches import Patch
 
-    grey = (0.45, 0.45, 0.45)
-    handles = [Patch(facecolor=_shade(grey, _LIGHTEN[kind]), label=name)
-               for kind, name in _legend_kinds(bars).items()]
-    handles.append(Patch(facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="////", label="idle (bubble)"))
+    handles = [Patch(facecolor=fill, edgecolor="white", label=name) for fill, name in legend]
+    handles += list(extra)
+    handles.append(Patch(facecolor=_IDLE_FILL, edgecolor=_IDLE_EDGE, hatch=_IDLE_HATCH, label="idle (bubble)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+
+
+def bar_labels(ax: "Axes") -> list:
+    """The bar labels of a timeline plot (after a draw, each ``.shown`` says what was drawn)."""
+    return [t for t in ax.texts if hasattr(t, "candidates")]
+
+
+def plot_bucket_overlap(timeline: Timeline, grad_ready: Mapping[str, float], buckets: Sequence[Sequence[str]],
+                        ax: "Axes | None" = None, title: str | None = None) -> "Axes":
+    """One data-parallel rank's step, as :class:`~gpipe_ref.distributed.data_parallel.DataParallel`
+    records it: the forward, then the backward cut into one bar per layer in the order the layers
+    ran (the last layer first), and on the row under it each bucket's all-reduce.
+
+    A layer is the parameters sharing a name prefix (``14.weight``, ``14.bias``: layer ``14``);
+    its bar runs from the previous layer's last gradient (or the start of the backward: the first
+    bar also holds the loss's backward) to its own last gradient, ``grad_ready`` mapping each
+    parameter name to the time its gradient was ready, on the timeline's clock. ``buckets`` lists
+    each bucket's parameter names. A black tick marks when each bucket's last gradient is ready
+    and a dotted line joins it to the start of that bucket's all-reduce, which waits when the
+    all-reduce before it still holds the process group: buckets go out one at a time, in bucket
+    order (Li et al. 2020, "PyTorch Distributed", sec. 3.2.3)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    _check_timeline(timeline)
+    for b, bucket in enumerate(buckets):
+        missing = [name for name in bucket if name not in grad_ready]
+        if missing:
+            raise ValueError(f"grad_ready has no time for {missing} of bucket {b}; it must map every parameter "
+                             f"name in buckets to the time its gradient was ready")
+    backward = [e for e in timeline.events if e.op == "B"]
+    if not backward:
+        raise ValueError("timeline has no backward (B) event to cut into layers")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.6))
+    origin = timeline.origin
+    bars = [_Bar(0, e.start, e.end, e.op, KIND_COLORS[e.op], ("forward", "F"), "forward")
+            for e in timeline.events if e.op == "F"]
+    ends: dict[str, float] = {}  # layer -> when its last gradient was ready
+    for name, t in grad_ready.items():
+        layer = name.rsplit(".", 1)[0] if "." in name else name
+        ends[layer] = max(ends.get(layer, t), t)
+    previous = min(e.start for e in backward)
+    for layer, end in sorted(ends.items(), key=lambda item: item[1]):
+        bars.append(_Bar(0, previous, end, "B", KIND_COLORS["B"], (f"layer {layer}", layer), f"layer {layer}"))
+        previous = end
+    transfers = timeline.on_comm(0)
+    for k, t in enumerate(transfers):
+        short = t.name.removeprefix("all-reduce bucket ") if t.name.startswith("all-reduce bucket ") else ""
+        labels = (f"bucket {short}", f"b{short}", short) if short else ("used",) if "used" in t.name else (t.name,)
+        bars.append(_Bar(1, t.start, t.end, _COMM, KIND_COLORS[_COMM], tuple(x for x in labels if x), t.name))
+    _draw_bars(ax, bars, 2, origin, timeline.makespan)
+    starts = {t.name: t.start for t in transfers}
+    for b, bucket in enumerate(buckets):
+        ready = max(grad_ready[name] for name in bucket) - origin
+        ax.plot([ready, ready], [0.4, 0.6], color="black", linewidth=1.2)
+        start = starts.get(f"all-reduce bucket {b}")
+        if start is not None:
+            ax.plot([ready, start - origin], [0.6, 0.6], color="black", linestyle=":", linewidth=1.0)
+    _frame(ax, ["compute", "all-reduce"], timeline)
+    ax.set_title(title or "backward per layer and the bucket all-reduces")
+    ready_handle = Line2D([], [], color="black", marker="|", linestyle=":", markersize=8,
+                          label="bucket's last gradient ready\n(dotted: until its all-reduce)")
+    _draw_legend(ax, [(KIND_COLORS["F"], "forward"), (KIND_COLORS["B"], "backward of one layer"),
+                      (KIND_COLORS[_COMM], "all-reduce of one bucket")], [ready_handle])
+    return ax
 
 
 _svg_ids = itertools.count()
 _SVG_MIN_WIDTH = 200  # room for the row names and the bars
+_SVG_FONT_PX = 9  # bar labels
 
 
 def _nice_step(span: float, max_ticks: int = 10) -> float:
@@ -201,8 +335,16 @@ def _nice_step(span: float, max_ticks: int = 10) -> float:
     return next(k * power for k in (1, 2, 5, 10) if k * power >= raw)
 
 
-def _hex(rgb: tuple[float, float, float]) -> str:
-    return "#%02x%02x%02x" % tuple(int(255 * c) for c in rgb)
+def svg_text_width(text: str, font_px: float = _SVG_FONT_PX) -> float:
+    """An upper estimate of ``text``'s width in a sans-serif font (DejaVu Sans, the widest
+    common one: W and M about 1 em, other capitals 0.72 em, digits and lower case 0.64 em)."""
+    em = sum(1.0 if c in "WM" else 0.72 if c.isupper() else 0.33 if c == " " else 0.64 for c in text)
+    return em * font_px
+
+
+def _svg_label(bar: _Bar, width: float) -> str | None:
+    """The first of the bar's labels that fits in ``width`` pixels, padding included, or None."""
+    return next((text for text in bar.labels if svg_text_width(text) + 2 * _LABEL_PAD_PX <= width), None)
 
 
 def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900, color_by: str = "microbatch") -> str:
@@ -212,20 +354,22 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     _check_color_by(color_by)
     _check_timeline(timeline)
     integer("width", width, _SVG_MIN_WIDTH)
-    bars = _bars(timeline, color_by)
+    bars, legend = _bars(timeline, color_by)
     names = _row_names(timeline)
     left = max(72, 8 + round(6.5 * max(len(n) for n in names)))  # room for "device 0 comm"
-    top, row, bottom = 26, 22, 40
+    top, row = 26, 22
     span = timeline.makespan or 1.0
     scale = (width - left - 12) / span
     idle = f"idle{next(_svg_ids)}"
     axis_y = top + len(names) * row
+    legend_svg, legend_height = _svg_legend(legend, left, width, axis_y + 42, idle)
+    unit = "cost units" if timeline.unit == "cost" else "s"
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{axis_y + bottom}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{axis_y + 42 + legend_height}" '
         f'font-family="sans-serif" font-size="11">',
         f'<defs><pattern id="{idle}" width="6" height="6" patternUnits="userSpaceOnUse" '
-        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f2f2f2"/>'
-        f'<line x1="0" y1="0" x2="0" y2="6" stroke="#b0b0b0" stroke-width="1.5"/></pattern></defs>',
+        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{_IDLE_FILL}"/>'
+        f'<line x1="0" y1="0" x2="0" y2="6" stroke="{_IDLE_EDGE}" stroke-width="1.5"/></pattern></defs>',
         f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
         f'{(title + " - ") if title else ""}bubble {timeline.bubble_fraction:.1%}</text>',
     ]
@@ -236,28 +380,26 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
                    f'fill="url(#{idle})"/>')
     out += _svg_bars(bars, left, top, row, timeline.origin, scale)
     out += _svg_axis(left, axis_y, span, scale)
-    out += _svg_legend(bars, left, axis_y, idle)
-    unit = "cost units" if timeline.unit == "cost" else "s"
-    out.append(f'<text x="{width - 12}" y="{axis_y + 33}" text-anchor="end">time ({unit})</text>')
+    out.append(f'<text x="{width - 12}" y="{axis_y + 30}" text-anchor="end">time ({unit})</text>')
+    out += legend_svg
     out.append("</svg>")
     return "".join(out)
 
 
 def _svg_bars(bars: list[_Bar], left: int, top: int, row: int, origin: float, scale: float) -> list[str]:
-    """A rect with a hover tooltip per bar, labelled when there is room."""
-    hexes = {kind: [_hex(_shade(microbatch_color(i), _LIGHTEN[kind])) for i in range(10)] for kind in _KINDS}
+    """A rect with a hover tooltip per bar, labelled where the label fits."""
     labelled = len(bars) <= _LABEL_LIMIT
     out = []
     for b in bars:
         x, w = left + (b.start - origin) * scale, (b.end - b.start) * scale
         y = top + b.row * row
         out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row - 4}" '
-                   f'fill="{hexes[b.kind][b.color % 10]}" stroke="white" stroke-width="0.5">'
+                   f'fill="{b.fill}" stroke="white" stroke-width="0.5">'
                    f'<title>{b.tooltip}: {b.start - origin:.4g} to {b.end - origin:.4g}</title></rect>')
-        if labelled and w >= 18:
-            color = "white" if b.kind == "W" else "black"
-            out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 4}" text-anchor="middle" '
-                       f'font-size="9" fill="{color}" pointer-events="none">{b.text}</text>')
+        text = _svg_label(b, w) if labelled else None
+        if text is not None:
+            out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 3}" text-anchor="middle" '
+                       f'font-size="{_SVG_FONT_PX}" fill="{_text_color(b.fill)}" pointer-events="none">{text}</text>')
     return out
 
 
@@ -265,24 +407,26 @@ def _svg_axis(left: int, axis_y: int, span: float, scale: float) -> list[str]:
     """Time ticks under the rows, 1-2-5 spaced."""
     out = []
     step = _nice_step(span)
-    for k in range(int(span / step) + 1):
+    for k in range(int(span / step + 1e-9) + 1):
         x = left + k * step * scale
         out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="#444"/>')
         out.append(f'<text x="{x:.2f}" y="{axis_y + 15}" text-anchor="middle">{k * step:.4g}</text>')
     return out
 
 
-def _svg_legend(bars: list[_Bar], left: int, axis_y: int, idle: str) -> list[str]:
-    """A grey swatch per kind drawn, then the idle hatching."""
-    out, x = [], left
-    for kind, name in _legend_kinds(bars).items():
-        grey = _hex(_shade((0.45, 0.45, 0.45), _LIGHTEN[kind]))
-        out.append(f'<rect x="{x}" y="{axis_y + 24}" width="12" height="10" fill="{grey}"/>'
-                   f'<text x="{x + 16}" y="{axis_y + 33}">{name}</text>')
-        x += 30 + 7 * len(name)
-    out.append(f'<rect x="{x}" y="{axis_y + 24}" width="12" height="10" fill="url(#{idle})" '
-               f'stroke="#b0b0b0"/><text x="{x + 16}" y="{axis_y + 33}">idle (bubble)</text>')
-    return out
+def _svg_legend(legend: list[tuple[str, str]], left: int, width: int, y: int, idle: str) -> tuple[list[str], int]:
+    """A swatch per colour drawn, in the bars' own colours, then the idle hatching, wrapped onto
+    as many lines as the width needs. Returns the SVG pieces and the height they take."""
+    out, x, line = [], left, 0
+    for fill, name in [*legend, (f"url(#{idle})", "idle (bubble)")]:
+        step = 22 + svg_text_width(name, 11)
+        if x > left and x + step > width:
+            x, line = left, line + 1
+        top = y + 16 * line
+        out.append(f'<rect x="{x:.0f}" y="{top}" width="12" height="10" fill="{fill}" stroke="#b0b0b0" '
+                   f'stroke-width="0.5"/><text x="{x + 16:.0f}" y="{top + 9}">{name}</text>')
+        x += step
+    return out, 16 * (line + 1)
 
 
 def plot_parallelism_overview(layers: int = 4):
@@ -420,25 +564,43 @@ def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "
     return ax
 
 
-def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "samples", smooth: int = 8) -> "Axes":
+# One (line style, marker) per curve: curves that coincide (GPipe and 1F1B train identically) stay visible.
+CURVE_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ((0, (6, 2, 1, 2, 1, 2)), "v"),
+                ((0, (1, 1)), "P"), ((0, (8, 3)), "X"))
+
+
+def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "samples", smooth: int = 8,
+                     legend: bool = True, markers: int = 8) -> "Axes":
     """Loss curves of ``staleness.convergence`` results against samples seen or simulated time
-    (a running mean over ``smooth`` micro-batches)."""
+    (a running mean over ``smooth`` micro-batches).
+
+    Each curve gets its own line style and marker (``CURVE_STYLES``), the markers of curve k
+    shifted by k / len(results) of their spacing, so two curves that coincide exactly are both
+    seen: the dashes of one over the other, and both sets of markers. ``markers`` is about how
+    many markers each curve carries (past 7 curves the styles repeat, the colours do not). The legend sits right of the axes, off the data
+    (``legend=False`` leaves it out, e.g. for all but one of several panels)."""
     import matplotlib.pyplot as plt
 
     if x not in ("samples", "times"):
         raise ValueError(f"x must be 'samples' or 'times', got {x!r}")
     positive_int("smooth", smooth)
+    positive_int("markers", markers)
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.5))
-    for result in results:
-        ax.plot(result[x], running_mean(result["losses"], smooth), label=f"{result['variant']} (lr {result['lr']})")
+        _, ax = plt.subplots(figsize=(8, 3.5))
+    for k, result in enumerate(results):
+        linestyle, marker = CURVE_STYLES[k % len(CURVE_STYLES)]  # with colour: distinct up to 70
+        every = max(1, len(result[x]) // markers)
+        ax.plot(result[x], running_mean(result["losses"], smooth), linestyle=linestyle, marker=marker,
+                markersize=5, markevery=(k * every // max(1, len(results)), every), markerfacecolor="none",
+                linewidth=1.4, label=f"{result['variant']} (lr {result['lr']})")
     ax.set_yscale("log")
     starts = [r["losses"][0] for r in results if r["losses"] and math.isfinite(r["losses"][0])]
     if starts:  # a diverging run would otherwise squash every other curve
         ax.set_ylim(top=3 * max(starts))
     ax.set_xlabel("samples seen" if x == "samples" else "simulated time (cost units)")
     ax.set_ylabel("training loss")
-    ax.legend(fontsize=8)
+    if legend:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     return ax
 
 

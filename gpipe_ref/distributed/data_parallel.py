@@ -156,6 +156,10 @@ class DataParallel(nn.Module):
       ranks; one used on no rank ("globally unused") keeps its ``.grad`` as it
       was, None if it had none.
 
+    After each synchronised backward, ``timeline`` holds this rank's forward,
+    backward and all-reduces, and ``grad_ready`` the time (same clock) each
+    parameter's gradient was ready: ``viz.plot_bucket_overlap`` draws both.
+
     As with torch's DDP, a rank whose loss uses no parameter at all never
     starts its all-reduces: the others wait (``launch``'s timeout reports it).
     """
@@ -197,14 +201,21 @@ class DataParallel(nn.Module):
         self._unused: set[int] = set()  # parameters the last forward's output does not reach
         self._reset()
         self.timeline: Timeline | None = None  # of the last step: this rank's compute, its all-reduces in .comm
+        self.grad_ready: dict[str, float] = {}  # of the last step: parameter name -> when its gradient was ready
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """The buckets as parameter names (``buckets`` holds their indices), first bucket first."""
+        return [[self._names[i] for i in bucket] for bucket in self.buckets]
 
     def _reset(self) -> None:
         """Fresh bookkeeping for the next backward pass."""
         self._pending = [len(bucket) for bucket in self.buckets]
         self._next_bucket = 0  # buckets are all-reduced in this order on every rank
         self._works, self._started, self._done = [], False, {}
+        self._ready_at: dict[int, float] = {}  # parameter -> seconds since _t0 when its gradient was ready
         self._t0 = time.perf_counter()
         self._forward_end = 0.0
 
@@ -232,6 +243,7 @@ class DataParallel(nn.Module):
         self._used.add(i)
         if not self._sync:
             return
+        self._ready_at[i] = time.perf_counter() - self._t0
         if not self._started:  # the first gradient of this backward: run _finish at its end
             self._started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -309,6 +321,7 @@ class DataParallel(nn.Module):
                 offset += n
         events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
         self.timeline = Timeline(events, 1, unit="s", comm=transfers)
+        self.grad_ready = {self._names[i]: t for i, t in sorted(self._ready_at.items(), key=lambda item: item[1])}
         self._reset()
 
     def _missing(self, used: torch.Tensor, most: int = 10) -> str:
