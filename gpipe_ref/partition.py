@@ -10,12 +10,16 @@ greedy feasibility check, not a greedy cut.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from .checks import non_negative, positive_int
+from .checks import integer, non_negative, one_of, positive_int
+from .schedule import gpipe
+from .simulator import CostModel, simulate
+from .timeline import Timeline
 
 
 def _check_sequential(module: object) -> nn.Sequential:
@@ -26,14 +30,18 @@ def _check_sequential(module: object) -> nn.Sequential:
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
     """Validate ``balance`` (layers per stage) against ``module``."""
+    return _check_counts(balance, len(module), "len(module)")
+
+
+def _check_counts(balance: Sequence[int], layers: int, what: str = "the number of layers") -> list[int]:
     if isinstance(balance, (str, bytes)) or not hasattr(balance, "__len__") or len(balance) == 0:
         raise ValueError(f"balance must be a non-empty list of layer counts, got {balance!r}")
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
         raise ValueError(f"balance must hold integers, got {list(balance)!r}")
     if any(b < 1 for b in balance):
         raise ValueError(f"balance must have no stage with fewer than 1 layer, got {list(balance)}")
-    if sum(balance) != len(module):
-        raise ValueError(f"balance must sum to len(module) = {len(module)}, got {list(balance)} "
+    if sum(balance) != layers:
+        raise ValueError(f"balance must sum to {what} = {layers}, got {list(balance)} "
                          f"(sum {sum(balance)})")
     return list(balance)
 
@@ -105,35 +113,144 @@ def balance_by_params(module: nn.Sequential, partitions: int) -> list[int]:
     return partition_costs(costs, partitions)
 
 
-def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Each layer's forward + backward time in seconds on ``sample`` (median of ``repeats``).
+def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warmup: int) -> tuple[float, torch.Tensor]:
+    """Median time of ``piece``'s forward + backward on ``x`` over ``repeats`` runs after
+    ``warmup`` untimed ones (the first call pays one-time costs), and its output.
+    Gradients are computed with ``torch.autograd.grad`` and dropped: ``.grad`` stays untouched."""
+    times = []
+    for run in range(warmup + repeats):
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        began = time.perf_counter()
+        out = piece(inp)
+        wrt = [t for t in (inp, *piece.parameters()) if t.requires_grad]
+        if out.requires_grad and wrt:
+            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        if run >= warmup:
+            times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2], out.detach()
 
-    The model's ``.grad`` is left untouched: gradients are computed and dropped."""
-    _check_sequential(module)
+
+def _check_timing(sample: object, repeats: object, warmup: object) -> None:
     if not isinstance(sample, torch.Tensor):
         raise TypeError(f"sample must be a tensor, got {type(sample).__name__}")
     positive_int("repeats", repeats)
-    costs = []
-    x = sample
+    integer("warmup", warmup, 0)
+
+
+def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3, warmup: int = 1) -> list[float]:
+    """Each layer's forward + backward time in seconds on ``sample``: the median of
+    ``repeats`` runs after ``warmup`` untimed ones. The model's ``.grad`` is left untouched."""
+    _check_sequential(module)
+    _check_timing(sample, repeats, warmup)
+    costs, x = [], sample
     for layer in module:
-        times = []
-        for _ in range(repeats):
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            began = time.perf_counter()
-            out = layer(inp)
-            wrt = [t for t in (inp, *layer.parameters()) if t.requires_grad]
-            if out.requires_grad and wrt:
-                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
-            times.append(time.perf_counter() - began)
-        costs.append(sorted(times)[len(times) // 2])
-        x = out.detach()
+        cost, x = _forward_backward_time(layer, x, repeats, warmup)
+        costs.append(cost)
+    return costs
+
+
+def stage_times(module: nn.Sequential, balance: Sequence[int], sample: torch.Tensor, repeats: int = 5,
+                warmup: int = 1) -> list[float]:
+    """Each stage's forward + backward time in seconds on ``sample`` (stages from :func:`split`),
+    timed as :func:`layer_times` times a layer. The model's ``.grad`` is left untouched."""
+    stages = split(module, balance)
+    _check_timing(sample, repeats, warmup)
+    costs, x = [], sample
+    for stage in stages:
+        cost, x = _forward_backward_time(stage, x, repeats, warmup)
+        costs.append(cost)
     return costs
 
 
 def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int, repeats: int = 3) -> list[int]:
-    """Balance by measured forward + backward time per layer (:func:`layer_times`)."""
+    """Balance by measured forward + backward time per layer:
+    ``partition_costs(layer_times(module, sample, repeats), partitions)``."""
     _check_sequential(module)
     _check_partitions(partitions, len(module))  # before spending time measuring
     return partition_costs(layer_times(module, sample, repeats), partitions)
+
+
+# -- what a cut costs: per-stage sums, the slowest stage, the idle share --------------------------------
+
+
+def uniform_balance(layers: int, partitions: int) -> list[int]:
+    """Equal layer counts, the first ``layers % partitions`` stages one layer more
+    (DeepSpeed's ``partition_method="uniform"`` balances layer counts the same way)."""
+    positive_int("layers", layers)
+    _check_partitions(partitions, layers)
+    base, extra = divmod(layers, partitions)
+    return [base + (s < extra) for s in range(partitions)]
+
+
+def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """Each stage's total cost: the sum of its layers' ``costs`` under ``balance``."""
+    balance = _check_counts(balance, len(costs), "len(costs)")
+    for i, c in enumerate(costs):
+        non_negative(f"costs[{i}]", c)
+    sums, start = [], 0
+    for count in balance:
+        sums.append(float(sum(costs[start:start + count])))
+        start += count
+    return sums
+
+
+def stage_cost_model(stage_costs: Sequence[float], backward_ratio: float = 2.0, unit: str = "cost") -> CostModel:
+    """A simulator cost model whose stage ``s`` spends ``stage_costs[s]`` on one forward plus
+    its backward, the backward ``backward_ratio`` times the forward."""
+    if isinstance(stage_costs, (str, bytes)) or not hasattr(stage_costs, "__len__") or not stage_costs:
+        raise ValueError(f"stage_costs must be a non-empty list of costs, got {stage_costs!r}")
+    non_negative("backward_ratio", backward_ratio)
+    forward = 1.0 / (1.0 + backward_ratio)
+    return CostModel(forward=forward, backward_input=(1.0 - forward) / 2, backward_weight=(1.0 - forward) / 2,
+                     stage_scale=tuple(float(c) for c in stage_costs), unit=unit)
+
+
+@dataclass(frozen=True)
+class BalanceReport:
+    """What a cut costs (see :func:`balance_report`)."""
+
+    balance: tuple[int, ...]
+    stage_times: tuple[float, ...]  # forward + backward of each stage
+    stage_params: tuple[float, ...] | None  # parameters of each stage, if given
+    slowest: int  # the slowest stage (the first, on a tie)
+    slowest_over_mean: float  # its time over the mean stage time (1 = perfectly balanced)
+    best_slowest: float  # the smallest slowest-stage time any contiguous cut reaches
+    timeline: Timeline  # the simulated step, ``microbatches`` micro-batches, GPipe's schedule
+    idle_share: float  # 1 - sum(busy) / (p * makespan) of ``timeline``
+    overlap_bound: float  # 1 - mean / slowest: the idle share left even with stages overlapping
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+
+def balance_report(times: Sequence[float], balance: Sequence[int], params: Sequence[float] | None = None,
+                   microbatches: int = 1, unit: str = "cost") -> BalanceReport:
+    """Cost out ``balance`` for layers that take ``times`` (forward + backward of the whole batch).
+
+    The timeline simulates one step with the batch cut into ``microbatches`` equal parts,
+    each costing ``1/microbatches`` of a stage's time. With one batch (``microbatches=1``)
+    the stages run one after another, so every cut idles ``(p-1)/p`` of the device time.
+    Once stages overlap (notebook 04), every device waits for the slowest stage: at best
+    ``mean / slowest`` of the device time is busy, so ``overlap_bound = 1 - mean / slowest``
+    stays idle however many micro-batches there are.
+    """
+    per_stage = stage_sums(times, balance)
+    p = len(per_stage)
+    if params is not None and len(params) != len(times):
+        raise ValueError(f"params must have one entry per layer ({len(times)}), got {len(params)}")
+    per_stage_params = None if params is None else tuple(stage_sums(params, balance))
+    positive_int("microbatches", microbatches)
+    one_of("unit", unit, ("cost", "s"))
+    slowest = max(range(p), key=lambda s: (per_stage[s], -s))
+    mean = sum(per_stage) / p
+    ratio = per_stage[slowest] / mean if mean else 1.0
+    best = max(stage_sums(times, partition_costs(times, p)))
+    timeline = simulate(gpipe(p, microbatches), stage_cost_model([t / microbatches for t in per_stage], unit=unit))
+    return BalanceReport(
+        balance=tuple(balance), stage_times=tuple(per_stage), stage_params=per_stage_params, slowest=slowest,
+        slowest_over_mean=ratio, best_slowest=best, timeline=timeline, idle_share=timeline.bubble_fraction,
+        overlap_bound=1.0 - 1.0 / ratio if ratio else 0.0,
+    )

@@ -81,3 +81,86 @@ def test_balance_by_time_partitions_the_measured_times(monkeypatch):
         balance_by_time(model, torch.randn(4, 8), 7)
     with pytest.raises(ValueError, match=r"costs\[1\] must be a finite number >= 0, got nan"):
         partition_costs([1.0, float("nan")], 2)
+
+
+def test_stage_times_times_each_stage_and_agree_with_the_layer_times_they_sum():
+    from gpipe_ref.partition import stage_sums, stage_times
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    sample = torch.randn(32, 64)
+    times = stage_times(model, [2, 1], sample, repeats=3, warmup=1)
+    assert len(times) == 2 and all(isinstance(t, float) and t > 0 for t in times)
+    assert all(p.grad is None for p in model.parameters())
+    tokens = torch.randint(0, 10, (4, 3))  # integer inputs (an embedding) need no input gradient
+    embedded = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 2))
+    assert len(stage_times(embedded, [1, 1], tokens, repeats=1, warmup=0)) == 2
+    with pytest.raises(ValueError, match=r"balance must sum to len\(module\) = 3, got \[1, 1\]"):
+        stage_times(model, [1, 1], sample)
+    with pytest.raises(ValueError, match="warmup must be an integer >= 0, got -1"):
+        stage_times(model, [2, 1], sample, warmup=-1)
+    assert stage_sums([1.0, 2.0, 3.0, 4.0], [1, 3]) == [1.0, 9.0]
+    with pytest.raises(ValueError, match=r"balance must sum to len\(costs\) = 4, got \[1, 2\]"):
+        stage_sums([1.0, 2.0, 3.0, 4.0], [1, 2])
+
+
+def test_stage_times_use_the_timing_of_layer_times(monkeypatch):
+    """stage_times and layer_times share one timing loop: a stage and a layer are timed the same way."""
+    import gpipe_ref.partition as partition
+
+    timed = []
+
+    def fake(piece, x, repeats, warmup):
+        timed.append((len(piece) if isinstance(piece, nn.Sequential) else 1, repeats, warmup))
+        return 0.5, piece(x).detach()
+
+    monkeypatch.setattr(partition, "_forward_backward_time", fake)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert partition.stage_times(model, [2, 1], torch.randn(2, 4), repeats=4, warmup=2) == [0.5, 0.5]
+    assert partition.layer_times(model, torch.randn(2, 4), repeats=3) == [0.5] * 3
+    assert timed == [(2, 4, 2), (1, 4, 2), (1, 3, 1), (1, 3, 1), (1, 3, 1)]
+
+
+def test_uniform_balance_gives_equal_counts_the_first_stages_one_more():
+    from gpipe_ref.partition import uniform_balance
+
+    assert uniform_balance(8, 3) == [3, 3, 2] and uniform_balance(11, 4) == [3, 3, 3, 2]
+    assert uniform_balance(5, 5) == [1] * 5
+    with pytest.raises(ValueError, match="partitions must be an integer from 1 to the number of layers 4, got 5"):
+        uniform_balance(4, 5)
+
+
+def test_balance_report_against_the_simulator_and_brute_force():
+    from gpipe_ref import CostModel, gpipe, simulate
+    from gpipe_ref.partition import balance_report, stage_cost_model
+
+    rng = random.Random(2)
+    for _ in range(60):
+        n = rng.randint(1, 7)
+        p = rng.randint(1, n)
+        times = [rng.choice([0.0, 0.5, 1.0, 4.0]) + rng.random() for _ in range(n)]
+        cut = rng.choice(list(itertools.combinations(range(1, n), p - 1)))
+        balance = [b - a for a, b in zip((0, *cut), (*cut, n))]
+        m = rng.choice([1, 3, 8])
+        report = balance_report(times, balance, params=[1.0] * n, microbatches=m)
+        sums = [sum(times[a:b]) for a, b in zip((0, *cut), (*cut, n))]
+        assert report.stage_times == pytest.approx(sums) and report.stage_params == tuple(map(float, balance))
+        assert report.best_slowest == pytest.approx(_brute_force(times, p))
+        assert report.stage_times[report.slowest] == max(report.stage_times)
+        assert report.slowest_over_mean == pytest.approx(max(sums) / (sum(sums) / p))
+        cost = CostModel(forward=1 / 3, backward_input=1 / 3, backward_weight=1 / 3,
+                         stage_scale=tuple(t / m for t in sums))
+        expected = simulate(gpipe(p, m), cost)
+        assert report.idle_share == pytest.approx(expected.bubble_fraction)
+        assert report.timeline.makespan == pytest.approx(expected.makespan)
+        busy = sum(report.timeline.busy(d) for d in range(p))
+        assert report.idle_share == pytest.approx(1 - busy / (p * report.timeline.makespan))
+        if m == 1:
+            assert report.idle_share == pytest.approx((p - 1) / p)
+            assert report.timeline.makespan == pytest.approx(sum(times))
+        assert report.idle_share >= report.overlap_bound - 1e-12
+    model = stage_cost_model([2.0, 4.0], backward_ratio=3.0)
+    assert model.duration("F", 1, False) == pytest.approx(1.0) and model.duration("B", 1, False) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="params must have one entry per layer \\(2\\), got 1"):
+        balance_report([1.0, 2.0], [1, 1], params=[1.0])
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1, got 0"):
+        balance_report([1.0, 2.0], [1, 1], microbatches=0)
