@@ -1,13 +1,17 @@
-"""memory.py: the activation meter (saved_tensors_hooks)."""
+"""memory.py: the activation meter (saved_tensors_hooks) and the memory anatomy, checked against a measurement."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.memory import ActivationMeter
+from gpipe_ref.memory import (PRECISIONS, ActivationMeter, DeviceMemory, MemorySetup, activation_bytes,
+                              block_parameters, measure_anatomy, memory_anatomy, microbatches_in_flight)
 
 
 def test_meter_counts_what_autograd_saves_and_frees_it():
@@ -39,8 +43,6 @@ def test_meter_counts_views_of_one_batch_separately_and_holds():
 def test_a_saved_tensor_modified_in_place_is_an_error_as_without_the_meter():
     """saved_tensors_hooks replace autograd's own version check: the meter makes it again,
     or a layer that changes its saved state in place would train on wrong gradients."""
-    import pytest
-    from gpipe_ref.memory import ActivationMeter
 
     def run(meter):
         calls = torch.zeros(1)
@@ -53,3 +55,83 @@ def test_a_saved_tensor_modified_in_place_is_an_error_as_without_the_meter():
     for meter in (None, ActivationMeter()):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             run(meter)
+
+
+# -- the memory anatomy: predicted bytes against the bytes of a real step's tensors ---------------------------------
+
+
+@pytest.mark.parametrize("pp,m,dp", [(1, 1, 1), (1, 4, 2), (2, 3, 1), (4, 4, 1), (4, 3, 2), (2, 8, 1)])
+@pytest.mark.parametrize("schedule,recompute,precision",
+                         list(itertools.product(("gpipe", "1f1b"), ("never", "always"), ("fp32", "mixed"))))
+def test_anatomy_equals_the_measured_bytes(pp, m, dp, schedule, recompute, precision):
+    setup = MemorySetup(hidden=8, layers=4, batch=2 * m * dp, ffn=4, dp=dp, pp=pp, microbatches=m,
+                        schedule=schedule, recompute=recompute, precision=precision)
+    (measured,) = measure_anatomy(setup)
+    assert measured == memory_anatomy(setup)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,schedule,recompute,precision", [(2, "gpipe", "never", "fp32"),
+                                                             (4, "1f1b", "always", "mixed")])
+def test_anatomy_equals_every_tensor_parallel_rank(tp, schedule, recompute, precision):
+    """Each rank runs Megatron's ParallelMLP blocks on gloo: its shards and its saved activations."""
+    setup = MemorySetup(hidden=8, layers=4, batch=12, ffn=2, tp=tp, pp=2, microbatches=3, schedule=schedule,
+                        recompute=recompute, precision=precision)
+    predicted = memory_anatomy(setup)
+    measured = measure_anatomy(setup)
+    assert len(measured) == tp and all(rank == predicted for rank in measured)
+    dense = memory_anatomy(MemorySetup(**{**setup.__dict__, "tp": 1}))
+    assert predicted[0].weights < dense[0].weights and predicted[0].activations < dense[0].activations
+
+
+def test_sixteen_bytes_per_parameter_in_both_precisions_and_zero_split():
+    """ZeRO sec. 3.1: mixed-precision Adam keeps 2 + 2 + 12 bytes per parameter; fp32 Adam 4 + 4 + 8."""
+    assert [(p.weight, p.gradient, p.optimizer) for p in PRECISIONS.values()] == [(4, 4, 8), (2, 2, 12)]
+    assert {p.per_parameter for p in PRECISIONS.values()} == {16}
+    assert PRECISIONS["mixed"].activation * 2 == PRECISIONS["fp32"].activation
+    setup = MemorySetup(hidden=64, layers=6, pp=3, precision="mixed")
+    device = memory_anatomy(setup)[0]
+    params = 2 * block_parameters(64)
+    assert params == 2 * (2 * 64 * 256 + 256 + 64)
+    assert (device.weights, device.gradients, device.optimizer) == (2 * params, 2 * params, 12 * params)
+
+
+def test_in_flight_is_m_for_gpipe_and_p_minus_stage_for_1f1b():
+    for p, m in [(1, 5), (4, 2), (4, 8), (6, 6)]:
+        assert microbatches_in_flight("gpipe", p, m) == [m] * p
+        assert microbatches_in_flight("1f1b", p, m) == [min(m, p - s) for s in range(p)]
+
+
+def test_recompute_keeps_the_inputs_plus_one_microbatch():
+    """Stage inputs r h per held micro-batch, plus one micro-batch's internals (Huang et al. sec. 2.3's
+    N/M x L/K term); without recomputation every held micro-batch keeps all of them."""
+    r, h, f, k = 4, 16, 4, 6  # rows per micro-batch, width, ffn, blocks per stage
+    setup = MemorySetup(hidden=h, ffn=f, layers=2 * k, pp=2, batch=8 * r, microbatches=8, recompute="always")
+    per_block = r * h * (1 + 2 * f)
+    assert activation_bytes(setup, 0) == 4 * (8 * r * h + k * per_block - r * h)
+    assert activation_bytes(replace(setup, recompute="never"), 0) == 4 * 8 * k * per_block
+    last = activation_bytes(replace(setup, recompute="never"), 1)
+    assert last == 4 * 8 * (k * per_block + 2 * r * h)  # the loss keeps its prediction and target
+
+
+def test_device_memory_total_and_largest():
+    device = DeviceMemory(weights=1, gradients=2, optimizer=5, activations=3)
+    assert device.total == 11 and device.largest == "optimizer state"
+    assert list(device.by_category().values()) == [1, 2, 5, 3]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("pp", 5, r"layers \(24\) must divide into pp \(5\)"),
+    ("tp", 3, r"tp must divide the inner width ffn x hidden = 4096, got tp=3"),
+    ("microbatches", 3, r"batch \(256\) must divide into dp x microbatches = 3"),
+    ("schedule", "zero_bubble_h1", r"schedule must be one of \('gpipe', '1f1b'\)"),
+    ("recompute", "except_last", r"recompute must be one of \('never', 'always'\)"),
+    ("precision", "fp16", r"precision must be one of \('fp32', 'mixed'\)"),
+    ("dp", 0, r"dp must be an integer >= 1, got 0"),
+])
+def test_bad_setups_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        MemorySetup(hidden=1024, **{field: value})
+    with pytest.raises(TypeError, match="setup must be a MemorySetup"):
+        memory_anatomy({"pp": 2})
+

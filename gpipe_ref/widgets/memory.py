@@ -104,13 +104,13 @@ class MemoryExplorer(Dashboard):
                  precision: str = "fp32", capacity: float = 80e9) -> None:
         import ipywidgets as w
 
-        self.base = MemorySetup(hidden=hidden, layers=layers, batch=batch, dp=dp, tp=tp, pp=pp,
-                                microbatches=microbatches, schedule=schedule, recompute=recompute, precision=precision)
         for name, value, choices in (("dp", dp, self.POWERS_OF_TWO), ("tp", tp, self.POWERS_OF_TWO),
                                      ("pp", pp, self.PP_CHOICES), ("microbatches", microbatches,
                                                                    self.MICROBATCH_CHOICES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        self.base = MemorySetup(hidden=hidden, layers=layers, batch=batch, dp=dp, tp=tp, pp=pp,
+                                microbatches=microbatches, schedule=schedule, recompute=recompute, precision=precision)
         self.capacity = capacity
         style = {"description_width": "150px"}
         layout = w.Layout(width="420px")

@@ -1,0 +1,91 @@
+"""The memory-anatomy explorer without a kernel: move its controls, read the readout, check it against the
+library's anatomy, and the library's anatomy against a measured step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gpipe_ref.memory import MemorySetup, measure_anatomy, memory_anatomy
+from gpipe_ref.widgets.memory import MemoryExplorer, format_bytes, memory_explorer
+
+
+def _table(explorer) -> list[list[str]]:
+    """The readout's table: one row per stage, the formatted bytes of each category and the total."""
+    rows = re.findall(r"<tr><th[^>]*>stage \d+</th>(.*?)</tr>", explorer.readout.value)
+    return [re.findall(r">([^<]+)</td>", row) for row in rows]
+
+
+def _expected_rows(setup: MemorySetup) -> list[list[str]]:
+    return [[format_bytes(v) for v in (*d.by_category().values(), d.total)] for d in memory_anatomy(setup)]
+
+
+def test_readout_is_the_librarys_anatomy_and_follows_every_control():
+    explorer = memory_explorer()
+    assert _table(explorer) == _expected_rows(explorer.setup) and len(_table(explorer)) == 1
+    assert "1 x 1 x 1 = 1 devices" in explorer.readout.value and "<svg" in explorer.picture.value
+    explorer.pp.value = 4
+    assert explorer.setup.pp == 4 and len(_table(explorer)) == 4 and "1 x 1 x 4 = 4 devices" in explorer.readout.value
+    gpipe = [d.activations for d in explorer.anatomy]
+    explorer.schedule.value = "1f1b"  # stage s holds p - s micro-batches instead of all 8
+    assert [d.activations for d in explorer.anatomy][:3] < gpipe[:3]
+    assert _table(explorer) == _expected_rows(explorer.setup)
+    for control, value in ((explorer.dp, 2), (explorer.tp, 4), (explorer.microbatches, 16),
+                           (explorer.recompute, "always"), (explorer.precision, "mixed")):
+        before = explorer.readout.value
+        control.value = value
+        assert explorer.readout.value != before
+        assert _table(explorer) == _expected_rows(explorer.setup)
+    assert explorer.setup == MemorySetup(hidden=2048, layers=24, batch=16384, dp=2, tp=4, pp=4, microbatches=16,
+                                         schedule="1f1b", recompute="always", precision="mixed")
+
+
+def test_readout_names_the_fullest_device_and_its_largest_category():
+    explorer = memory_explorer(pp=4, microbatches=8)  # GPipe: every stage holds 8 micro-batches' activations
+    anatomy = explorer.anatomy
+    fullest = max(range(4), key=lambda s: anatomy[s].total)
+    assert fullest == 3  # the last stage also keeps the loss's prediction and target
+    assert f"fullest device: stage {fullest}, <b>{format_bytes(anatomy[fullest].total)}</b>" in explorer.readout.value
+    assert "largest category there: <b>activations</b>" in explorer.readout.value
+    explorer.recompute.value = "always"  # now Adam's state outweighs the few stage inputs kept
+    assert explorer.anatomy[fullest].largest == "optimizer state"
+    assert "largest category there: <b>optimizer state</b>" in explorer.readout.value
+    share = explorer.anatomy[fullest].optimizer / explorer.anatomy[fullest].total
+    assert f"optimizer state</b>, {share:.0%} of it" in explorer.readout.value
+
+
+def test_fits_follows_the_capacity():
+    explorer = memory_explorer(capacity=10e9)
+    assert "does not fit in 10.00 GB" in explorer.readout.value
+    explorer.pp.value = 8
+    explorer.schedule.value = "1f1b"
+    assert max(d.total for d in explorer.anatomy) <= 10e9 and "(fits in 10.00 GB)" in explorer.readout.value
+
+
+def test_the_explorers_numbers_match_a_measured_step_for_a_small_model():
+    """The same library call the readout shows, for a model small enough to run: equal to the tensors' bytes."""
+    explorer = MemoryExplorer(hidden=16, layers=6, batch=64, pp=3, microbatches=4, schedule="1f1b",
+                              recompute="always", precision="mixed")
+    (measured,) = measure_anatomy(explorer.setup)
+    assert measured == explorer.anatomy
+    assert _table(explorer) == [[format_bytes(v) for v in (*d.by_category().values(), d.total)] for d in measured]
+
+
+def test_bad_initial_values_are_named():
+    with pytest.raises(ValueError, match=r"pp must be one of \(1, 2, 3, 4, 6, 8\), got 5"):
+        MemoryExplorer(pp=5)
+    with pytest.raises(ValueError, match=r"microbatches must be one of .*, got 3"):
+        MemoryExplorer(microbatches=3)
+
+
+def test_an_impossible_split_shows_the_reason_instead_of_numbers():
+    explorer = MemoryExplorer(hidden=16, layers=6, batch=64, pp=1)
+    explorer.pp.value = 4  # 6 layers do not split into 4 stages
+    assert "layers (6) must divide into pp (4)" in explorer.readout.value and explorer.picture.value == ""
+    explorer.pp.value = 3
+    assert len(_table(explorer)) == 3 and "<svg" in explorer.picture.value
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (12, 1500, 2.5e6, 80e9)] == ["12 B", "1.50 kB", "2.50 MB", "80.00 GB"]
