@@ -396,7 +396,9 @@ def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int =
     * ``step_s``: the median makespan of ``repeats`` steps (placed timeline: what ``stages`` parallel
       devices would take), and ``spread``, slowest / fastest of them;
     * ``forward_s``, ``backward_s``: the whole model's time on one micro-batch, the sum over stages of each
-      stage's median F and B duration: the costs Megatron's eq. 1 takes (see :mod:`gpipe_ref.microbatch_size`).
+      stage's median F and B duration: the costs Megatron's eq. 1 takes (see :mod:`gpipe_ref.microbatch_size`);
+    * ``noise``: a step's summed action times over ``m`` times those medians (median over the steps): near 1
+      when every action took its usual time, large when other programs slowed some of them down.
 
     Runs with ``threads`` intra-op threads (1: one core per simulated device) and restores the count after."""
     from .pipeline import GPipe
@@ -422,8 +424,11 @@ def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int =
                 return sum(statistics.median(e.duration for t in runs for e in t.events
                                              if e.op == op and e.stage == s) for s in range(stages))
 
+            forward, backward = cost("F"), cost("B")
+            typical = batch // b * (forward + backward)  # every action at its stage's median
+            noise = statistics.median(sum(e.duration for e in t.events) / typical for t in runs)
             rows.append({"micro_batch": b, "microbatches": batch // b, "step_s": statistics.median(spans),
-                         "spread": spread(spans), "forward_s": cost("F"), "backward_s": cost("B")})
+                         "spread": spread(spans), "forward_s": forward, "backward_s": backward, "noise": noise})
     return rows
 
 

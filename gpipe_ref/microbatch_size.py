@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 from .checks import non_negative, positive, positive_int
 
 __all__ = ["LinearCost", "MeasuredCost", "MicrobatchChoice", "microbatch_count", "micro_batch_sizes",
-           "megatron_step_time", "microbatch_choices", "best_choice", "fit_linear_cost", "linear_optimum"]
+           "megatron_step_time", "microbatch_choices", "best_choice", "fit_linear_cost", "linear_optimum", "fill_drain_bubble"]
 
 Cost = Callable[[int], tuple[float, float]]
 
@@ -173,3 +173,17 @@ def linear_optimum(global_batch: int, stages: int, cost: LinearCost, data_parall
     if stages == 1 or cost.per_sample == 0:
         return math.inf
     return math.sqrt(global_batch / data_parallel * cost.overhead / ((stages - 1) * cost.per_sample))
+
+
+def fill_drain_bubble(stage_times: list[float], microbatches: int) -> float:
+    """The bubble of a fill-drain step (GPipe, no comm) whose stage ``s`` takes ``stage_times[s]`` per
+    micro-batch (forward + backward, in the same proportion on every stage). The forwards flow like an
+    assembly line: the last one leaves after ``sum(t) + (m-1) max(t)``, the slowest stage setting the pace;
+    the backwards mirror it. So ``bubble = 1 - m sum(t) / (p (sum(t) + (m-1) max(t)))``, which is
+    ``(p-1)/(m+p-1)`` when the stages are equal."""
+    positive_int("microbatches", microbatches)
+    times = [non_negative(f"stage_times[{s}]", t) for s, t in enumerate(stage_times)]
+    if not times or max(times) == 0:
+        raise ValueError(f"stage_times must hold at least one positive time, got {stage_times!r}")
+    p, total = len(times), sum(times)
+    return 1 - microbatches * total / (p * (total + (microbatches - 1) * max(times)))
