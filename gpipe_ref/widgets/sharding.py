@@ -42,13 +42,12 @@ def sharding_readout(plan: ShardingPlan, batch: int, seq_len: int, hidden: int, 
     n, tokens = plan.tp, batch * seq_len
     head = (f"<b>{escape(LAYER_KINDS[plan.kind])}</b> over n = {n} ranks: T = b × s = {batch} × {seq_len} = "
             f"{tokens} tokens of width h = {hidden}, {bytes_per_element} bytes per element.")
+    cell = "style='padding:2px 8px;text-align:left;white-space:nowrap'"
     rows = []
     for c in plan.collectives:
-        share = RING_SHARE[c.kind]
-        rows.append(f"<tr><td>{c.direction}</td><td>{c.kind}</td><td>{escape(c.operator)}</td>"
-                    f"<td>{escape(c.tensor)} {_shape(c.shape)}</td><td>{_mb(c.size_bytes)}</td>"
-                    f"<td>{share} × S = {_mb(c.sent_per_rank)}</td></tr>")
-    cell = "style='padding:2px 8px;text-align:left'"
+        values = (c.direction, c.kind, escape(c.operator), f"{escape(c.tensor)} {_shape(c.shape)}",
+                  _mb(c.size_bytes), f"{RING_SHARE[c.kind]} × S = {_mb(c.sent_per_rank)}")
+        rows.append("<tr>" + "".join(f"<td {cell}>{value}</td>" for value in values) + "</tr>")
     table = (f"<table style='border-collapse:collapse'><tr><th {cell}>pass</th><th {cell}>collective</th>"
              f"<th {cell}>operator</th><th {cell}>tensor (full shape)</th><th {cell}>S = its bytes</th>"
              f"<th {cell}>sent per rank, ring</th></tr>{''.join(rows)}</table>")
@@ -83,10 +82,11 @@ def sharding_readout(plan: ShardingPlan, batch: int, seq_len: int, hidden: int, 
 def sharding_table(plan: ShardingPlan) -> str:
     """Every rank's weight shards, the input it needs and the output it holds, as an HTML table."""
     cell = "style='padding:2px 8px;text-align:left;vertical-align:top'"
+    rank_cell = "style='padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap'"
     rows = []
     for p in plan.placements:
         weights = "<br>".join(f"{escape(w.name)} {_shape(w.shape)}: {escape(w.part)}" for w in p.weights)
-        rows.append(f"<tr><th {cell}>rank {p.rank}</th><td {cell}>{weights}</td>"
+        rows.append(f"<tr><th {rank_cell}>rank {p.rank}</th><td {cell}>{weights}</td>"
                     f"<td {cell}>{escape(p.input.name)} {_shape(p.input.shape)}: {escape(p.input.part)}</td>"
                     f"<td {cell}>{escape(p.output.name)} {_shape(p.output.shape)}: {escape(p.output.part)}</td></tr>")
     return (f"<table style='border-collapse:collapse'><tr><th {cell}></th><th {cell}>weight shards (out, in)</th>"
