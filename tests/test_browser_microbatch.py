@@ -1,0 +1,48 @@
+"""Notebook 04's micro-batch chooser in JupyterLab (headless Chromium): move the micro-batch size slider one
+step and check that m halves and the bubble follows (p-1)/(m+p-1) in the readout."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from test_browser import jupyter_lab, _lab_page, _open_and_run_all, _eventually, WAIT_MS, pytestmark  # noqa: F401
+
+
+def _chooser_readout(page) -> tuple[int, int, int, int, float]:
+    text = page.locator(".gpipe-microbatch-readout").inner_text()
+    found = re.search(r"m = B/\(d b\) = (\d+)/\((\d+) × (\d+)\) = (\d+) micro-batches", text)
+    bubble = re.search(r"bubble \(p-1\)/\(m\+p-1\) = (\d+)/(\d+) = ([\d.]+)%", text)
+    assert found and bubble, f"the chooser readout lacks m or the bubble: {text!r}"
+    B, d, b, m = map(int, found.groups())
+    p_minus_1, m_plus_p_minus_1 = int(bubble.group(1)), int(bubble.group(2))
+    assert m_plus_p_minus_1 == m + p_minus_1
+    return B, d, b, m, float(bubble.group(3)) / 100
+
+
+def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
+    with _lab_page(artifacts_dir, "04_microbatch") as (sync_api, page):
+        _open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-microbatch-readout",
+                          "micro-batches")
+
+        def initial():
+            B, d, b, m, bubble = _chooser_readout(page)
+            assert (B, d, b, m) == (512, 1, 32, 16)
+            assert bubble == pytest.approx(3 / 19, abs=5e-5)
+
+        _eventually(initial)
+        slider = page.locator(".widget-hslider", has_text="micro-batch size b").locator(".noUi-handle")
+        slider.scroll_into_view_if_needed()
+        slider.focus()
+        slider.press("ArrowRight")
+
+        def doubled_b():  # b = 64: half as many micro-batches, a larger bubble; the plot marks the new b
+            B, d, b, m, bubble = _chooser_readout(page)
+            assert (B, d, b, m) == (512, 1, 64, 8)
+            assert bubble == pytest.approx(3 / 11, abs=5e-5)
+            assert "b = 64:" in page.locator(".gpipe-microbatch-plot").inner_html()
+
+        _eventually(doubled_b)
+        page.locator(".gpipe-microbatch-readout").scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts_dir / "browser_04_microbatch_chooser.png"))
