@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,3 +34,59 @@ def artifacts_dir() -> Path:
     path = ROOT / "test-artifacts"
     path.mkdir(exist_ok=True)
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory):
+    """One JupyterLab server for every browser test (starting one costs seconds): a free loopback port, a copy of
+    the notebooks, a temp HOME. Tests ask for ``jupyter_lab`` (tests/test_browser.py), which ends their kernels."""
+    base = tmp_path_factory.mktemp("lab")
+    root = base / "course"
+    shutil.copytree(ROOT / "notebooks", root)
+    home = base / "home"
+    env = dict(os.environ, HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "jc"), JUPYTER_DATA_DIR=str(home / "jd"),
+               JUPYTER_RUNTIME_DIR=str(home / "jr"), IPYTHONDIR=str(home / "ipython"),
+               MPLCONFIGDIR=str(home / "mpl"), PYTHONPATH=str(ROOT))
+    port = _free_port()
+    log = open(base / "lab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         "--IdentityProvider.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
+         f"--ServerApp.root_dir={root}", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("JupyterLab did not start:\n" + (base / "lab.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield url
+    finally:
+        _stop(server)
+        log.close()
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """End the server and the kernels it started (its whole process group)."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -10,20 +10,15 @@ still shows the old one (issue 12). The waits are long so that a loaded machine 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -56,58 +51,16 @@ def _eventually(check, timeout_s: float = WAIT_MS / 1000):
         time.sleep(0.25)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def jupyter_lab(tmp_path):
-    """A JupyterLab server on a free loopback port, serving a copy of the notebooks, with a temp HOME."""
-    root = tmp_path / "course"
-    shutil.copytree(ROOT / "notebooks", root)
-    home = tmp_path / "home"
-    env = dict(os.environ, HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "jc"), JUPYTER_DATA_DIR=str(home / "jd"),
-               JUPYTER_RUNTIME_DIR=str(home / "jr"), IPYTHONDIR=str(home / "ipython"),
-               MPLCONFIGDIR=str(home / "mpl"), PYTHONPATH=str(ROOT))
-    port = _free_port()
-    log = open(tmp_path / "lab.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         "--IdentityProvider.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
-         f"--ServerApp.root_dir={root}", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
-                time.sleep(0.5)
-        yield url
-    finally:
-        _stop(server)
-        log.close()
-
-
-def _stop(server: subprocess.Popen) -> None:
-    """End the server and the kernels it started (its whole process group)."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            server.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def jupyter_lab(lab_server):
+    """The session's JupyterLab (see conftest.lab_server); afterwards every kernel this test started is shut down,
+    so the next test opens its notebook on a fresh kernel."""
+    yield lab_server
+    with urllib.request.urlopen(f"{lab_server}/api/sessions", timeout=10) as reply:
+        sessions = json.load(reply)
+    for session in sessions:
+        request = urllib.request.Request(f"{lab_server}/api/sessions/{session['id']}", method="DELETE")
+        urllib.request.urlopen(request, timeout=30).close()
 
 
 def _readout(page):
@@ -125,7 +78,7 @@ def _open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: st
     the last cell to finish (so that the widget answers the test at once, not after the cells)."""
     page.set_default_timeout(WAIT_MS)
     page.set_default_navigation_timeout(WAIT_MS)
-    page.goto(f"{url}/lab/tree/{notebook}")
+    page.goto(f"{url}/lab/tree/{notebook}?reset")  # ?reset: no tabs left open by an earlier test
     page.locator(".jp-Notebook").wait_for()
     # Wait until the notebook's kernel is started and idle. The execution indicator alone says
     # 'idle' before there is any kernel ('No Kernel'); the status bar names the kernel and its state.
