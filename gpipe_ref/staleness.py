@@ -1,10 +1,11 @@
 """PipeDream's asynchronous pipeline: weight versions, stashing and staleness.
 
-GPipe and 1F1B-with-flush update the weights once per mini-batch, after every
+GPipe and 1F1B with a flush update the weights once per mini-batch, after every
 micro-batch's backward: every micro-batch sees the same weights. PipeDream
 (Narayanan et al. 2019, sec. 3) never flushes: each stage updates its weights
 after each of its backward passes, so a micro-batch's forward and backward
-on a stage can see different weight versions.
+on a stage can see different weight versions. (PipeDream's "minibatch" is
+the course's micro-batch.)
 
 * **Weight stashing** (sec. 3.3): a stage keeps the weights each in-flight
   micro-batch used in its forward and computes that micro-batch's backward
@@ -13,7 +14,10 @@ on a stage can see different weight versions.
 * Without stashing the backward uses whatever weights are current: the
   gradient mixes versions (the inconsistency the paper warns about).
 * **Vertical sync** (sec. 3.3): every stage uses, for a micro-batch, the
-  version stage 0 used for it, so all stages agree.
+  version stage 0 used for it, so all stages agree; it implies stashing
+  (the backward reuses that version), every stage's staleness becomes
+  ``p - 1``, and a stage must also keep the versions stage 0 has handed
+  out to micro-batches that have not reached it yet.
 
 The trainer here keeps each stage's weights as plain tensors and runs the
 stage with ``torch.func.functional_call``, so an update makes a new version
@@ -22,6 +26,7 @@ and older ones stay intact for stashing at no copying cost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -42,10 +47,12 @@ class StepRecord:
 
     losses: dict[int, float]  # micro-batch -> loss seen at its forward
     versions: dict[tuple[int, int], tuple[int, int, int]]  # (stage, mb) -> (forward version, backward version, staleness)
-    stash_peak: list[int]  # per stage: most weight versions held at once (stashed for in-flight micro-batches)
+    stash_peak: list[int]  # per stage: most weight versions held at once (current + stashed + awaited)
     timeline: Timeline  # measured durations placed on device clocks; events carry their weight version
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # with record_grads
     used_weights: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    # with record_grads: every stage's weights in place when stage s applies micro-batch i's gradient
+    applied_to: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = field(default_factory=dict)
 
 
 class StagedTrainer:
@@ -162,11 +169,19 @@ class _TrainerStep:
             self.sent[("act", s, i)] = out.detach()
         self.kept[(s, i)] = (x, leaves, out, version)
         self.in_flight[s][i] = version
-        stashing = trainer.weight_stashing or trainer.vertical_sync
-        held = len(set(self.in_flight[s].values())) if stashing else 1  # without a stash only today's weights
-        record.stash_peak[s] = max(record.stash_peak[s], held)
+        self._count_versions_held(s)
         if self.record_grads:
             record.used_weights[(s, i)] = weights
+
+    def _count_versions_held(self, s: int) -> None:
+        """Versions stage ``s`` must keep now: its current one, those stashed for its in-flight
+        micro-batches and, under vertical sync, those stage 0 chose for micro-batches still on
+        their way. Without stashing a stage keeps only its current weights."""
+        if self.schedule.flush or not (self.trainer.weight_stashing or self.trainer.vertical_sync):
+            held = 1
+        else:
+            held = len({self.trainer.version[s], *self.in_flight[s].values(), *self.awaiting[s].values()})
+        self.record.stash_peak[s] = max(self.record.stash_peak[s], held)
 
     def backward(self, s: int, i: int) -> None:
         trainer, record = self.trainer, self.record
@@ -184,6 +199,7 @@ class _TrainerStep:
         named = dict(zip(leaves, grads))
         if self.record_grads:
             record.grads[(s, i)] = list(grads)
+            record.applied_to[(s, i)] = [trainer.weights(t) for t in range(self.schedule.num_stages)]
         if self.schedule.flush:
             for n, g in named.items():
                 self.accumulated[s][n] = self.accumulated[s][n] + g if n in self.accumulated[s] else g
@@ -194,6 +210,7 @@ class _TrainerStep:
         del self.in_flight[s][i]
         record.versions[(s, i)] = (forward_version, backward_version, staleness)
         trainer._forget_old_versions(s, self.in_flight[s], self.awaiting[s])
+        self._count_versions_held(s)
 
     def finish(self) -> None:
         """A flush schedule's one update per stage, after every micro-batch."""
@@ -205,7 +222,8 @@ class _TrainerStep:
 
 
 # -- the comparison ------------------------------------------------------------------------------
-VARIANTS = ("gpipe", "1f1b", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync")
+VARIANTS = ("gpipe", "1f1b", "sync_microbatch", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync")
+ASYNC_VARIANTS = VARIANTS[3:]
 
 
 def default_model(width: int = 16, hidden: int = 64, seed: int = 0) -> nn.Sequential:
@@ -222,7 +240,14 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
                 lr: float = 0.05, seed: int = 0, cost: CostModel | None = None) -> dict:
     """Train ``default_model`` on the seeded regression task with one variant; the same
     data order for every variant. Returns losses per micro-batch (vs samples) and the
-    simulated time at which each loss was seen."""
+    simulated time at which each loss was seen.
+
+    ``gpipe`` and ``1f1b`` update once per mini-batch of ``microbatches`` micro-batches;
+    ``sync_microbatch`` is synchronous SGD that updates after every micro-batch (a
+    pipeline of one micro-batch per step, so no two stages ever work at once): as many
+    updates as PipeDream, none of them stale, the fair baseline for staleness's cost.
+    The PipeDream variants run all ``steps * microbatches`` micro-batches without a flush.
+    """
     from .models import regression_data
 
     if variant not in VARIANTS:
@@ -245,17 +270,18 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     cost = cost or CostModel()
     loss_fn = nn.MSELoss()
     losses, times = [], []
-    if variant in ("gpipe", "1f1b"):
-        schedule = (gpipe if variant == "gpipe" else one_f_one_b)(stages, microbatches)
+    if variant in ("gpipe", "1f1b", "sync_microbatch"):
+        per_step = 1 if variant == "sync_microbatch" else microbatches
+        schedule = (one_f_one_b if variant == "1f1b" else gpipe)(stages, per_step)
         simulated = simulate(schedule, cost)
         step_time = simulated.makespan
         last_forward_end = {e.microbatch: e.end for e in simulated.events
                             if e.op == "F" and e.stage == stages - 1}
-        for k in range(steps):
-            chunk = slice(k * microbatches, (k + 1) * microbatches)
+        for k in range(total // per_step):
+            chunk = slice(k * per_step, (k + 1) * per_step)
             record = trainer.run(schedule, xs[chunk], ys[chunk], loss_fn)
-            losses += [record.losses[i] for i in range(microbatches)]
-            times += [k * step_time + last_forward_end[i] for i in range(microbatches)]
+            losses += [record.losses[i] for i in range(per_step)]
+            times += [k * step_time + last_forward_end[i] for i in range(per_step)]
     else:
         schedule = pipedream_async(stages, total)
         record = trainer.run(schedule, xs, ys, loss_fn)
@@ -283,3 +309,91 @@ def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_
     xs = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
     ys = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
     return trainer.run(schedule, xs, ys, nn.MSELoss())
+
+
+def final_loss(result: dict, window: int = 64) -> float:
+    """Mean loss over the last ``window`` micro-batches of a :func:`convergence` result."""
+    positive_int("window", window)
+    losses = result["losses"][-window:]
+    return sum(losses) / len(losses)
+
+
+def diverged(result: dict, window: int = 64) -> bool:
+    """Whether a :func:`convergence` run blew up: its final loss is not finite or above its
+    first ``window`` micro-batches' mean loss."""
+    positive_int("window", window)
+    first = result["losses"][:window]
+    final = final_loss(result, window)
+    return not math.isfinite(final) or final > sum(first) / len(first)
+
+
+def _stage_gradients(trainer: StagedTrainer, weights: Sequence[dict], x: torch.Tensor, y: torch.Tensor,
+                     loss_fn: Callable) -> list[torch.Tensor]:
+    """Each stage's gradient (flattened) of ``loss_fn`` on (x, y) with stage ``s`` at ``weights[s]``."""
+    h, leaves = x, []
+    for stage, stage_weights in zip(trainer.stages, weights):
+        leaf = {n: w.detach().requires_grad_() for n, w in stage_weights.items()}
+        leaves.append(list(leaf.values()))
+        h = functional_call(stage, leaf, (h,))
+    grads = iter(torch.autograd.grad(loss_fn(h, y), [w for ws in leaves for w in ws]))
+    return [torch.cat([next(grads).flatten() for _ in ws]) for ws in leaves]
+
+
+def gradient_agreement(variant: str, *, stages: int = 4, microbatches: int = 160, microbatch_size: int = 8,
+                       lr: float = 0.2, skip: int | None = None, seed: int = 0) -> dict[str, list[float]]:
+    """How close the gradient each stage applies is to a true gradient, per stage (mean cosine).
+
+    Trains like :func:`convergence` (one run of ``microbatches`` micro-batches, no flush)
+    and, for every micro-batch after the first ``skip`` (default ``2 * stages``, past the
+    start-up), compares the gradient stage ``s`` applied with two references, both
+    gradients of that micro-batch's loss:
+
+    * ``"forward"``: at the weights its forwards used on every stage. Stashing makes it
+      exact (cosine 1): the applied gradient is the gradient of a real loss.
+    * ``"applied_to"``: at the weights in place when the update is applied, the gradient
+      synchronous SGD would take there; staleness pulls the applied one away from it.
+    """
+    from .models import regression_data
+
+    if variant not in ASYNC_VARIANTS:
+        raise ValueError(f"variant must be one of {ASYNC_VARIANTS}, got {variant!r}")
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("microbatch_size", microbatch_size)):
+        positive_int(name, value)
+    positive("lr", lr)
+    skip = 2 * stages if skip is None else integer("skip", skip, 0)
+    if skip >= microbatches:
+        raise ValueError(f"skip must be below microbatches={microbatches}, got {skip}")
+    model = default_model(seed=seed)
+    if len(model) % stages:
+        raise ValueError(f"stages must divide the model's {len(model)} layers, got {stages}")
+    trainer = StagedTrainer(model, [len(model) // stages] * stages, lr,
+                            weight_stashing=variant != "pipedream_no_stash",
+                            vertical_sync=variant == "pipedream_vertical_sync")
+    x, y = regression_data(microbatches * microbatch_size, 16, seed=seed + 1)
+    xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
+    loss_fn = nn.MSELoss()
+    record = trainer.run(pipedream_async(stages, microbatches), xs, ys, loss_fn, record_grads=True)
+    sums = {"forward": [0.0] * stages, "applied_to": [0.0] * stages}
+    for i in range(skip, microbatches):
+        at_forward = _stage_gradients(trainer, [record.used_weights[(s, i)] for s in range(stages)], xs[i], ys[i],
+                                      loss_fn)
+        for s in range(stages):
+            applied = torch.cat([g.flatten() for g in record.grads[(s, i)]])
+            now = _stage_gradients(trainer, record.applied_to[(s, i)], xs[i], ys[i], loss_fn)[s]
+            for key, reference in (("forward", at_forward[s]), ("applied_to", now)):
+                sums[key][s] += torch.nn.functional.cosine_similarity(applied, reference, dim=0).item()
+    return {key: [total / (microbatches - skip) for total in values] for key, values in sums.items()}
+
+
+def versions_held_bound(num_stages: int, *, weight_stashing: bool = True, vertical_sync: bool = False) -> list[int]:
+    """Most weight versions each stage keeps at once in PipeDream's steady state (sec. 3.3).
+
+    Stashing: stage ``s`` keeps one per in-flight micro-batch, ``p - s``. Vertical sync
+    (which stashes too): every stage keeps ``p``, because stage 0's forward hands out a
+    version ``p - 1`` updates old and each later stage must keep that version of its own
+    weights until the micro-batch's backward has passed it. No stashing: the current one.
+    """
+    p = positive_int("num_stages", num_stages)
+    if vertical_sync:
+        return [p] * p
+    return [p - s for s in range(p)] if weight_stashing else [1] * p

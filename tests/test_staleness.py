@@ -9,7 +9,8 @@ from torch.func import functional_call
 
 from gpipe_ref.schedule import Action, gpipe, one_f_one_b, pipedream_async, weight_versions
 from gpipe_ref.simulator import simulate
-from gpipe_ref.staleness import VARIANTS, StagedTrainer, convergence, default_model, version_table
+from gpipe_ref.staleness import (ASYNC_VARIANTS, VARIANTS, StagedTrainer, convergence, default_model, diverged,
+                                  final_loss, gradient_agreement, version_table, versions_held_bound)
 
 
 def _run(weight_stashing, vertical_sync=False, p=4, m=8, seed=0):
@@ -97,12 +98,97 @@ def test_async_learns_faster_per_sample_and_loss_falls_tenfold():
     start = results["pipedream_stash"]["losses"][:8]
     end = results["pipedream_stash"]["losses"][-8:]
     assert sum(end) < 0.1 * sum(start)
-    # same data order: the first micro-batch's loss is the same for every variant
+    # same data order and the same samples: the first micro-batch's loss is the same for every variant
     assert len({round(r["losses"][0], 6) for r in results.values()}) == 1
+    assert {len(r["samples"]) for r in results.values()} == {320} and results["gpipe"]["samples"][-1] == 2560
     # sync variants are the same training (1F1B reorders, it does not change the maths)
     assert results["gpipe"]["losses"] == pytest.approx(results["1f1b"]["losses"])
     # async finishes the same samples sooner in simulated time (no flush bubbles)
     assert results["pipedream_stash"]["times"][-1] < results["gpipe"]["times"][-1]
+    # the fair baseline, as many updates as PipeDream and none stale, gets as far per sample: the lead over
+    # GPipe at this lr is the number of updates, and staleness costs little on this task
+    sync = final_loss(results["sync_microbatch"])
+    assert final_loss(results["gpipe"]) > 3 * sync
+    assert final_loss(results["pipedream_stash"]) == pytest.approx(sync, rel=0.1)
+    # and it runs one micro-batch at a time through the pipe: (p-1)/p idle, slowest in simulated time
+    assert results["sync_microbatch"]["times"][-1] > results["gpipe"]["times"][-1]
+
+
+def test_sync_microbatch_is_plain_sgd_one_microbatch_per_update():
+    """The baseline trained by hand: one SGD step per micro-batch on the whole model."""
+    from gpipe_ref.models import regression_data
+
+    result = convergence("sync_microbatch", lr=0.2, steps=2, microbatches=4)
+    model = default_model()
+    x, y = regression_data(8 * 8, 16, seed=1)
+    expected = []
+    for xb, yb in zip(x.split(8), y.split(8)):
+        loss = nn.MSELoss()(model(xb), yb)
+        expected.append(loss.item())
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for w in model.parameters():
+                w -= 0.2 * w.grad
+    assert result["losses"] == pytest.approx(expected, rel=1e-5)
+    assert result["times"] == pytest.approx([12 * k + 4 for k in range(8)])  # gpipe(4, 1): 4 F + 4 B of 2 = 12
+
+
+def test_final_loss_and_divergence():
+    run = {"losses": [1.0] * 10 + [0.5] * 54 + [0.25] * 64}
+    assert final_loss(run) == 0.25 and final_loss(run, window=128) == pytest.approx((10 + 27 + 16) / 128)
+    assert not diverged(run)
+    assert diverged({"losses": [1.0] * 64 + [float("nan")]}) and diverged({"losses": [1.0] * 64 + [2.0] * 64})
+
+
+@pytest.mark.parametrize("vertical_sync", [False, True])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_staleness_formula_against_version_table(p, vertical_sync):
+    """The notebook's formula: micro-batch k on stage s has staleness min(k, p-1-s), p-1-s in steady state;
+    under vertical sync min(k, p-1) on every stage."""
+    m = 3 * p
+    record = version_table(pipedream_async(p, m), vertical_sync=vertical_sync)
+    for (s, k), (_, _, staleness) in record.versions.items():
+        assert staleness == min(k, p - 1 if vertical_sync else p - 1 - s)
+
+
+@pytest.mark.parametrize("stashing,vertical_sync", [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_versions_held_reach_the_bound_in_steady_state(p, stashing, vertical_sync):
+    bound = versions_held_bound(p, weight_stashing=stashing, vertical_sync=vertical_sync)
+    assert bound == ([p] * p if vertical_sync else [p - s for s in range(p)] if stashing else [1] * p)
+    long = version_table(pipedream_async(p, 3 * p), weight_stashing=stashing, vertical_sync=vertical_sync)
+    assert long.stash_peak == bound
+    short = version_table(pipedream_async(p, p), weight_stashing=stashing, vertical_sync=vertical_sync)
+    assert all(held <= most for held, most in zip(short.stash_peak, bound))
+
+
+def test_pipedream_bubble_shrinks_with_the_run_and_gpipe_pays_it_every_step():
+    p, m = 4, 8
+    for runs in (1, 10, 40):
+        n = runs * m
+        assert simulate(pipedream_async(p, n)).bubble_fraction == pytest.approx((p - 1) / (n + p - 1))
+    assert simulate(gpipe(p, m)).bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_gradient_agreement_stashing_is_exact_staleness_is_not():
+    stash, no_stash, vertical = (gradient_agreement(v, lr=0.5, microbatches=48) for v in ASYNC_VARIANTS)
+    # stashing: the applied gradient is the gradient at the forward's weights, exactly
+    assert stash["forward"] == pytest.approx([1.0] * 4, abs=1e-6)
+    assert vertical["forward"] == pytest.approx([1.0] * 4, abs=1e-6)
+    # without it the first stages, whose weights moved most between forward and backward, disagree
+    assert no_stash["forward"][0] < 1 - 1e-4 and no_stash["forward"][-1] == pytest.approx(1.0, abs=1e-6)
+    # staleness: the older the weights, the further from the gradient at the weights being updated
+    assert stash["applied_to"] == sorted(stash["applied_to"]) and stash["applied_to"][0] < 0.99
+    # vertical sync: every stage p-1 updates old, further from it on every stage
+    assert all(v < s for v, s in zip(vertical["applied_to"], stash["applied_to"]))
+
+
+def test_gradient_agreement_at_lr_zero_limit_is_one():
+    """A tiny lr: the weights hardly move, so every gradient agrees with every reference."""
+    result = gradient_agreement("pipedream_no_stash", lr=1e-6, microbatches=16)
+    assert result["forward"] == pytest.approx([1.0] * 4, abs=1e-4)
+    assert result["applied_to"] == pytest.approx([1.0] * 4, abs=1e-4)
 
 
 def test_bad_input():
@@ -171,6 +257,16 @@ NAN, INF = float("nan"), float("inf")
     (lambda: default_model(hidden=1.5), ValueError, "hidden must be an integer >= 1, got 1.5"),
     (lambda: version_table("pipedream"), TypeError, "schedule must be a Schedule, got str"),
     (lambda: version_table(pipedream_async(4, 4), seed=1.5), ValueError, "seed must be an integer >= 0, got 1.5"),
+    (lambda: gradient_agreement("gpipe"), ValueError,
+     "variant must be one of ('pipedream_stash', 'pipedream_no_stash', 'pipedream_vertical_sync'), got 'gpipe'"),
+    (lambda: gradient_agreement("pipedream_stash", stages=3), ValueError,
+     "stages must divide the model's 8 layers, got 3"),
+    (lambda: gradient_agreement("pipedream_stash", microbatches=8, skip=8), ValueError,
+     "skip must be below microbatches=8, got 8"),
+    (lambda: gradient_agreement("pipedream_stash", skip=-1), ValueError, "skip must be an integer >= 0, got -1"),
+    (lambda: gradient_agreement("pipedream_stash", lr=0), ValueError, "lr must be a finite number > 0, got 0"),
+    (lambda: final_loss({"losses": [1.0]}, window=0), ValueError, "window must be an integer >= 1, got 0"),
+    (lambda: versions_held_bound(0), ValueError, "num_stages must be an integer >= 1, got 0"),
     (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run("1f1b", [], [], nn.MSELoss()), TypeError,
      "schedule must be a Schedule, got str"),
     (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run(

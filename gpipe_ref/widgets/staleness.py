@@ -1,30 +1,35 @@
-"""The staleness explorer: PipeDream's asynchronous pipeline, its weight versions and its loss against GPipe."""
+"""The staleness explorer: PipeDream's asynchronous pipeline, its weight versions and its loss against
+synchronous SGD (per micro-batch, the fair baseline) and GPipe (per mini-batch)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from ..schedule import pipedream_async
 from ..simulator import simulate
-from ..viz import loss_curves_svg, running_mean, timeline_svg
+from ..viz import running_mean, timeline_svg
 from .base import Dashboard
 
-__all__ = ["StalenessExplorer", "staleness_explorer"]
+__all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout"]
 
-VARIANTS = ("gpipe", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync")
+VARIANTS = ("gpipe", "sync_microbatch", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync")
+CURVE_NAMES = {"gpipe": "GPipe (update per mini-batch)", "sync_microbatch": "sync SGD (update per micro-batch)"}
+LONG_RUN = 10  # the readout's many-mini-batch run: PipeDream's bubble over LONG_RUN * m micro-batches
+FINAL_WINDOW = 64  # micro-batches averaged for the readout's final loss
 
 
 class StalenessExplorer(Dashboard):
     """PipeDream's asynchronous pipeline, live: timeline coloured by weight version,
-    the staleness of every (stage, micro-batch), and loss curves against GPipe.
+    the staleness of every (stage, micro-batch), and loss curves against synchronous SGD.
 
     Training runs are cached by their settings, so moving back to a setting redraws at
     once; :meth:`precompute` fills the cache for every learning rate and variant. The
-    loss curves train with m = 8 micro-batches per step whatever the slider says (the
-    slider sets the timeline and the table).
+    loss curves train with m = 8 micro-batches per GPipe step whatever the slider says
+    (the slider sets the timeline, the table and the bubble).
     """
 
-    LEARNING_RATES = (0.05, 0.2, 0.5, 1.0)
+    LEARNING_RATES = (0.05, 0.2, 1.0, 2.0)
 
     def __init__(self, stages: int = 4, microbatches: int = 8, lr: float = 0.2, weight_stashing: bool = True,
                  vertical_sync: bool = False, steps: int = 20) -> None:
@@ -53,13 +58,15 @@ class StalenessExplorer(Dashboard):
 
     def precompute(self, stages: int | None = None) -> None:
         """Train every variant at every learning rate for ``stages`` (default: the current value)."""
-        from ..staleness import convergence  # torch: imported on first use, so importing the widgets stays light
-
         p = stages or self.stages.value
         for lr in self.LEARNING_RATES:
             for variant in VARIANTS:
-                self._cached(("train", variant, p, lr),
-                             lambda v=variant, r=lr: convergence(v, stages=p, lr=r, steps=self.steps))
+                self._train(variant, p, lr)
+
+    def _train(self, variant: str, p: int, lr: float) -> dict:
+        from ..staleness import convergence  # torch: imported on first use, so importing the widgets stays light
+
+        return self._cached(("train", variant, p, lr), lambda: convergence(variant, stages=p, lr=lr, steps=self.steps))
 
     def _variant(self) -> str:
         if self.vertical_sync.value:
@@ -73,7 +80,7 @@ class StalenessExplorer(Dashboard):
 
     def redraw(self) -> None:
         """Look up (or train) the chosen settings and redraw the readout, timeline, table and curves."""
-        from ..staleness import convergence, version_table  # torch, as in precompute
+        from ..staleness import diverged, final_loss, version_table  # torch, as in precompute
 
         began = time.perf_counter()
         p, m, lr = self.stages.value, self.microbatches.value, self.lr.value
@@ -82,28 +89,65 @@ class StalenessExplorer(Dashboard):
                                    lambda: version_table(pipedream_async(p, m), weight_stashing=stash,
                                                          vertical_sync=vsync))
         variant = self._variant()
-        ours = self._cached(("train", variant, p, lr), lambda: convergence(variant, stages=p, lr=lr, steps=self.steps))
-        sync = self._cached(("train", "gpipe", p, lr), lambda: convergence("gpipe", stages=p, lr=lr, steps=self.steps))
-        versions = self.record.versions
-        mismatch = max(abs(f - b) for f, b, _ in versions.values())
-        mean_staleness = sum(s for _, _, s in versions.values()) / len(versions)
-        final = sum(ours["losses"][-8:]) / 8
-        final_sync = sum(sync["losses"][-8:]) / 8
-        self.readout.value = (
-            f"<b>p={p}, m={m}, lr={lr}</b> &middot; weight stashing <b>{'on' if stash else 'off'}</b>, "
-            f"vertical sync <b>{'on' if vsync else 'off'}</b> &middot; mean staleness <b>{mean_staleness:.2f}</b> "
-            f"&middot; largest forward/backward version mismatch <b>{mismatch}</b> &middot; versions held per stage "
-            f"<b>{self.record.stash_peak}</b> (bound {[p - s for s in range(p)]}) &middot; final loss "
-            f"<b>{final:.4g}</b> (GPipe {final_sync:.4g})"
-        )
+        runs = {name: self._train(name, p, lr) for name in (variant, "sync_microbatch", "gpipe")}
         # unit costs draw clearer than a tiny model's noisy measurement; the versions are the run's own
         self.timeline = simulate(pipedream_async(p, m), weight_stashing=stash, vertical_sync=vsync)
+        long_bubble = self._cached(("bubble", p, m),
+                                   lambda: simulate(pipedream_async(p, LONG_RUN * m)).bubble_fraction)
+        finals = {name: math.inf if diverged(run, FINAL_WINDOW) else final_loss(run, FINAL_WINDOW)
+                  for name, run in runs.items()}
+        self.readout.value = staleness_readout(self.record, p, m, lr, stash, vsync, self.timeline.bubble_fraction,
+                                               long_bubble, finals[variant], finals["sync_microbatch"],
+                                               finals["gpipe"])
         self.picture.value = timeline_svg(self.timeline, color_by="version",
-                                          title=f"{variant}, colour = weight version used")
-        self.heat.value = _heat_table(versions, p, m)
-        self.curves.value = loss_curves_svg({variant: running_mean(ours["losses"]),
-                                             "gpipe (sync)": running_mean(sync["losses"])})
+                                          title=f"{variant}: one run of {m} micro-batches, colour = weight version")
+        self.heat.value = _heat_table(self.record.versions, p, m)
+        self.curves.value = loss_chart_svg({CURVE_NAMES.get(name, name) + (" (diverged)" * diverged(run)):
+                                            running_mean(run["losses"]) for name, run in runs.items()})
         self.last_redraw_s = time.perf_counter() - began
+
+
+def staleness_readout(record, p: int, m: int, lr: float, stash: bool, vsync: bool, bubble: float,
+                      long_bubble: float, final: float, final_sync: float, final_gpipe: float) -> str:
+    """The readout: staleness in steady state, versions held and why, the bubble of this run and of a
+    long one, and the final losses beside the two synchronous baselines."""
+    from ..staleness import versions_held_bound
+
+    versions = record.versions
+    mismatch = max(abs(f - b) for f, b, _ in versions.values())
+    steady = [versions[(s, m - 1)][2] for s in range(p)]  # the last micro-batch: past the start-up when m >= p
+    bound = versions_held_bound(p, weight_stashing=stash, vertical_sync=vsync)
+    if vsync:
+        held_why = (f"vertical sync: each stage keeps stage 0's choices until their backward passes, "
+                    f"{bound[0]} per stage in steady state")
+    elif stash:
+        held_why = "one per in-flight micro-batch, p - s on stage s in steady state"
+    else:
+        held_why = "no stash: only the current weights"
+    stash_text = "on" if stash else "off" + (" (vertical sync stashes anyway)" if vsync else "")
+    reached = "reached" if record.stash_peak == bound else f"not reached with m = {m}"
+    return (
+        f"<b>p={p}, m={m}, lr={lr}</b> &middot; weight stashing <b>{stash_text}</b>, "
+        f"vertical sync <b>{'on' if vsync else 'off'}</b> &middot; staleness per stage in steady state "
+        f"(the table's last column) <b>{steady}</b> &middot; largest forward/backward version mismatch <b>{mismatch}</b> &middot; "
+        f"versions held per stage <b>{record.stash_peak}</b> ({held_why}: {bound}, {reached})"
+        f"<br>bubble of this run <b>{bubble:.1%}</b>: one fill and one drain, the same as one GPipe mini-batch; "
+        f"PipeDream never flushes, so over {LONG_RUN} mini-batches' worth ({LONG_RUN * m} micro-batches) it is "
+        f"<b>{long_bubble:.1%}</b> against GPipe's {bubble:.1%} every mini-batch, and 0 in steady state"
+        f"<br>final loss (mean of the last {FINAL_WINDOW} micro-batches) <b>{_loss(final)}</b>: "
+        f"sync SGD per micro-batch {_loss(final_sync)} ({_ratio(final, final_sync)}), "
+        f"GPipe per mini-batch {_loss(final_gpipe)}"
+    )
+
+
+def _loss(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else "diverged (above its starting loss)"
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs <= 0:
+        return "no ratio: a run diverged"
+    return f"{ours / theirs:.2f}x the synchronous loss"
 
 
 def _heat_table(versions: dict, p: int, m: int) -> str:
@@ -120,6 +164,73 @@ def _heat_table(versions: dict, p: int, m: int) -> str:
                          f"{value}</td>")
         rows.append(f"<tr><th>stage {s}</th>{''.join(cells)}</tr>")
     return "".join(rows) + "</table>"
+
+
+_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
+_DASHES = ("", "6,3", "2,2", "8,3,2,3", "1,3")
+
+
+def log_ticks(low: float, high: float) -> list[float]:
+    """Ticks for a log axis from ``low`` to ``high`` (> 0): 1-2-5 in every decade, or more when
+    the range is under a decade, so the axis always carries at least three labelled ticks."""
+    if not (0 < low <= high) or not math.isfinite(high):
+        raise ValueError(f"low and high must satisfy 0 < low <= high < inf, got {low!r} and {high!r}")
+    for mantissas in ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6, 7, 8, 9),
+                      tuple(1 + k / 10 for k in range(90))):
+        ticks = [round(k * 10 ** e, 12) for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+                 for k in mantissas if low <= k * 10 ** e <= high]
+        if len(ticks) >= 3:
+            return ticks if len(ticks) <= 8 else ticks[::math.ceil(len(ticks) / 8)]
+    return [low, high] if low < high else [low]
+
+
+def loss_chart_svg(curves: dict[str, list[float]], width: int = 600, height: int = 230) -> str:
+    """Named loss curves (log scale) against micro-batches seen, as SVG: labelled y ticks, each
+    curve its own colour and dash pattern, the legend to the right of the plot, off the data.
+    A curve that reaches inf or nan is drawn up to its last finite value and named so."""
+    legend_w, left, top, bottom = 235, 48, 10, 36
+    plot_w, plot_h = width - left - legend_w - 10, height - top - bottom
+    finite = [v for c in curves.values() for v in c if math.isfinite(v) and v > 0]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="10"><rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
+    if finite:
+        starts = [c[0] for c in curves.values() if c and math.isfinite(c[0]) and c[0] > 0]
+        low, high = min(finite), min(max(finite), 3 * max(starts, default=max(finite)))  # a blow-up stays on top
+        if high / low < 1.5:  # a nearly flat curve: widen so the ticks spread
+            low, high = low / 1.25, high * 1.25
+        span = math.log10(high) - math.log10(low)
+
+        def y(v: float) -> float:
+            return top + plot_h * (math.log10(high) - math.log10(v)) / span
+
+        for tick in log_ticks(low, high):
+            out.append(f'<line x1="{left - 4}" y1="{y(tick):.1f}" x2="{left + plot_w}" y2="{y(tick):.1f}" '
+                       f'stroke="#eee"/><text x="{left - 6}" y="{y(tick) + 3:.1f}" text-anchor="end">{tick:.3g}</text>')
+        longest = max(len(c) for c in curves.values())
+        for k in range(5):  # x ticks: 0 to the longest curve
+            x = left + plot_w * k / 4
+            out.append(f'<text x="{x:.1f}" y="{top + plot_h + 13}" text-anchor="middle">'
+                       f'{round(longest * k / 4)}</text>')
+        for k, (name, curve) in enumerate(curves.items()):
+            shown = []
+            for j, v in enumerate(curve):
+                if not (math.isfinite(v) and v > 0):
+                    break
+                shown.append(f"{left + plot_w * j / max(1, longest - 1):.1f},{y(min(max(v, low), high)):.1f}")
+            dash = f' stroke-dasharray="{_DASHES[k % 5]}"' if _DASHES[k % 5] else ""
+            out.append(f'<polyline fill="none" stroke="{_COLORS[k % 5]}" stroke-width="1.6"{dash} '
+                       f'points="{" ".join(shown)}"/>')
+    for k, (name, curve) in enumerate(curves.items()):
+        diverged = any(not math.isfinite(v) for v in curve) and "(diverged)" not in name
+        x, y0 = left + plot_w + 12, top + 10 + 16 * k
+        dash = f' stroke-dasharray="{_DASHES[k % 5]}"' if _DASHES[k % 5] else ""
+        out.append(f'<line x1="{x}" y1="{y0 - 3}" x2="{x + 22}" y2="{y0 - 3}" stroke="{_COLORS[k % 5]}" '
+                   f'stroke-width="1.6"{dash}/><text x="{x + 26}" y="{y0}">{name}'
+                   f'{" (diverged)" if diverged else ""}</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle">micro-batches seen</text>')
+    out.append(f'<text x="12" y="{top + plot_h / 2}" text-anchor="middle" transform="rotate(-90 12 '
+               f'{top + plot_h / 2})">training loss (log)</text></svg>')
+    return "".join(out)
 
 
 def staleness_explorer(**initial) -> StalenessExplorer:
