@@ -135,9 +135,10 @@ class BalanceExplorer(Dashboard):
                                   style=style, layout=layout)
         self.method = w.Dropdown(options=[(label, key) for key, label in METHODS.items()], value=method,
                                  description="cut", style=style, layout=layout)
+        wide_style, wide_layout = {"description_width": "220px"}, w.Layout(width="500px")
         self.manual = w.Text(value=manual, placeholder="e.g. 3, 3, 4", description="manual balance",
-                             continuous_update=False, style=style, layout=layout)
-        self.microbatches = w.IntSlider(value=microbatches, min=1, max=16, style=style, layout=layout,
+                             continuous_update=False, style=wide_style, layout=wide_layout)
+        self.microbatches = w.IntSlider(value=microbatches, min=1, max=16, style=wide_style, layout=wide_layout,
                                         description="micro-batches m (preview of 04)")
         self.readout = w.HTML(layout=w.Layout(min_height="60px"))
         self.readout.add_class("gpipe-balance-readout")
