@@ -32,6 +32,7 @@ class PlannerExplorer(Dashboard):
                                description="GPUs", style=style)
         self.memory = w.Dropdown(options=[16, 24, 40, 80, 141], value=memory_gb, description="GPU memory (GB)",
                                  style=style)
+        self.memory.add_class("gpipe-planner-memory")
         self.batch = w.Dropdown(options=[64, 128, 256, 512, 1024, 1536, 2048, 3072], value=batch,
                                 description="batch (sequences)", style=style)
         self.choice = w.Dropdown(options=[], description="configuration", style=style,
