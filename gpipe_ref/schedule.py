@@ -14,7 +14,7 @@ Generators:
   * :func:`gpipe`            fill-drain (Huang et al. 2019, sec. 2.2)
   * :func:`one_f_one_b`      1F1B with a flush (Narayanan et al. 2021, sec. 2.2)
   * :func:`interleaved_1f1b` several stages per device (Narayanan et al. 2021, sec. 2.2)
-  * :func:`zero_bubble_h1`   B split from W (Qi et al. 2024, sec. 3, "ZB-H1")
+  * :func:`zero_bubble_h1`   B split from W (Qi et al. 2024, sec. 2.1, "ZB-H1")
   * :func:`pipedream_async`  1F1B order with no flush (Narayanan et al. 2019, sec. 3)
 """
 
@@ -243,7 +243,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2024, sec. 3): 1F1B with W deferred into the bubbles.
+    """ZB-H1 (Qi et al. 2024, sec. 2.1): 1F1B with W deferred into the bubbles.
 
     B computes only the input gradient, which the previous stage waits for;
     W (the weight gradient) waits for nobody, so it is pushed later to fill idle
@@ -440,7 +440,7 @@ register(ScheduleSpec(
 register(ScheduleSpec(
     "zero_bubble_h1", zero_bubble_h1, "Zero bubble (ZB-H1)", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (m * (1 + r) + p - 1), formula="(p-1)/((1+r)·m+p-1)",
-    peak_held=lambda p, m, v: min(m, p), source="Qi et al. 2024, sec. 3", aliases=("zero_bubble", "zb_h1"),
+    peak_held=lambda p, m, v: min(m, p), source="Qi et al. 2024, sec. 2.1", aliases=("zero_bubble", "zb_h1"),
     split_backward=True, exact_when=lambda p, m, v, r: m >= p and r <= 2,
     exact_note="the formula assumes m >= p and W <= F (r <= 2)"))
 register(ScheduleSpec(

@@ -44,7 +44,7 @@ def test_zero_bubble_h1_bubble_is_exact(p, m):
     timeline = simulate(zero_bubble_h1(p, m), CostModel(1.0, 1.0, 1.0))
     assert timeline.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=EXACT)
     # Every device holds p micro-batches (until their W): 1F1B's worst device,
-    # so ZB-H1's peak memory does not exceed 1F1B's (Qi et al. 2024, sec. 3).
+    # so ZB-H1's peak memory does not exceed 1F1B's (Qi et al. 2024, sec. 2.1).
     for d in range(p):
         assert timeline.peak_in_flight(d) == min(m, p)
 
