@@ -366,6 +366,18 @@ def spread(samples: list[float]) -> float:
     return max(samples) / min(samples)
 
 
+def action_noise(timeline) -> float:
+    """The timeline's summed action times over what they would sum to if every action took the median of its
+    (stage, op) group: near 1 when every action took its usual time, large when other programs slowed some down."""
+    groups: dict = {}
+    for e in timeline.events:
+        groups.setdefault((e.stage, e.op), []).append(e.duration)
+    typical = sum(len(times) * statistics.median(times) for times in groups.values())
+    if not groups or typical <= 0:
+        raise ValueError("timeline must hold actions with positive durations")
+    return sum(sum(times) for times in groups.values()) / typical
+
+
 def timed_steps(pipe, inputs, targets, loss_fn, *, warmup: int = 2, repeats: int = 5) -> list:
     """Run ``warmup`` steps (one-time costs: allocation, autograd start-up), then ``repeats`` steps;
     return the measured timeline of each of those, in order."""
@@ -397,8 +409,7 @@ def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int =
       devices would take), and ``spread``, slowest / fastest of them;
     * ``forward_s``, ``backward_s``: the whole model's time on one micro-batch, the sum over stages of each
       stage's median F and B duration: the costs Megatron's eq. 1 takes (see :mod:`gpipe_ref.microbatch_size`);
-    * ``noise``: a step's summed action times over ``m`` times those medians (median over the steps): near 1
-      when every action took its usual time, large when other programs slowed some of them down.
+    * ``noise``: :func:`action_noise` of each step, the median over the steps.
 
     Runs with ``threads`` intra-op threads (1: one core per simulated device) and restores the count after."""
     from .pipeline import GPipe
@@ -424,11 +435,9 @@ def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int =
                 return sum(statistics.median(e.duration for t in runs for e in t.events
                                              if e.op == op and e.stage == s) for s in range(stages))
 
-            forward, backward = cost("F"), cost("B")
-            typical = batch // b * (forward + backward)  # every action at its stage's median
-            noise = statistics.median(sum(e.duration for e in t.events) / typical for t in runs)
             rows.append({"micro_batch": b, "microbatches": batch // b, "step_s": statistics.median(spans),
-                         "spread": spread(spans), "forward_s": forward, "backward_s": backward, "noise": noise})
+                         "spread": spread(spans), "forward_s": cost("F"), "backward_s": cost("B"),
+                         "noise": statistics.median(action_noise(t) for t in runs)})
     return rows
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpipe_ref import CostModel, gpipe, one_f_one_b, simulate
-from gpipe_ref.bench import median_run, microbatch_sweep, spread, timed_steps, torch_threads
+from gpipe_ref.bench import action_noise, median_run, microbatch_sweep, spread, timed_steps, torch_threads
 from gpipe_ref.microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
                                        megatron_step_time, micro_batch_sizes, microbatch_choices, microbatch_count)
 from gpipe_ref.widgets.microbatch_chooser import MicrobatchChooser, microbatch_chooser
@@ -196,3 +196,14 @@ def test_fill_drain_bubble_with_unequal_stages_is_the_simulated_one():
     assert fill_drain_bubble([2.0] * 4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError, match="stage_times must hold at least one positive time"):
         fill_drain_bubble([], 4)
+
+
+def test_action_noise_is_one_for_steady_actions_and_grows_with_one_slow_action():
+    steady = simulate(gpipe(3, 4), CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0))
+    assert action_noise(steady) == pytest.approx(1.0)
+    events = list(steady.events)
+    slow = events[0]._replace(end=events[0].start + 9.0)  # one forward 9x its usual 1.0
+    from gpipe_ref import Timeline
+    slowed = Timeline([slow] + events[1:], steady.num_devices, unit=steady.unit)
+    total = sum(e.duration for e in events)
+    assert action_noise(slowed) == pytest.approx((total + 8.0) / total)
