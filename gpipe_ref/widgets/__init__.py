@@ -1,10 +1,13 @@
 """Interactive dashboards (ipywidgets) on top of the simulator and the plots, one module per dashboard."""
 
+from .balance import BalanceExplorer, balance_explorer
 from .base import Dashboard, schedule_choices
 from .bubble import BubbleExplorer, bubble_explorer, explorer_cost_model
+from .microbatch_chooser import MicrobatchChooser, microbatch_chooser
 from .planner import PlannerExplorer, planner_explorer
 from .playground import SchedulePlayground, schedule_playground
 from .ring import RingAllReduceExplorer, ring_explorer
+from .sharding import ShardingExplorer, sharding_explorer
 from .staleness import StalenessExplorer, staleness_explorer
 
 __all__ = [
@@ -14,4 +17,7 @@ __all__ = [
     "SchedulePlayground", "schedule_playground",
     "PlannerExplorer", "planner_explorer",
     "RingAllReduceExplorer", "ring_explorer",
+    "ShardingExplorer", "sharding_explorer",
+    "BalanceExplorer", "balance_explorer",
+    "MicrobatchChooser", "microbatch_chooser",
 ]
