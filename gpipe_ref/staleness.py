@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .bench import torch_threads
 from .partition import check_balance, split
 from .checks import integer, positive, positive_int
 from .schedule import Action, Schedule, gpipe, one_f_one_b, pipedream_async, schedule_names, weight_versions
@@ -268,6 +269,16 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     x, y = regression_data(total * microbatch_size, 16, seed=seed + 1)
     xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
     cost = cost or CostModel()
+    with torch_threads(1):  # a tiny model: more threads only wait on each other, worst on a busy machine
+        losses, times = _train(variant, trainer, xs, ys, stages, microbatches, steps, cost)
+    return {"variant": variant, "lr": lr, "samples": [(i + 1) * microbatch_size for i in range(total)],
+            "losses": losses, "times": times}
+
+
+def _train(variant: str, trainer: StagedTrainer, xs, ys, stages: int, microbatches: int, steps: int,
+           cost: CostModel) -> tuple[list[float], list[float]]:
+    """:func:`convergence`'s training loop: losses per micro-batch and the simulated time each was seen."""
+    total = steps * microbatches
     loss_fn = nn.MSELoss()
     losses, times = [], []
     if variant in ("gpipe", "1f1b", "sync_microbatch"):
@@ -288,8 +299,7 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
         losses = [record.losses[i] for i in range(total)]
         seen = {e.microbatch: e.end for e in simulate(schedule, cost).events if e.op == "F" and e.stage == stages - 1}
         times = [seen[i] for i in range(total)]
-    return {"variant": variant, "lr": lr, "samples": [(i + 1) * microbatch_size for i in range(total)],
-            "losses": losses, "times": times}
+    return losses, times
 
 
 def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_sync: bool = False,
@@ -308,7 +318,8 @@ def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_
                             vertical_sync=vertical_sync)
     xs = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
     ys = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
-    return trainer.run(schedule, xs, ys, nn.MSELoss())
+    with torch_threads(1):  # as in convergence
+        return trainer.run(schedule, xs, ys, nn.MSELoss())
 
 
 def final_loss(result: dict, window: int = 64) -> float:
@@ -371,6 +382,12 @@ def gradient_agreement(variant: str, *, stages: int = 4, microbatches: int = 160
                             vertical_sync=variant == "pipedream_vertical_sync")
     x, y = regression_data(microbatches * microbatch_size, 16, seed=seed + 1)
     xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
+    with torch_threads(1):  # as in convergence
+        return _agreement(trainer, stages, microbatches, skip, xs, ys)
+
+
+def _agreement(trainer: StagedTrainer, stages: int, microbatches: int, skip: int, xs, ys) -> dict[str, list[float]]:
+    """:func:`gradient_agreement`'s run and its two cosines per stage."""
     loss_fn = nn.MSELoss()
     record = trainer.run(pipedream_async(stages, microbatches), xs, ys, loss_fn, record_grads=True)
     sums = {"forward": [0.0] * stages, "applied_to": [0.0] * stages}
