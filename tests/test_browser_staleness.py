@@ -1,0 +1,63 @@
+"""06's staleness explorer in JupyterLab: vertical sync, the micro-batch slider and the learning rate each
+change the readout to the library's numbers (the lead's test_browser.py checks weight stashing on and off)."""
+
+from __future__ import annotations
+
+from test_browser import jupyter_lab, _lab_page, _open_and_run_all, _eventually, WAIT_MS, pytestmark  # noqa: F401
+
+from gpipe_ref.schedule import pipedream_async
+from gpipe_ref.simulator import simulate
+
+
+def _bubbles(p: int, m: int) -> tuple[str, str]:
+    """The readout's two bubbles: one run of m micro-batches, and a run ten times as long."""
+    return (f"bubble of this run {simulate(pipedream_async(p, m)).bubble_fraction:.1%}",
+            f"({10 * m} micro-batches) it is {simulate(pipedream_async(p, 10 * m)).bubble_fraction:.1%}")
+
+
+def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_dir):
+    with _lab_page(artifacts_dir, "06_staleness_vsync") as (sync_api, page):
+        _open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
+                          "weight stashing on")
+        readout = page.locator(".gpipe-staleness-readout")
+
+        def stashing():
+            said = readout.inner_text()
+            assert "staleness per stage in steady state (the table's last column) [3, 2, 1, 0]" in said
+            assert "versions held per stage [4, 3, 2, 1]" in said and "reached" in said
+            assert all(bubble in said for bubble in _bubbles(4, 8))
+
+        _eventually(stashing)
+        checkbox = page.locator(".widget-checkbox", has_text="vertical sync").locator("input")
+        checkbox.scroll_into_view_if_needed()
+        checkbox.click()
+
+        def vertical_sync():
+            said = readout.inner_text()
+            assert "vertical sync on" in said
+            assert "staleness per stage in steady state (the table's last column) [3, 3, 3, 3]" in said
+            assert "versions held per stage [4, 4, 4, 4]" in said
+
+        _eventually(vertical_sync)
+        slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
+        slider.scroll_into_view_if_needed()
+        slider.focus()
+        for _ in range(4):
+            slider.press("ArrowRight")
+
+        def twelve_microbatches():
+            said = readout.inner_text()
+            assert "m=12" in said and all(bubble in said for bubble in _bubbles(4, 12))
+
+        _eventually(twelve_microbatches)
+        lr = page.locator(".widget-dropdown", has_text="learning rate").locator("select")
+        lr.select_option(label="1.0")
+
+        def diverged():
+            said = readout.inner_text()
+            assert "lr=1.0" in said and "diverged (above its starting loss)" in said
+
+        _eventually(diverged)
+        sync_api.expect(page.locator("text=pipedream_vertical_sync (diverged)")).to_have_count(1, timeout=WAIT_MS)
+        readout.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts_dir / "browser_06_staleness_vertical_sync.png"))
