@@ -57,7 +57,9 @@ def _peak_hidden() -> list[Case]:
 
 
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
-                _peak_shown, _peak_hidden, forbidden=("gpipe_ref.grading.ex05_rematerialization.measured_peaks",))
+                _peak_shown, _peak_hidden, forbidden=("gpipe_ref.grading.ex05_rematerialization.measured_peaks",
+                           "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
+                           "gpipe_ref.memory.measure_anatomy"))
 
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
 
@@ -123,6 +125,6 @@ HELD = Exercise(
     lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
                                                     ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
              for d in range(p)],
-    forbidden=("gpipe_ref.simulator.simulate",))
+    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"))
 
 EXERCISES = [PEAK, CHECKPOINTED, HELD]

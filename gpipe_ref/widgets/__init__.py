@@ -3,6 +3,7 @@
 from .balance import BalanceExplorer, balance_explorer
 from .base import Dashboard, schedule_choices
 from .bubble import BubbleExplorer, bubble_explorer, explorer_cost_model
+from .memory import MemoryExplorer, memory_explorer
 from .microbatch_chooser import MicrobatchChooser, microbatch_chooser
 from .planner import PlannerExplorer, planner_explorer
 from .playground import SchedulePlayground, schedule_playground
@@ -20,4 +21,5 @@ __all__ = [
     "ShardingExplorer", "sharding_explorer",
     "BalanceExplorer", "balance_explorer",
     "MicrobatchChooser", "microbatch_chooser",
+    "MemoryExplorer", "memory_explorer",
 ]
