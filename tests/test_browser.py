@@ -39,7 +39,7 @@ def _require_browser():
     return pytest.importorskip("playwright.sync_api")
 
 
-def _eventually(check, timeout_s: float = WAIT_MS / 1000):
+def eventually(check, timeout_s: float = WAIT_MS / 1000):
     """Call ``check`` (which asserts) until it passes; past the deadline, raise its last AssertionError."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -73,7 +73,7 @@ def _readout(page):
     return p, m, simulated, formula
 
 
-def _open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str, marker: str) -> None:
+def open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str, marker: str) -> None:
     """Open a notebook in Lab, keep its kernel, Run All, and wait for a widget readout and for
     the last cell to finish (so that the widget answers the test at once, not after the cells)."""
     page.set_default_timeout(WAIT_MS)
@@ -109,7 +109,7 @@ def _open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: st
 
 
 @contextlib.contextmanager
-def _lab_page(artifacts_dir: Path, name: str):
+def lab_page(artifacts_dir: Path, name: str):
     """A headless Chromium page on JupyterLab; on failure a screenshot ``browser_<name>_failure.png`` is kept."""
     sync_api = _require_browser()
     with sync_api.sync_playwright() as playwright:
@@ -125,8 +125,8 @@ def _lab_page(artifacts_dir: Path, name: str):
 
 
 def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
-    with _lab_page(artifacts_dir, "04_gpipe") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-bubble-readout", "simulated bubble")
+    with lab_page(artifacts_dir, "04_gpipe") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-bubble-readout", "simulated bubble")
 
         def initial_readout():
             p, m, simulated, formula = _readout(page)
@@ -134,7 +134,7 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert formula == pytest.approx((p - 1) / (m + p - 1), abs=5e-5)
             assert simulated == pytest.approx(formula, abs=5e-5)
 
-        _eventually(initial_readout)
+        eventually(initial_readout)
 
         slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
         slider.scroll_into_view_if_needed()
@@ -148,7 +148,7 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert formula == pytest.approx(3 / 15, abs=5e-5)
             assert simulated == pytest.approx(formula, abs=5e-5)
 
-        _eventually(readout_after_four_steps)
+        eventually(readout_after_four_steps)
         sync_api.expect(page.locator(".widget-html svg").first).to_be_attached(  # the timeline was redrawn
             timeout=WAIT_MS)
         page.locator(".gpipe-bubble-readout").scroll_into_view_if_needed()
@@ -157,8 +157,8 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
 
 def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Step 01's ring all-reduce three times: the reduce-scatter is done, every rank holds one complete chunk."""
-    with _lab_page(artifacts_dir, "01_ring") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", "gpipe-ring-readout",
+    with lab_page(artifacts_dir, "01_ring") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", "gpipe-ring-readout",
                           "bytes sent per rank so far: 0/4")
         readout, table = page.locator(".gpipe-ring-readout"), page.locator(".gpipe-ring-table")
         slider = page.locator(".widget-hslider", has_text="ring step k").locator(".noUi-handle")
@@ -174,7 +174,7 @@ def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert table.locator("td.gpipe-ring-sent").count() == 4
             assert table.locator("td.gpipe-ring-complete").count() == 4
 
-        _eventually(reduce_scatter_done)
+        eventually(reduce_scatter_done)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_01_ring_explorer.png"))
         for _ in range(3):
@@ -185,12 +185,12 @@ def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "all-gather step 3 of 3" in said and "bytes sent per rank so far: 6/4" in said
             assert table.locator("td.gpipe-ring-complete").count() == 16
 
-        _eventually(all_reduce_done)
+        eventually(all_reduce_done)
 
 
 def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
-    with _lab_page(artifacts_dir, "06_staleness") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
+    with lab_page(artifacts_dir, "06_staleness") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
                           "weight stashing on")
         readout = page.locator(".gpipe-staleness-readout")
 
@@ -199,7 +199,7 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "weight stashing on" in before
             assert "version mismatch 0" in before and "versions held per stage [4, 3, 2, 1]" in before
 
-        _eventually(stashing_on)
+        eventually(stashing_on)
         checkbox = page.locator(".widget-checkbox", has_text="weight stashing").locator("input")
         checkbox.scroll_into_view_if_needed()
         checkbox.click()
@@ -209,14 +209,14 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "weight stashing off" in after
             assert "versions held per stage [1, 1, 1, 1]" in after and "version mismatch 0" not in after
 
-        _eventually(stashing_off)
+        eventually(stashing_off)
         page.screenshot(path=str(artifacts_dir / "browser_06_staleness_explorer.png"))
 
 
 def test_schedule_playground_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Type a deadlocking schedule into 07's playground: the verdict names the cycle and marks its actions."""
-    with _lab_page(artifacts_dir, "07_playground") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-playground-verdict",
+    with lab_page(artifacts_dir, "07_playground") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-playground-verdict",
                           "valid: bubble 33.33%")
         text = page.locator(".gpipe-playground-text textarea")
         text.scroll_into_view_if_needed()
@@ -231,7 +231,7 @@ def test_schedule_playground_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "device 0 waits at 0B0 for 1B0" in said and "device 1 waits at 1F1 for 0F1" in said
             assert sorted(marks.all_inner_texts()) == ["0B0", "0F1", "1B0", "1F1"]
 
-        _eventually(deadlock_shown)
+        eventually(deadlock_shown)
         page.screenshot(path=str(artifacts_dir / "browser_07_playground_deadlock.png"))
         text.fill("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1")
         text.press("Tab")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from test_browser import WAIT_MS, _eventually, _lab_page, _open_and_run_all, jupyter_lab, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 
 def _stages_and_idle(text: str) -> tuple[int, list[int], float]:
@@ -18,8 +18,8 @@ def _stages_and_idle(text: str) -> tuple[int, list[int], float]:
 
 def test_balance_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Two steps right on the stages slider: four stages, a four-part cut of the 10 layers, idle share 3/4."""
-    with _lab_page(artifacts_dir, "03_balance") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "03_model_parallel.ipynb", "gpipe-balance-readout",
+    with lab_page(artifacts_dir, "03_balance") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "03_model_parallel.ipynb", "gpipe-balance-readout",
                           "p=2, balance")
         readout, table = page.locator(".gpipe-balance-readout"), page.locator(".gpipe-balance-table")
 
@@ -29,7 +29,7 @@ def test_balance_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert idle == pytest.approx(1 / 2, abs=5e-5)
             assert table.locator("tr").count() == 3  # the header and one row per stage
 
-        _eventually(two_stages)
+        eventually(two_stages)
         slider = page.locator(".widget-hslider", has_text="stages p").locator(".noUi-handle")
         slider.scroll_into_view_if_needed()
         slider.focus()
@@ -44,6 +44,6 @@ def test_balance_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert table.locator("tr").count() == 5
             assert page.locator(".widget-html svg", has_text="balance [").first.is_visible()
 
-        _eventually(four_stages)
+        eventually(four_stages)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_03_balance_explorer.png"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpipe_ref.memory import MemorySetup, memory_anatomy
 from gpipe_ref.widgets.memory import format_bytes
-from test_browser import jupyter_lab, _lab_page, _open_and_run_all, _eventually, WAIT_MS, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 
 def _fullest(setup: MemorySetup) -> tuple[int, str]:
@@ -16,8 +16,8 @@ def _fullest(setup: MemorySetup) -> tuple[int, str]:
 
 def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """pp 1 -> 4 (three steps of the slider: 1, 2, 3, 4), then 1F1B: the fullest stage moves from the last to the first."""
-    with _lab_page(artifacts_dir, "05_memory") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "05_rematerialization.ipynb", "gpipe-memory-readout",
+    with lab_page(artifacts_dir, "05_memory") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "05_rematerialization.ipynb", "gpipe-memory-readout",
                           "1 x 1 x 1 = 1 devices")
         readout = page.locator(".gpipe-memory-readout")
         slider = page.locator(".widget-hslider", has_text="pipeline stages pp").locator(".noUi-handle")
@@ -33,7 +33,7 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "1 x 1 x 4 = 4 devices" in said and f"fullest device: stage {stage}, {total}" in said
             assert readout.locator("table tr").count() == 5  # the header and four stages
 
-        _eventually(four_stages_gpipe)
+        eventually(four_stages_gpipe)
         page.locator(".widget-dropdown", has_text="schedule").locator("select").select_option(label="1F1B")
 
         def four_stages_1f1b():
@@ -41,7 +41,7 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             stage, total = _fullest(MemorySetup(pp=4, schedule="1f1b", **base))
             assert stage == 0 and f"fullest device: stage 0, {total}" in said
 
-        _eventually(four_stages_1f1b)
+        eventually(four_stages_1f1b)
         sync_api.expect(page.locator(".gpipe-memory-picture svg").first).to_be_attached(timeout=WAIT_MS)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_05_memory_explorer.png"))

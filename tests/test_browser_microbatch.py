@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from test_browser import jupyter_lab, _lab_page, _open_and_run_all, _eventually, WAIT_MS, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 
 def _chooser_readout(page) -> tuple[int, int, int, int, float]:
@@ -22,8 +22,8 @@ def _chooser_readout(page) -> tuple[int, int, int, int, float]:
 
 
 def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
-    with _lab_page(artifacts_dir, "04_microbatch") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-microbatch-readout",
+    with lab_page(artifacts_dir, "04_microbatch") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-microbatch-readout",
                           "micro-batches")
 
         def initial():
@@ -31,7 +31,7 @@ def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert (B, d, b, m) == (512, 1, 32, 16)
             assert bubble == pytest.approx(3 / 19, abs=5e-5)
 
-        _eventually(initial)
+        eventually(initial)
         slider = page.locator(".widget-hslider", has_text="micro-batch size b").locator(".noUi-handle")
         slider.scroll_into_view_if_needed()
         slider.focus()
@@ -43,6 +43,6 @@ def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert bubble == pytest.approx(3 / 11, abs=5e-5)
             assert "b = 64:" in page.locator(".gpipe-microbatch-plot").inner_html()
 
-        _eventually(doubled_b)
+        eventually(doubled_b)
         page.locator(".gpipe-microbatch-readout").scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_04_microbatch_chooser.png"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_browser import WAIT_MS, _eventually, _lab_page, _open_and_run_all, jupyter_lab, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 from gpipe_ref.planner import ClusterConfig, ModelConfig, candidates
 
@@ -19,8 +19,8 @@ def fit_line(memory_gb: int) -> str:
 
 
 def test_planner_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
-    with _lab_page(artifacts_dir, "07_planner") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-planner-ranking",
+    with lab_page(artifacts_dir, "07_planner") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-planner-ranking",
                           "configurations fit")
         ranking = page.locator(".gpipe-planner-ranking")
         titles = page.locator("svg text[font-size='13']", has_text="table: m = ")
@@ -36,10 +36,10 @@ def test_planner_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert f"m={m.group(1)} " in first_row.nth(1).inner_text() + " "
             assert first_row.nth(3).inner_text() == f"{m.group(2)}%"
 
-        _eventually(lambda: shows(80))
+        eventually(lambda: shows(80))
         memory = page.locator(".gpipe-planner-memory select")
         memory.scroll_into_view_if_needed()
         memory.select_option(label="40")
-        _eventually(lambda: shows(40))
+        eventually(lambda: shows(40))
         ranking.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_07_planner_40gb.png"))

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from gpipe_ref.sharding import sharding_plan
-from test_browser import WAIT_MS, _eventually, _lab_page, _open_and_run_all, jupyter_lab, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 SIZES = (8, 1024, 1024, 2)  # batch, sequence length, hidden size, bytes per element: the notebook's widget cell
 
@@ -20,8 +20,8 @@ def _sent_mb(text: str) -> float:
 
 
 def test_sharding_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
-    with _lab_page(artifacts_dir, "02_sharding") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "02_tensor_parallel.ipynb", "gpipe-sharding-readout",
+    with lab_page(artifacts_dir, "02_sharding") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "02_tensor_parallel.ipynb", "gpipe-sharding-readout",
                           "over n = 2 ranks")
         readout, table = page.locator(".gpipe-sharding-readout"), page.locator(".gpipe-sharding-table")
 
@@ -34,13 +34,13 @@ def test_sharding_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
                 assert table.locator("tr").count() == n + 1  # a header, then one row per rank
             return check
 
-        _eventually(megatron_mlp_on(2))
+        eventually(megatron_mlp_on(2))
         slider = page.locator(".widget-hslider", has_text="tp degree n").locator(".noUi-handle")
         slider.scroll_into_view_if_needed()
         slider.focus()
         for _ in range(2):
             slider.press("ArrowRight")
-        _eventually(megatron_mlp_on(4))
+        eventually(megatron_mlp_on(4))
         all_reduce_total = _sent_mb(readout.inner_text())
 
         page.locator(".widget-dropdown", has_text="layer").locator("select").select_option(
@@ -52,6 +52,6 @@ def test_sharding_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert _sent_mb(said) == pytest.approx(all_reduce_total, abs=0.006)  # AG + RS = all-reduce
             assert "tokens 768:1024 of 1024" in table.inner_text()  # rank 3 keeps the last quarter
 
-        _eventually(sequence_parallel_on_4)
+        eventually(sequence_parallel_on_4)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_02_sharding_explorer.png"))

@@ -3,7 +3,7 @@ change the readout to the library's numbers (the lead's test_browser.py checks w
 
 from __future__ import annotations
 
-from test_browser import jupyter_lab, _lab_page, _open_and_run_all, _eventually, WAIT_MS, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 from gpipe_ref.schedule import pipedream_async
 from gpipe_ref.simulator import simulate
@@ -16,8 +16,8 @@ def _bubbles(p: int, m: int) -> tuple[str, str]:
 
 
 def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_dir):
-    with _lab_page(artifacts_dir, "06_staleness_vsync") as (sync_api, page):
-        _open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
+    with lab_page(artifacts_dir, "06_staleness_vsync") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
                           "weight stashing on")
         readout = page.locator(".gpipe-staleness-readout")
 
@@ -27,7 +27,7 @@ def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_d
             assert "versions held per stage [4, 3, 2, 1]" in said and "reached" in said
             assert all(bubble in said for bubble in _bubbles(4, 8))
 
-        _eventually(stashing)
+        eventually(stashing)
         checkbox = page.locator(".widget-checkbox", has_text="vertical sync").locator("input")
         checkbox.scroll_into_view_if_needed()
         checkbox.click()
@@ -38,7 +38,7 @@ def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_d
             assert "staleness per stage in steady state (the table's last column) [3, 3, 3, 3]" in said
             assert "versions held per stage [4, 4, 4, 4]" in said
 
-        _eventually(vertical_sync)
+        eventually(vertical_sync)
         slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
         slider.scroll_into_view_if_needed()
         slider.focus()
@@ -49,7 +49,7 @@ def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_d
             said = readout.inner_text()
             assert "m=12" in said and all(bubble in said for bubble in _bubbles(4, 12))
 
-        _eventually(twelve_microbatches)
+        eventually(twelve_microbatches)
         lr = page.locator(".widget-dropdown", has_text="learning rate").locator("select")
         lr.select_option(label="1.0")
 
@@ -57,7 +57,7 @@ def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_d
             said = readout.inner_text()
             assert "lr=1.0" in said and "diverged (above its starting loss)" in said
 
-        _eventually(diverged)
+        eventually(diverged)
         sync_api.expect(page.locator("text=pipedream_vertical_sync (diverged)")).to_have_count(1, timeout=WAIT_MS)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_06_staleness_vertical_sync.png"))

@@ -20,6 +20,7 @@ from gpipe_ref.__main__ import build_parser, build_parsers, main
 from gpipe_ref.distributed.train import TrainConfig, checkpoint_modes, config_from_args
 from gpipe_ref.grading.grader import NotebookResult
 from gpipe_ref.schedule import unregister
+from gpipe_ref.staleness import VARIANTS
 from gpipe_ref.timeline import Event, Timeline
 
 
@@ -418,6 +419,6 @@ def test_staleness_writes_each_run_and_prints_them_when_the_json_is_lost(tmp_pat
     assert [(r["variant"], r["lr"]) for r in on_disk[0]["runs"]] == [("gpipe", 0.1), ("gpipe", 0.2)]
     captured = capsys.readouterr()
     printed = json.loads(captured.out[captured.out.index("\n{") + 1:captured.out.rindex("}") + 1])
-    assert len(printed["runs"]) == 5 * 2 and printed["stash_peak"] == [2, 1]  # PipeDream's bound p - s
+    assert len(printed["runs"]) == len(VARIANTS) * 2 and printed["stash_peak"] == [2, 1]  # PipeDream's bound p - s
     assert printed["version_table"]["0,2"] == [1, 1, 1]  # stage 0, micro-batch 2: version 1, one update late
     assert "could not write" in captured.err.splitlines()[-1]
