@@ -551,8 +551,10 @@ def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "
         _, ax = plt.subplots(figsize=(0.5 * num_microbatches + 2, 0.5 * num_stages + 1.2))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")
     for s in range(num_stages):
-        for i in range(num_microbatches):
-            ax.text(i, s, str(grid[s][i]), ha="center", va="center", color="white", fontsize=8)
+        for i in range(num_microbatches):  # dark text on viridis' light (yellow, green) end, white on its dark end
+            red, green, blue, _ = image.cmap(image.norm(grid[s][i]))
+            light = 0.299 * red + 0.587 * green + 0.114 * blue > 0.5
+            ax.text(i, s, str(grid[s][i]), ha="center", va="center", color="black" if light else "white", fontsize=8)
     ax.set_xticks(range(num_microbatches))
     ax.set_yticks(range(num_stages))
     ax.set_yticklabels([f"stage {s}" for s in range(num_stages)])

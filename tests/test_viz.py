@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 from gpipe_ref.schedule import gpipe, zero_bubble_h1  # noqa: E402
 from gpipe_ref.simulator import simulate  # noqa: E402
-from gpipe_ref.viz import plot_timeline, timeline_svg  # noqa: E402
+from gpipe_ref.viz import plot_staleness, plot_timeline, timeline_svg  # noqa: E402
 
 
 def test_plot_timeline_draws_every_event_and_the_bubble(artifacts_dir):
@@ -294,3 +294,13 @@ def test_bucket_overlap_draws_the_backward_per_layer_and_buckets_after_their_gra
            [round(max(ready[n] for n in bucket) - timeline.origin, 9) for bucket in buckets]
     with pytest.raises(ValueError, match=r"grad_ready has no time for \['6.bias'\] of bucket 0"):
         plot_bucket_overlap(timeline, {k: v for k, v in ready.items() if k != "6.bias"}, buckets)
+
+
+def test_staleness_numbers_are_dark_on_light_cells_and_light_on_dark_ones():
+    import matplotlib.pyplot as plt
+
+    versions = {(s, i): (0, 0, min(i, 3 - s)) for s in range(4) for i in range(8)}
+    ax = plot_staleness(versions, 4, 8)
+    colours = {text.get_text(): text.get_color() for text in ax.texts}
+    assert colours["0"] == "white" and colours["3"] == "black"  # viridis: 0 is dark purple, the maximum yellow
+    plt.close(ax.figure)
