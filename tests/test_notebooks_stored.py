@@ -45,3 +45,27 @@ def test_notebook_imports_gpipe_ref_and_does_not_redefine_it(path):
     public = set(gpipe_ref.__all__)
     defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not defined & public, f"redefines gpipe_ref names: {sorted(defined & public)}"
+
+
+MAX_CELLS = 35  # a notebook a learner can hold in mind (issue 15)
+
+
+@pytest.mark.parametrize("name", COURSE)
+def test_no_notebook_is_longer_than_the_limit(name):
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    assert len(cells) <= MAX_CELLS, f"{name} has {len(cells)} cells; split or rebalance it (limit {MAX_CELLS})"
+
+
+@pytest.mark.parametrize("name", COURSE[1:])
+def test_every_notebook_from_01_shows_a_dashboard(name):
+    """A widget in every notebook from 01: a code cell calls one of gpipe_ref.widgets' dashboard factories."""
+    import gpipe_ref.widgets
+
+    factories = {n for n in gpipe_ref.widgets.__all__ if n[0].islower() and n.endswith(("explorer", "chooser",
+                                                                                        "playground"))}
+    calls = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+             for cell in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+             if cell["cell_type"] == "code"
+             for node in ast.walk(ast.parse("".join(cell["source"]).replace("%", "#")))
+             if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))}
+    assert calls & factories, f"{name} builds none of {sorted(factories)}"
