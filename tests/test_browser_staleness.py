@@ -1,5 +1,5 @@
-"""06's staleness explorer in JupyterLab: vertical sync, the micro-batch slider and the learning rate each
-change the readout to the library's numbers (the lead's test_browser.py checks weight stashing on and off)."""
+"""06's staleness explorer in JupyterLab: weight stashing, vertical sync, the micro-batch slider and the learning
+rate each change the readout to the library's numbers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _bubbles(p: int, m: int) -> tuple[str, str]:
             f"({10 * m} micro-batches) it is {simulate(pipedream_async(p, 10 * m)).bubble_fraction:.1%}")
 
 
-def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_dir):
+def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     with lab_page(artifacts_dir, "06_staleness_vsync") as (sync_api, page):
         open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
                           "weight stashing on")
@@ -27,6 +27,19 @@ def test_staleness_explorer_vertical_sync_slider_and_lr(jupyter_lab, artifacts_d
             assert "versions held per stage [4, 3, 2, 1]" in said and "reached" in said
             assert all(bubble in said for bubble in _bubbles(4, 8))
 
+        eventually(stashing)
+        stash = page.locator(".widget-checkbox", has_text="weight stashing").locator("input")
+        stash.scroll_into_view_if_needed()
+        stash.click()
+
+        def stashing_off():  # one reading of the readout, so the checks are about the same state
+            said = readout.inner_text()
+            assert "weight stashing off" in said
+            assert "versions held per stage [1, 1, 1, 1]" in said and "version mismatch 0" not in said
+
+        eventually(stashing_off)
+        page.screenshot(path=str(artifacts_dir / "browser_06_staleness_explorer.png"))
+        stash.click()
         eventually(stashing)
         checkbox = page.locator(".widget-checkbox", has_text="vertical sync").locator("input")
         checkbox.scroll_into_view_if_needed()
