@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 
 from gpipe_ref.distributed import RankError, launch
-from gpipe_ref.distributed.data_parallel import (DataParallel, assign_buckets, naive_data_parallel_step,
-                                                 parameters_reached)
+from gpipe_ref.distributed.data_parallel import (DataParallel, accumulate_gradients, assign_buckets,
+                                                 naive_data_parallel_step, parameters_reached)
 from gpipe_ref.models import mlp, regression_data
 
 pytestmark = pytest.mark.timeout(240)
@@ -337,3 +338,89 @@ def test_naive_data_parallel_equals_single_process_and_funnels_through_rank_zero
         assert max((a - b).abs().max().item() for a, b in zip(expected, weights)) <= 1e-6
     master, worker = results[0][1], results[1][1]
     assert master["received"] == 3 * worker["sent"] and master["sent"] == 3 * worker["received"]
+
+
+# Gradient accumulation: d ranks x m micro-batches x b samples against one process on the batch of d m b.
+# A case: (micro-batches m, samples per micro-batch b, optimizer steps, data seed); m = 1 is plain DDP.
+_rng = random.Random(16)
+ACCUMULATION_CASES = [(1, 2, 2, 0)] + [(_rng.randint(2, 5), _rng.randint(1, 3), _rng.randint(1, 3), seed)
+                                       for seed in (1, 2, 3)]
+WIDTH = 16
+
+
+def _global_batches(world_size, micro_batches, samples, steps, seed):
+    batch = world_size * micro_batches * samples
+    x, y = regression_data(batch * steps, WIDTH, seed=seed)
+    return [(x[k * batch:(k + 1) * batch], y[k * batch:(k + 1) * batch]) for k in range(steps)]
+
+
+def _one_process_whole_batch(world_size, micro_batches, samples, steps, seed):
+    model = mlp(WIDTH, 2, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _global_batches(world_size, micro_batches, samples, steps, seed):
+        optimizer.zero_grad()
+        nn.MSELoss()(model(x), y).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _accumulate(rank, world_size, cases):
+    results = []
+    for micro_batches, samples, steps, seed in cases:
+        for no_sync in (True, False):
+            model = mlp(WIDTH, 2, seed=1 if rank == 0 else 7)  # the broadcast makes every replica rank 0's
+            replica = DataParallel(model, bucket_cap_mb=0.001)  # a bucket per layer: several all-reduces a step
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for x, y in _global_batches(world_size, micro_batches, samples, steps, seed):
+                mine = zip(torch.tensor_split(x, world_size)[rank].split(samples),
+                           torch.tensor_split(y, world_size)[rank].split(samples))
+                optimizer.zero_grad()
+                accumulate_gradients(replica, list(mine), nn.MSELoss(), no_sync=no_sync)
+                optimizer.step()
+            results.append(([p.detach() for p in model.parameters()], replica.all_reduces,
+                            replica.bytes_all_reduced, len(replica.buckets)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_accumulation_on_ranks_equals_one_process_on_the_whole_batch(world_size, record_property):
+    ranks = launch(_accumulate, world_size, ACCUMULATION_CASES)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in mlp(WIDTH, 2).parameters())
+    worst = 0.0
+    for c, (micro_batches, samples, steps, seed) in enumerate(ACCUMULATION_CASES):
+        expected = _one_process_whole_batch(world_size, micro_batches, samples, steps, seed)
+        quiet, chatty = [rank[2 * c] for rank in ranks], [rank[2 * c + 1] for rank in ranks]
+        for weights, _, _, _ in quiet + chatty:
+            worst = max(worst, max((a - b).abs().max().item() for a, b in zip(expected, weights)))
+        for (_, quiet_count, quiet_bytes, buckets), (_, chatty_count, chatty_bytes, _) in zip(quiet, chatty):
+            assert buckets == 4  # mlp(16, 2): two weights and two biases, 0.001 MB buckets
+            assert quiet_count == steps * buckets and quiet_bytes == steps * gradient_bytes  # once per step
+            assert chatty_count == micro_batches * quiet_count and chatty_bytes == micro_batches * quiet_bytes
+    record_property("worst_weight_difference", worst)
+    assert worst <= 1e-6
+
+
+def test_accumulation_weights_micro_batches_by_their_samples():
+    """One process, uneven micro-batches: the summed gradients are the whole batch's."""
+    x, y = regression_data(11, WIDTH, seed=5)
+    whole, pieces = mlp(WIDTH, 2, seed=3), mlp(WIDTH, 2, seed=3)
+    expected_loss = nn.MSELoss()(whole(x), y)
+    expected_loss.backward()
+    loss = accumulate_gradients(pieces, list(zip(x.split([2, 5, 4]), y.split([2, 5, 4]))), nn.MSELoss())
+    assert loss == pytest.approx(expected_loss.item(), rel=1e-6)
+    for a, b in zip(whole.parameters(), pieces.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("micro_batches,no_sync,error,message", [
+    ([], True, ValueError, "micro_batches must be a non-empty list of (inputs, targets), got []"),
+    ("xy", True, ValueError, "micro_batches must be a non-empty list of (inputs, targets), got 'xy'"),
+    ([(torch.ones(0, 2), torch.ones(0, 2))], True, ValueError, "micro_batches must each hold at least one "
+                                                               "sample, got sizes [0]"),
+    ([(torch.ones(1, 2), torch.ones(1, 2))], 1, TypeError, "no_sync must be True or False, got 1"),
+])
+def test_accumulate_gradients_refuses_bad_arguments(micro_batches, no_sync, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        accumulate_gradients(nn.Linear(2, 2), micro_batches, nn.MSELoss(), no_sync=no_sync)
+    with pytest.raises(TypeError, match="model must be an nn.Module, got function"):
+        accumulate_gradients(lambda x: x, [(torch.ones(1, 2), torch.ones(1, 2))], nn.MSELoss())

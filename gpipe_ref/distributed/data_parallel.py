@@ -12,6 +12,10 @@ Two versions, in the order the course teaches them:
   during the backward pass, gradients are packed into buckets and each full
   bucket is all-reduced asynchronously while the backward goes on (overlap),
   then averaged.
+
+Then :func:`accumulate_gradients`: several backward passes before one
+optimizer step (gradient accumulation), with ``no_sync`` so that a replica
+communicates its gradients once per step (Li et al. 2020, sec. 3.2.4).
 """
 
 from __future__ import annotations
@@ -197,6 +201,8 @@ class DataParallel(nn.Module):
         self.buckets = assign_buckets([p.numel() * p.element_size() for p in self._params], bucket_cap_mb)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self._sync = True
+        self.all_reduces = 0  # gradient buckets all-reduced since construction
+        self.bytes_all_reduced = 0  # their bytes (this rank's buffer, not what the ring sends)
         self._used: set[int] = set()  # parameters with a gradient since the last all-reduce (no_sync included)
         self._unused: set[int] = set()  # parameters the last forward's output does not reach
         self._reset()
@@ -269,6 +275,8 @@ class DataParallel(nn.Module):
         flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params])
         start = time.perf_counter() - self._t0
         work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.all_reduces += 1
+        self.bytes_all_reduced += flat.numel() * flat.element_size()
         work.get_future().add_done_callback(lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
         self._works.append((b, flat, work, start))
         self._next_bucket = b + 1
@@ -334,6 +342,40 @@ class DataParallel(nn.Module):
                 more = f" and {len(names) - most} more" if len(names) > most else ""
                 parts.append(f"rank {rank}: {', '.join(names[:most])}{more}")
         return "; ".join(parts)
+
+
+def accumulate_gradients(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: Callable, no_sync: bool = True) -> float:
+    """Gradient accumulation: one forward and backward per micro-batch, then the caller steps once.
+
+    Each micro-batch's (mean-reduced) loss is scaled by its share of the samples,
+    ``1/m`` for ``m`` equal micro-batches, so the gradients that add up in
+    ``.grad`` are the gradient of the mean loss over all of them: the big batch's.
+    If ``model`` has a ``no_sync`` (``DataParallel``, torch's DDP) and ``no_sync``
+    is True, the first ``m - 1`` backward passes run inside it and the gradients
+    are all-reduced once, in the last (Li et al. 2020, sec. 3.2.4); with
+    ``no_sync=False`` every backward all-reduces, ``m`` times the messages for
+    the same result. GPipe sums its micro-batches' gradients the same way
+    (Huang et al. 2019, sec. 2.2). Returns the mean loss over the samples.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
+        raise ValueError(f"micro_batches must be a non-empty list of (inputs, targets), got {micro_batches!r}")
+    if not isinstance(no_sync, bool):
+        raise TypeError(f"no_sync must be True or False, got {no_sync!r}")
+    sizes = [len(inputs) for inputs, _ in micro_batches]
+    if min(sizes) < 1:
+        raise ValueError(f"micro_batches must each hold at least one sample, got sizes {sizes}")
+    total, mean_loss = sum(sizes), 0.0
+    for k, ((inputs, targets), size) in enumerate(zip(micro_batches, sizes)):
+        last = k == len(micro_batches) - 1
+        quiet = model.no_sync() if no_sync and not last and hasattr(model, "no_sync") else contextlib.nullcontext()
+        with quiet:
+            loss = loss_fn(model(inputs), targets) * (size / total)
+            loss.backward()
+        mean_loss += loss.item()
+    return mean_loss
 
 
 def _tensors_in(output) -> list[torch.Tensor]:
