@@ -1,4 +1,4 @@
-"""PipeDream semantics: weight versions, stashing, vertical sync, staleness, convergence."""
+"""PipeDream semantics: weight versions, stashing, vertical sync, staleness, convergence; PipeDream-2BW."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from torch.func import functional_call
 from gpipe_ref.schedule import Action, gpipe, one_f_one_b, pipedream_async, weight_versions
 from gpipe_ref.simulator import simulate
 from gpipe_ref.staleness import (ASYNC_VARIANTS, VARIANTS, StagedTrainer, convergence, default_model, diverged,
-                                  final_loss, gradient_agreement, version_table, versions_held_bound)
+                                  double_buffered_timeline, double_buffered_versions, final_loss, gradient_agreement,
+                                  version_table, versions_held_bound)
 
 
 def _run(weight_stashing, vertical_sync=False, p=4, m=8, seed=0):
@@ -238,6 +239,80 @@ def test_flush_schedules_use_version_zero_within_the_step_and_count_steps_across
         assert {e.weight_version for e in record.timeline.events} == {step}
 
 
+# -- PipeDream-2BW (Narayanan et al. 2021, sec. 3.1) ------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_2bw_holds_two_versions_and_is_one_update_stale_on_every_stage(p, m):
+    record = version_table(pipedream_async(p, 3 * m), coalesce=m)
+    assert record.stash_peak == [2] * p == versions_held_bound(p, double_buffered=True)
+    for (s, i), (forward, backward, staleness) in record.versions.items():
+        batch = i // m
+        assert forward == backward == max(batch - 1, 0)  # stashed, and the same version on every stage
+        assert staleness == (0 if batch == 0 else 1)  # the first batch starts from the initial weights
+    assert [record.versions[(s, 3 * m - 1)][2] for s in range(p)] == [1] * p
+
+
+def test_2bw_update_rule_is_w_next_equals_w_minus_lr_grad_at_the_previous_version():
+    """W(t+1) = W(t) - lr * grad f_t(W(t-1)), with W(-1) = W(0), trained by hand on the whole model."""
+    p, m, batches, lr = 4, 4, 5, 0.3
+    torch.manual_seed(3)
+    xs, ys = [torch.randn(4, 16) for _ in range(m * batches)], [torch.randn(4, 16) for _ in range(m * batches)]
+    trainer = StagedTrainer(default_model(), [2] * p, lr, coalesce=m)
+    record = trainer.run(pipedream_async(p, m * batches), xs, ys, nn.MSELoss())
+    model = default_model()
+    previous = current = {n: w.detach().clone() for n, w in model.named_parameters()}
+    expected_losses = []
+    for t in range(batches):
+        leaves = {n: w.clone().requires_grad_() for n, w in previous.items()}
+        losses = [nn.MSELoss()(functional_call(model, leaves, (xs[i],)), ys[i]) for i in range(t * m, t * m + m)]
+        expected_losses += [loss.item() for loss in losses]
+        grads = torch.autograd.grad(sum(losses) / m, list(leaves.values()))
+        previous, current = current, {n: current[n] - lr * g for n, g in zip(leaves, grads)}
+    ours = {n: w for s in range(p) for n, w in trainer.weights(s).items()}  # stages keep the model's names
+    assert ours.keys() == current.keys()
+    assert max((ours[n] - current[n]).abs().max().item() for n in ours) < 1e-6
+    assert [record.losses[i] for i in range(m * batches)] == pytest.approx(expected_losses, rel=1e-5)
+    # the rule with fresh gradients (a flush, PipeDream-Flush) ends elsewhere: the check can tell them apart
+    flush = StagedTrainer(default_model(), [2] * p, lr)
+    for t in range(batches):
+        flush.run(one_f_one_b(p, m), xs[t * m:t * m + m], ys[t * m:t * m + m], nn.MSELoss())
+    assert max((flush.weights(s)[n] - trainer.weights(s)[n]).abs().max().item()
+               for s in range(p) for n in trainer.weights(s)) > 1e-4
+
+
+def test_versions_kept_pipedream_p_minus_s_2bw_two_flush_one():
+    p, m = 4, 8
+    kept = {"pipedream": version_table(pipedream_async(p, 3 * m)).stash_peak,
+            "2bw": version_table(pipedream_async(p, 3 * m), coalesce=m).stash_peak,
+            "flush": version_table(one_f_one_b(p, m)).stash_peak}
+    assert kept == {"pipedream": [4, 3, 2, 1], "2bw": [2, 2, 2, 2], "flush": [1, 1, 1, 1]}
+    assert kept["pipedream"] == versions_held_bound(p) and kept["flush"] == versions_held_bound(p, weight_stashing=False)
+
+
+def test_2bw_trains_like_the_synchronous_pipeline_at_the_same_batch_size_and_runs_at_pipedreams_speed():
+    runs = {v: convergence(v, lr=lr, steps=40) for v in ("gpipe", "1f1b", "pipedream_2bw", "pipedream_stash")
+            for lr in [0.2]}
+    sync, two_bw = final_loss(runs["gpipe"]), final_loss(runs["pipedream_2bw"])
+    assert runs["gpipe"]["losses"] == pytest.approx(runs["1f1b"]["losses"])  # PipeDream-Flush = GPipe's maths
+    # as many updates as the flush pipeline, each one batch stale: nearly its loss, far from PipeDream's 8x updates
+    assert two_bw == pytest.approx(sync, rel=0.1) and two_bw != sync
+    assert final_loss(runs["pipedream_stash"]) < sync / 3
+    # no flush: PipeDream's simulated time, less than the flushing pipeline's
+    assert runs["pipedream_2bw"]["times"] == runs["pipedream_stash"]["times"]
+    assert runs["pipedream_2bw"]["times"][-1] < runs["gpipe"]["times"][-1]
+    # a step size the fresh gradient survives, the one-update-old gradient does not
+    assert diverged(convergence("pipedream_2bw", lr=2.0, steps=40)) and not diverged(convergence("gpipe", lr=2.0,
+                                                                                                 steps=40))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 6)])
+def test_2bw_drawn_versions_are_the_ones_the_trainer_used(p, m):
+    drawn = double_buffered_timeline(p, m, 3)
+    record = version_table(pipedream_async(p, 3 * m), coalesce=m)
+    assert {e.action: e.weight_version for e in drawn.events} == \
+           {e.action: e.weight_version for e in record.timeline.events}
+    assert drawn.makespan == simulate(pipedream_async(p, 3 * m)).makespan
+
+
 NAN, INF = float("nan"), float("inf")
 
 
@@ -267,6 +342,19 @@ NAN, INF = float("nan"), float("inf")
     (lambda: gradient_agreement("pipedream_stash", lr=0), ValueError, "lr must be a finite number > 0, got 0"),
     (lambda: final_loss({"losses": [1.0]}, window=0), ValueError, "window must be an integer >= 1, got 0"),
     (lambda: versions_held_bound(0), ValueError, "num_stages must be an integer >= 1, got 0"),
+    (lambda: double_buffered_versions(pipedream_async(4, 6), 3), ValueError,
+     "batch must be >= num_stages=4 (PipeDream-2BW needs m >= d, sec. 3.1), got 3"),
+    (lambda: double_buffered_versions(pipedream_async(2, 6), 4), ValueError,
+     "batch must divide the schedule's 6 micro-batches, got 4"),
+    (lambda: double_buffered_versions(one_f_one_b(2, 4), 2), ValueError,
+     "schedule must be an asynchronous one-stage-per-device schedule without W actions (pipedream_async), "
+     "got '1f1b'"),
+    (lambda: double_buffered_versions(pipedream_async(2, 4), 0), ValueError, "batch must be an integer >= 1, got 0"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1, coalesce=4, vertical_sync=True), ValueError,
+     "coalesce (PipeDream-2BW) always stashes and needs no vertical sync, got weight_stashing=True, "
+     "vertical_sync=True"),
+    (lambda: convergence("pipedream_2bw", microbatches=2), ValueError,
+     "pipedream_2bw needs microbatches >= stages=4 (sec. 3.1: m >= d), got 2"),
     (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run("1f1b", [], [], nn.MSELoss()), TypeError,
      "schedule must be a Schedule, got str"),
     (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run(
