@@ -10,22 +10,59 @@ A Linear ``y = x W^T`` can be split two ways:
 A column split followed by a row split needs no communication in between:
 the MLP (sec. 3, Fig. 3a) and attention with heads split (Fig. 3b) each need
 one all-reduce forward (operator ``g``) and one backward (operator ``f``).
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", sec. 4.2.2) also splits the LayerNorm and dropout around that MLP, along the sequence: each rank
+keeps ``s/t`` of the ``s`` tokens there. An all-gather of the tokens replaces ``f`` (the paper's new
+``g``; a reduce-scatter in the backward), and a reduce-scatter replaces the all-reduce after the row
+layer (``ḡ``; an all-gather in the backward). Tensors are ``(batch, seq_len, hidden)``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import attend
+from ..memory import ActivationMeter
+from ..models import Residual, attend, mlp_block
+from ..sharding import ring_bytes_per_rank
 
 ALL_REDUCES: Counter = Counter()  # ("forward" | "backward") -> all-reduces issued by this process
+
+
+class CollectiveCall(NamedTuple):
+    """One collective issued by this module's layers: ``size_bytes`` is the full tensor's (an all-reduce's
+    tensor, an all-gather's result, a reduce-scatter's input), as in :class:`gpipe_ref.sharding.Collective`."""
+
+    direction: str  # "forward", "backward", or "step" (the gradients of replicated weights, once per step)
+    kind: str  # "all-reduce", "all-gather" or "reduce-scatter"
+    size_bytes: int
+
+
+_CALLS: list[CollectiveCall] = []  # every collective issued by this process, in order
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[CollectiveCall]]:
+    """Record the collectives the tensor-parallel layers issue inside the block."""
+    start = len(_CALLS)
+    calls: list[CollectiveCall] = []
+    try:
+        yield calls
+    finally:
+        calls.extend(_CALLS[start:])
+
+
+def ring_bytes_sent(calls: Iterable[CollectiveCall], world_size: int, direction: str | None = None) -> float:
+    """Bytes one rank sends for ``calls`` (optionally only one ``direction``) if each runs as a ring."""
+    return sum(ring_bytes_per_rank(c.kind, c.size_bytes, world_size) for c in calls
+               if direction in (None, c.direction))
 
 
 @contextlib.contextmanager
@@ -42,6 +79,7 @@ def count_all_reduces() -> Iterator[Counter]:
 def _all_reduce(x: torch.Tensor, group, direction: str) -> torch.Tensor:
     ALL_REDUCES[direction] += 1
     x = x.contiguous()
+    _CALLS.append(CollectiveCall(direction, "all-reduce", x.nbytes))
     dist.all_reduce(x, group=group)
     return x
 
@@ -50,10 +88,43 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, group, direction: str) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    _CALLS.append(CollectiveCall(direction, "all-gather", x.nbytes * len(parts)))
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+# torch >= 2.11 names the single-tensor collectives *_single; older versions *_into_tensor / *_tensor. Both run on
+# gloo (CPU) as well as NCCL, and write into one preallocated tensor instead of a list of chunks. Looked up at call
+# time, so a test can wrap them.
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def _gather_sequence(x: torch.Tensor, group, direction: str) -> torch.Tensor:
+    """(batch, s/t, h) on each rank -> (batch, s, h), rank r's tokens at r*s/t:(r+1)*s/t."""
+    mine = x.transpose(0, 1).contiguous()  # the collective concatenates along dim 0: put the sequence there
+    out = mine.new_empty((dist.get_world_size(group) * mine.shape[0], *mine.shape[1:]))
+    _CALLS.append(CollectiveCall(direction, "all-gather", out.nbytes))
+    _all_gather_single(out, mine, group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group, direction: str) -> torch.Tensor:
+    """(batch, s, h) partial sums on each rank -> this rank's s/t tokens of their sum, (batch, s/t, h)."""
+    full = x.transpose(0, 1).contiguous()
+    size = dist.get_world_size(group)
+    if full.shape[0] % size:
+        raise ValueError(f"seq_len must be divisible by the tensor-parallel size {size}, got {full.shape[0]}")
+    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
+    _CALLS.append(CollectiveCall(direction, "reduce-scatter", full.nbytes))
+    _reduce_scatter_single(out, full, group)
+    return out.transpose(0, 1)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -87,7 +158,7 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_last(x, group)
+        return _gather_last(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -104,7 +175,33 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return _gather_last(grad, ctx.group, "backward"), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's g: all-gather the tokens forward, reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group, "backward"), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's ḡ: reduce-scatter the partial sums forward, all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group, "backward"), None
 
 
 def copy_to_region(x, group=None):
@@ -123,6 +220,14 @@ def scatter_to_region(x, group=None):
     return _ScatterToRegion.apply(x, group)
 
 
+def gather_sequence(x, group=None):
+    return _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x, group=None):
+    return _ReduceScatterSequence.apply(x, group)
+
+
 def _divisible(name: str, value: int, group) -> int:
     size = dist.get_world_size(group)
     if value % size:
@@ -131,12 +236,15 @@ def _divisible(name: str, value: int, group) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``Linear(in, out)`` with the output features split across the ranks of ``group``."""
+    """``Linear(in, out)`` with the output features split across the ranks of ``group``.
+
+    With ``sequence_parallel`` the input is this rank's tokens, ``(batch, s/t, in)``: an all-gather of the
+    tokens (g) replaces f."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None) -> None:
+                 group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _divisible("out_features", out_features, group)
         dense = nn.Linear(in_features, out_features, bias=bias)  # same init as a dense layer on every rank
@@ -145,8 +253,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(dense.bias.detach()[rank * local:(rank + 1) * local].clone()) if bias else None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, gather_output: bool = False, group=None) -> "ColumnParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group)
+    def from_dense(cls, linear: nn.Linear, gather_output: bool = False, group=None,
+                   sequence_parallel: bool = False) -> "ColumnParallelLinear":
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
+                    sequence_parallel)
         local, rank = layer.weight.shape[0], dist.get_rank(group)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rank * local:(rank + 1) * local])
@@ -155,18 +265,25 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)
+        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """``Linear(in, out)`` with the input features split across the ranks of ``group``;
-    the partial products are summed by an all-reduce, then the bias is added once."""
+    the partial products are summed by an all-reduce, then the bias is added once.
+
+    With ``sequence_parallel`` a reduce-scatter (ḡ) replaces the all-reduce: each rank gets the sum for its
+    s/t tokens only, and adds the bias to them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None) -> None:
+                 group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("input_is_parallel must be True with sequence_parallel=True (the input is the column "
+                             "layer's output slice), got input_is_parallel=False")
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _divisible("in_features", in_features, group)
         dense = nn.Linear(in_features, out_features, bias=bias)
@@ -175,8 +292,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(dense.bias.detach().clone()) if bias else None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None) -> "RowParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group)
+    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
+                   sequence_parallel: bool = False) -> "RowParallelLinear":
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
+                    sequence_parallel)
         local, rank = layer.weight.shape[1], dist.get_rank(group)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, rank * local:(rank + 1) * local])
@@ -187,29 +306,33 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = reduce_from_region(F.linear(x, self.weight), self.group)
+        partial = F.linear(x, self.weight)
+        y = (reduce_scatter_sequence(partial, self.group) if self.sequence_parallel
+             else reduce_from_region(partial, self.group))
         return y + self.bias if self.bias is not None else y
 
 
 class ParallelMLP(nn.Module):
     """Column-parallel Linear -> activation -> row-parallel Linear (Megatron, Fig. 3a):
-    one all-reduce in the forward, one in the backward."""
+    one all-reduce in the forward, one in the backward. With ``sequence_parallel`` its input and output are
+    this rank's s/t tokens: an all-gather and a reduce-scatter each way instead (Korthikanti et al., sec. 4.2.2)."""
 
-    def __init__(self, width: int, hidden: int, group=None, activation: type[nn.Module] = nn.GELU) -> None:
+    def __init__(self, width: int, hidden: int, group=None, activation: type[nn.Module] = nn.GELU,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.up = ColumnParallelLinear(width, hidden, group=group)
+        self.up = ColumnParallelLinear(width, hidden, group=group, sequence_parallel=sequence_parallel)
         self.activation = activation()
-        self.down = RowParallelLinear(hidden, width, group=group)
+        self.down = RowParallelLinear(hidden, width, group=group, sequence_parallel=sequence_parallel)
 
     @classmethod
-    def from_dense(cls, block: nn.Sequential, group=None) -> "ParallelMLP":
+    def from_dense(cls, block: nn.Sequential, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
         """Shard a dense ``Sequential(Linear, activation, Linear)``."""
         if not (isinstance(block, nn.Sequential) and len(block) == 3 and isinstance(block[0], nn.Linear)
                 and isinstance(block[2], nn.Linear)):
             raise TypeError(f"block must be nn.Sequential(Linear, activation, Linear), got {block!r}")
-        mlp = cls(block[0].in_features, block[0].out_features, group, type(block[1]))
-        mlp.up = ColumnParallelLinear.from_dense(block[0], group=group)
-        mlp.down = RowParallelLinear.from_dense(block[2], group=group)
+        mlp = cls(block[0].in_features, block[0].out_features, group, type(block[1]), sequence_parallel)
+        mlp.up = ColumnParallelLinear.from_dense(block[0], group=group, sequence_parallel=sequence_parallel)
+        mlp.down = RowParallelLinear.from_dense(block[2], group=group, sequence_parallel=sequence_parallel)
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,3 +377,144 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = F.linear(copy_to_region(x, self.group), self.qkv_weight, self.qkv_bias)
         return self.out(attend(qkv, self.local_heads, self.head_dim))
+
+
+# -- The MLP half of a transformer layer, with its LayerNorm and dropout: plain TP or sequence-parallel ----------
+
+class _ApplyMask(torch.autograd.Function):
+    """``x * keep / (1 - p)``, saving only the boolean mask (one byte per element) for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x * keep * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep * ctx.scale, None, None
+
+
+class SeededDropout(nn.Module):
+    """Dropout that draws its masks from its own generator, seeded with ``seed``: two copies with one seed drop
+    the same elements, call after call, so a split layer can be checked against the dense one. It keeps the
+    mask, one byte per element, for the backward (Korthikanti et al. count it so, sec. 4.1).
+
+    With ``sequence_parallel`` the input is this rank's s/t tokens (dim 1) of a sequence split over ``group``:
+    it draws the mask for the whole sequence, as the dense layer does, and keeps its own tokens' part. (Megatron-LM
+    draws only its own tokens, from a per-rank seed; drawing them all costs time here, not saved memory.)"""
+
+    def __init__(self, p: float = 0.0, seed: int = 0, sequence_parallel: bool = False, group=None) -> None:
+        super().__init__()
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ValueError(f"p must be a number from 0 (no dropout) up to but not including 1, got {p!r}")
+        self.p, self.seed, self.sequence_parallel, self.group = float(p), seed, sequence_parallel, group
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        shape = list(x.shape)
+        if self.sequence_parallel:
+            shape[1] *= dist.get_world_size(self.group)
+        keep = torch.rand(shape, generator=self.generator) >= self.p
+        if self.sequence_parallel:
+            start = dist.get_rank(self.group) * x.shape[1]
+            keep = keep[:, start:start + x.shape[1]].contiguous()  # its own storage: only this rank's part is kept
+        return _ApplyMask.apply(x, keep.to(x.device), 1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, seed={self.seed}, sequence_parallel={self.sequence_parallel}"
+
+
+def mlp_sub_block(width: int, hidden: int | None = None, p: float = 0.0, seed: int = 0) -> Residual:
+    """The dense block that :class:`ParallelMLPSubBlock` splits: ``x + Dropout(MLP(LayerNorm(x)))``, the MLP half
+    of a pre-LayerNorm transformer layer, as ``Residual(Sequential(LayerNorm, mlp_block, SeededDropout))``."""
+    return Residual(nn.Sequential(nn.LayerNorm(width), mlp_block(width, hidden), SeededDropout(p, seed)))
+
+
+class ParallelMLPSubBlock(nn.Module):
+    """``x + Dropout(MLP(LayerNorm(x)))`` over the ranks of ``group``, the MLP split as :class:`ParallelMLP`.
+
+    Plain tensor parallelism (``sequence_parallel=False``): every rank takes all ``(batch, s, h)`` of ``x`` and
+    runs LayerNorm and dropout on all of it, the same on every rank. Sequence parallelism: ``x`` is this rank's
+    ``(batch, s/t, h)`` tokens; LayerNorm, dropout and the residual run on them alone, and the MLP starts with
+    an all-gather (g) and ends with a reduce-scatter (ḡ) (Korthikanti et al. 2022, sec. 4.2.2)."""
+
+    def __init__(self, width: int, hidden: int | None = None, p: float = 0.0, seed: int = 0, group=None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.norm = nn.LayerNorm(width)
+        self.mlp = ParallelMLP(width, hidden or 4 * width, group, nn.GELU, sequence_parallel)
+        self.dropout = SeededDropout(p, seed, sequence_parallel, group)
+
+    @classmethod
+    def from_dense(cls, block: Residual, group=None, sequence_parallel: bool = False) -> "ParallelMLPSubBlock":
+        """Shard a dense :func:`mlp_sub_block`. Its dropout starts again from the dense one's seed, so it draws
+        the masks the dense block drew from its creation on."""
+        inner = getattr(block, "inner", None)
+        if not (isinstance(block, Residual) and isinstance(inner, nn.Sequential) and len(inner) == 3
+                and isinstance(inner[0], nn.LayerNorm) and isinstance(inner[2], SeededDropout)):
+            raise TypeError(f"block must be mlp_sub_block(...): Residual(Sequential(LayerNorm, mlp_block, "
+                            f"SeededDropout)), got {block!r}")
+        norm, dense_mlp, dropout = inner
+        layer = cls(norm.normalized_shape[0], dense_mlp[0].out_features, dropout.p, dropout.seed, group,
+                    sequence_parallel)
+        layer.norm.load_state_dict(norm.state_dict())
+        layer.mlp = ParallelMLP.from_dense(dense_mlp, group, sequence_parallel)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.mlp(self.norm(x)))
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The weights every rank holds whole: LayerNorm's weight and bias, and B's bias."""
+        return [self.norm.weight, self.norm.bias] + ([self.mlp.down.bias] if self.mlp.down.bias is not None else [])
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Call after the backward. With sequence parallelism each rank's gradient of the replicated weights
+        covers its own tokens only: sum them over the group (one all-reduce of 3h values per step, recorded
+        as direction "step"; Megatron-LM does the same). Without it every rank already has the whole sum."""
+        if not self.sequence_parallel:
+            return
+        params = [p for p in self.replicated_parameters() if p.grad is not None]
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        _CALLS.append(CollectiveCall("step", "all-reduce", flat.nbytes))
+        dist.all_reduce(flat, group=self.group)
+        for p, summed in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(summed.view_as(p.grad))
+
+
+def saved_bytes_by_child(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    """Run ``module(x)`` and count the bytes autograd keeps for the backward, by direct child of ``module`` (its
+    name; ``"other"``: what the module's own forward saves between them), with a
+    :class:`gpipe_ref.memory.ActivationMeter` each. Parameters are not counted. Returns the output, whose graph
+    holds the tensors counted, and the bytes."""
+    ignore = list(module.parameters())
+    meters = {name: ActivationMeter(ignore) for name, _ in module.named_children()}
+    outer, active, handles = ActivationMeter(ignore), [], []
+
+    def enter(name) -> None:  # hooks must return None, or their value replaces the child's input or output
+        recording = meters[name].recording()
+        recording.__enter__()  # saved-tensor hooks nest: the child's meter sees what the child saves
+        active.append(recording)
+
+    def leave(*_) -> None:
+        active.pop().__exit__(None, None, None)
+
+    for name, child in module.named_children():
+        handles.append(child.register_forward_pre_hook(lambda _module, _args, name=name: enter(name)))
+        handles.append(child.register_forward_hook(leave))
+    try:
+        with outer.recording():
+            out = module(x)
+    finally:
+        while active:
+            active.pop().__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+    return out, {**{name: meter.live for name, meter in meters.items()}, "other": outer.live}
