@@ -12,7 +12,10 @@ Four layers, on input ``X`` of shape ``(batch, seq_len, hidden)``, with the MLP'
 * ``"sequence_parallel"``: the same MLP with its input and output split along the sequence (Korthikanti et al.
   2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2): an all-gather replaces f's
   identity and a reduce-scatter replaces g's all-reduce, and their conjugates run in the backward. A ring
-  all-reduce *is* a reduce-scatter then an all-gather, so the bytes are the same as the MLP's.
+  all-reduce *is* a reduce-scatter then an all-gather, so the bytes are the same as the MLP's. The real layer is
+  ``ParallelMLP(..., sequence_parallel=True)`` (with its LayerNorm and dropout: ``ParallelMLPSubBlock``); its
+  tests check these collectives and bytes. Not counted here: once per step, the gradients of the weights every
+  rank holds whole (LayerNorm's, B's bias: 3h values) are all-reduced, as each rank's cover its own tokens only.
 
 Per-rank bytes sent with a ring of ``n`` ranks (Patarasuk & Yuan 2009), ``S`` the full tensor's bytes:
 all-reduce ``2(n-1)/n S``, all-gather and reduce-scatter ``(n-1)/n S`` each. Megatron-LM's code may also gather

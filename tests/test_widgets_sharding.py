@@ -8,7 +8,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gpipe_ref.distributed import launch
 from gpipe_ref.distributed.collectives import ring_all_reduce
@@ -41,17 +40,25 @@ def _ring_phase_bytes(numel: int) -> tuple[int, int]:
     return sum(sizes[:n - 1]), sum(sizes[n - 1:])
 
 
+# recent torch names the single-tensor collectives *_single (the sequence-parallel layers use them), older *_tensor
+GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 class _Recorder:
-    """Wraps dist.all_reduce, all_gather and reduce_scatter in this forked rank: (pass, collective, values in the
-    full tensor), the full tensor being an all-gather's result and a reduce-scatter's input."""
+    """Wraps dist.all_reduce, all_gather and the single-tensor all-gather and reduce-scatter in this forked rank:
+    (pass, collective, values in the full tensor), the full tensor being an all-gather's result and a
+    reduce-scatter's input."""
 
     def __init__(self):
         self.direction, self.calls = "forward", []
-        self.originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter")}
-        dist.all_reduce = self._wrap("all_reduce", "all-reduce", lambda args: args[0].numel())
-        dist.all_gather = self._wrap("all_gather", "all-gather", lambda args: sum(p.numel() for p in args[0]))
-        dist.reduce_scatter = self._wrap("reduce_scatter", "reduce-scatter",
-                                         lambda args: sum(p.numel() for p in args[1]))
+        full_numel = {"all_reduce": ("all-reduce", lambda args: args[0].numel()),
+                      "all_gather": ("all-gather", lambda args: sum(p.numel() for p in args[0])),
+                      GATHER_SINGLE: ("all-gather", lambda args: args[0].numel()),
+                      REDUCE_SCATTER_SINGLE: ("reduce-scatter", lambda args: args[1].numel())}
+        self.originals = {name: getattr(dist, name) for name in full_numel}
+        for name, (kind, numel) in full_numel.items():
+            setattr(dist, name, self._wrap(name, kind, numel))
 
     def _wrap(self, name, kind, full_numel):
         def call(*args, **kwargs):
@@ -64,48 +71,6 @@ class _Recorder:
             setattr(dist, name, original)
 
 
-# ---- sequence parallelism: g and g-bar (Korthikanti et al. 2022, sec. 4.2.2), for the test only --------------
-# The library has no sequence-parallel layer; these conjugate operators wrap the real ParallelMLP's shards.
-
-def _seq_gather(x):
-    mine = x.transpose(0, 1).contiguous()  # gather along the sequence (dim 1)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    return torch.cat(parts).transpose(0, 1)
-
-
-def _seq_reduce_scatter(x):
-    parts = [p.contiguous() for p in x.transpose(0, 1).chunk(dist.get_world_size())]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts)
-    return out.transpose(0, 1)
-
-
-class _G(torch.autograd.Function):  # all-gather forward, reduce-scatter backward
-    @staticmethod
-    def forward(ctx, x):
-        return _seq_gather(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_reduce_scatter(grad)
-
-
-class _GBar(torch.autograd.Function):  # reduce-scatter forward, all-gather backward
-    @staticmethod
-    def forward(ctx, x):
-        return _seq_reduce_scatter(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_gather(grad)
-
-
-def _sequence_parallel_mlp(mlp: ParallelMLP, x_shard):
-    hidden = F.gelu(F.linear(_G.apply(x_shard), mlp.up.weight, mlp.up.bias))
-    return _GBar.apply(F.linear(hidden, mlp.down.weight)) + mlp.down.bias
-
-
 def _layer(kind, block, x, wide):
     """The real layer for ``kind``, its input, the dense layer it must equal and its weight tensors."""
     if kind == "column":
@@ -114,7 +79,7 @@ def _layer(kind, block, x, wide):
     if kind == "row":
         layer = RowParallelLinear.from_dense(block[2], input_is_parallel=False)
         return layer, wide, block[2], [layer.weight, layer.bias]
-    layer = ParallelMLP.from_dense(block)
+    layer = ParallelMLP.from_dense(block, sequence_parallel=kind == "sequence_parallel")
     return layer, x, block, [layer.up.weight, layer.up.bias, layer.down.weight, layer.down.bias]
 
 
@@ -135,7 +100,7 @@ def _shape_check_worker(rank, world_size):
         inputs = inputs.clone().requires_grad_()
         recorder = _Recorder()
         try:
-            out = _sequence_parallel_mlp(layer, inputs) if kind == "sequence_parallel" else layer(inputs)
+            out = layer(inputs)
             recorder.direction = "backward"
             out.sum().backward()
         finally:

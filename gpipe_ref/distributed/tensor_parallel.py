@@ -95,7 +95,7 @@ def _gather_last(x: torch.Tensor, group, direction: str) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-# torch >= 2.11 names the single-tensor collectives *_single; older versions *_into_tensor / *_tensor. Both run on
+# Recent torch names the single-tensor collectives *_single; older versions *_into_tensor / *_tensor. Both run on
 # gloo (CPU) as well as NCCL, and write into one preallocated tensor instead of a list of chunks. Looked up at call
 # time, so a test can wrap them.
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
