@@ -6,6 +6,7 @@ Nothing is downloaded: data are generated here from a seed.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .checks import positive_int
@@ -68,3 +69,101 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.inner(x)
+
+
+# -- The transformer layer whose activations Korthikanti et al. 2022 count (sec. 4.1) ------------------------------
+#
+# Each step that saves a tensor for the backward pass is its own small module, so that a meter can say which
+# step saved what (``gpipe_ref.activation_memory``).
+
+
+class MaskDropout(nn.Module):
+    """Dropout that saves a 1-byte boolean mask for the backward pass, as the paper counts (and as PyTorch's
+    fused GPU kernel, ``torch.native_dropout``, does). On the CPU ``nn.Dropout`` instead multiplies by a
+    noise tensor of the input's dtype and saves that: 2 bytes per element in 16-bit."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, self.p, self.training)[0] if self.training and self.p else x
+
+
+class AttentionScores(nn.Module):
+    """``Q K^T / sqrt(d)`` per head: saves Q and K."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+
+
+class AttendValues(nn.Module):
+    """The attention-weighted sum of the values: saves the (dropped-out) weights and V."""
+
+    def forward(self, weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return weights @ v
+
+
+class CoreAttention(nn.Module):
+    """Softmax attention from packed [Q | K | V] (batch, tokens, 3 x width) to (batch, tokens, width):
+    scores, softmax, dropout, weighted values. With ``recompute`` it saves only its input and recomputes the
+    rest in the backward: the paper's *selective activation recomputation* (sec. 5)."""
+
+    def __init__(self, heads: int, dropout: float, recompute: bool = False) -> None:
+        super().__init__()
+        self.heads, self.recompute = heads, recompute
+        self.scores, self.softmax = AttentionScores(), nn.Softmax(dim=-1)
+        self.dropout, self.values = MaskDropout(dropout), AttendValues()
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # Reentrant: the forward runs without a graph and the checkpoint saves its input as any op would.
+            return torch.utils.checkpoint.checkpoint(self._attend, qkv, use_reentrant=True)
+        return self._attend(qkv)
+
+    def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        b, s, three_width = qkv.shape
+        width = three_width // 3
+        q, k, v = (z.reshape(b, s, self.heads, width // self.heads).transpose(1, 2) for z in qkv.split(width, -1))
+        weights = self.dropout(self.softmax(self.scores(q, k)))
+        return self.values(weights, v).transpose(1, 2).reshape(b, s, width)
+
+
+class TransformerLayer(nn.Module):
+    """A GPT layer as Korthikanti et al. 2022 draw it (sec. 3, Fig. 2): LayerNorm -> self-attention (QKV
+    projection, softmax attention with dropout, output projection, dropout) -> residual add -> LayerNorm ->
+    MLP (Linear(h, 4h), GELU, Linear(4h, h), dropout) -> residual add. Input and output: (batch, tokens, h).
+
+    ``tp`` > 1 builds the layer that one of ``tp`` tensor-parallel ranks runs (Megatron's split, notebook 02):
+    ``heads / tp`` heads and ``4 h / tp`` MLP columns, the LayerNorms and dropouts whole. The all-reduces that
+    would sum the ranks' outputs save no activations and are left out, so with ``tp`` > 1 the layer is for
+    counting memory, not for training. ``recompute_attention`` checkpoints the core attention (sec. 5).
+    """
+
+    def __init__(self, hidden: int, heads: int, *, dropout: float = 0.1, tp: int = 1,
+                 recompute_attention: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        for name, value in (("hidden", hidden), ("heads", heads), ("tp", tp)):
+            positive_int(name, value)
+        if hidden % heads:
+            raise ValueError(f"hidden must be divisible by heads={heads}, got {hidden}")
+        if heads % tp:
+            raise ValueError(f"tp must divide heads={heads}, got {tp}")
+        torch.manual_seed(seed)
+        width = hidden // tp  # this rank's share of the attention width and (x 4) of the MLP's
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * width)
+        self.core = CoreAttention(heads // tp, dropout, recompute_attention)
+        self.proj = nn.Linear(width, hidden)
+        self.proj_dropout = MaskDropout(dropout)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * width)
+        self.gelu = nn.GELU()
+        self.fc2 = nn.Linear(4 * width, hidden)
+        self.mlp_dropout = MaskDropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj_dropout(self.proj(self.core(self.qkv(self.ln1(x)))))
+        return x + self.mlp_dropout(self.fc2(self.gelu(self.fc1(self.ln2(x)))))

@@ -15,7 +15,8 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 3), made explic
 * data parallelism: one ring all-reduce of the gradients per step, not overlapped with the backward;
 * memory: 16 bytes per parameter for mixed-precision Adam (fp16 weights and gradients, fp32 master weights
   and two moments; Rajbhandari et al. 2020, ZeRO, sec. 3.1), activations of s b h (10 + 24 / t + 5 a s / (h t))
-  bytes per layer and micro-batch, or 2 s b h with full recomputation (Korthikanti et al. 2022, sec. 4), times
+  bytes per layer and micro-batch, or 2 s b h with full recomputation (Korthikanti et al. 2022, sec. 4;
+  ``activation_memory.layer_activation_bytes``), times
   the micro-batches the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved);
 * fit: a configuration fits when its memory per GPU is at most ``ClusterConfig.usable_memory`` (0.9 by
   default) x the GPU's memory; :func:`plan` drops the others. The 10% kept back is this planner's allowance
@@ -32,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .activation_memory import layer_activation_bytes
 from .checks import fraction, one_of, positive, positive_int
 from .schedule import Schedule, make_schedule, schedule_names, schedule_spec
 from .simulator import CostModel, simulate
@@ -210,7 +212,7 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
 
     step_time = compute_time + tp_comm_time + bubble_time + pp_comm_time + dp_comm_time
 
-    per_layer = (2 * s * b * h if recompute else s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    per_layer = layer_activation_bytes(s, b, h, a, tp=tp, recompute="full" if recompute else "none")
     activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
     states = params_per_gpu * BYTES_PER_PARAMETER
     memory = {STATE_MEMORY: states, ACTIVATION_MEMORY: activations, TOTAL_MEMORY: states + activations}

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.models import Residual, SelfAttention, attend, mlp, mlp_block, regression_data
+from gpipe_ref.models import (MaskDropout, Residual, SelfAttention, TransformerLayer, attend, mlp,
+                              mlp_block, regression_data)
 
 
 def _same_parameters(a: nn.Module, b: nn.Module) -> bool:
@@ -93,3 +94,69 @@ def test_mlp_block_and_residual():
     assert block[0].out_features == 24 and mlp_block(6, 10)[0].out_features == 10
     x = torch.randn(4, 6)
     torch.testing.assert_close(Residual(block)(x), x + block(x))
+
+
+def test_transformer_layer_is_the_papers_layer_written_out():
+    """Without dropout: x + proj(attention(LN1 x)), then + fc2(GELU(fc1(LN2 .))) (Korthikanti et al., Fig. 2)."""
+    layer = TransformerLayer(16, 4, dropout=0.0, seed=1)
+    x = torch.randn(2, 7, 16)
+    mid = x + layer.proj(attend(layer.qkv(layer.ln1(x)), 4, 4))
+    expected = mid + layer.fc2(torch.nn.functional.gelu(layer.fc1(layer.ln2(mid))))
+    torch.testing.assert_close(layer(x), expected)
+    assert _same_parameters(layer, TransformerLayer(16, 4, seed=1))
+    assert not _same_parameters(layer, TransformerLayer(16, 4, seed=2))
+
+
+def test_selective_recomputation_gives_the_same_gradients():
+    """Checkpointing the core attention replays its dropout with the same random mask."""
+    x = torch.randn(2, 6, 16)
+    grads = []
+    for recompute in (False, True):
+        layer = TransformerLayer(16, 4, dropout=0.3, recompute_attention=recompute, seed=0)
+        inputs = x.clone().requires_grad_()
+        torch.manual_seed(5)
+        layer(inputs).square().sum().backward()
+        grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain)
+
+
+def test_tensor_parallel_shards_add_up_to_the_dense_sublayers():
+    """With tp = 2, rank r's layer holds heads 2r, 2r+1 and MLP columns [32r, 32r + 32) of the dense layer: the
+    ranks' attention and MLP outputs (the all-reduce's inputs) sum to the dense ones (biases added once)."""
+    h, heads, tp = 16, 4, 2
+    dense = TransformerLayer(h, heads, dropout=0.0, seed=0)
+    width = h // tp
+    x = torch.randn(3, 5, h)
+    attention, mlp_out = torch.zeros(3, 5, h), torch.zeros(3, 5, h)
+    for rank in range(tp):
+        shard = TransformerLayer(h, heads, dropout=0.0, tp=tp)
+        rows = torch.cat([torch.arange(rank * width, (rank + 1) * width) + part * h for part in range(3)])
+        columns = slice(rank * 4 * width, (rank + 1) * 4 * width)
+        with torch.no_grad():
+            shard.ln1.load_state_dict(dense.ln1.state_dict())
+            shard.ln2.load_state_dict(dense.ln2.state_dict())
+            shard.qkv.weight.copy_(dense.qkv.weight[rows])
+            shard.qkv.bias.copy_(dense.qkv.bias[rows])
+            shard.proj.weight.copy_(dense.proj.weight[:, rank * width:(rank + 1) * width])
+            shard.proj.bias.copy_(dense.proj.bias if rank == 0 else torch.zeros(h))
+            shard.fc1.weight.copy_(dense.fc1.weight[columns])
+            shard.fc1.bias.copy_(dense.fc1.bias[columns])
+            shard.fc2.weight.copy_(dense.fc2.weight[:, columns])
+            shard.fc2.bias.copy_(dense.fc2.bias if rank == 0 else torch.zeros(h))
+        attention += shard.proj(shard.core(shard.qkv(shard.ln1(x))))
+        mlp_out += shard.fc2(shard.gelu(shard.fc1(shard.ln2(x))))
+    torch.testing.assert_close(attention, dense.proj(dense.core(dense.qkv(dense.ln1(x)))))
+    torch.testing.assert_close(mlp_out, dense.fc2(dense.gelu(dense.fc1(dense.ln2(x)))))
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: TransformerLayer(10, 4), "hidden must be divisible by heads=4, got 10"),
+    (lambda: TransformerLayer(16, 4, tp=3), "tp must divide heads=4, got 3"),
+    (lambda: TransformerLayer(16, 0), "heads must be an integer >= 1, got 0"),
+    (lambda: MaskDropout(1.0), "p must be a number in [0, 1), got 1.0"),
+])
+def test_transformer_layer_bad_sizes(build, message):
+    with pytest.raises(ValueError) as info:
+        build()
+    assert str(info.value) == message
