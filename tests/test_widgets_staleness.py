@@ -63,6 +63,32 @@ def test_the_readout_numbers_are_the_librarys():
            f"mini-batch {finals['gpipe']:.4g}" in text
 
 
+def test_2bw_readout_is_the_librarys_and_the_checkboxes_rest():
+    from gpipe_ref.staleness import (convergence, double_buffered_timeline, final_loss, version_table,
+                                      versions_held_bound)
+
+    ex = StalenessExplorer(stages=4, microbatches=8, lr=0.2, steps=10)
+    ex.schedule.value = "2bw"
+    text = _text(ex)
+    record = version_table(pipedream_async(4, 16), coalesce=8)
+    assert record.stash_peak == versions_held_bound(4, double_buffered=True) == [2, 2, 2, 2]
+    assert "PipeDream-2BW" in text and "versions held per stage [2, 2, 2, 2]" in text
+    assert "staleness per stage in steady state (the table's last column) [1, 1, 1, 1]" in text
+    assert [record.versions[(s, 15)][2] for s in range(4)] == [1, 1, 1, 1] and "version mismatch 0" in text
+    assert ex.weight_stashing.disabled and ex.vertical_sync.disabled
+    assert ex.heat.value.count("<td") == 4 * 16  # two mini-batches of m
+    drawn = {(e.stage, e.microbatch, e.op): e.weight_version for e in ex.timeline.events}
+    assert drawn == {(e.stage, e.microbatch, e.op): e.weight_version
+                     for e in double_buffered_timeline(4, 8, 2).events}
+    ours, gpipe_bubble = ex.timeline.bubble_fraction, simulate(gpipe(4, 8)).bubble_fraction
+    assert ours < gpipe_bubble and f"{ours:.1%} against GPipe's {gpipe_bubble:.1%} every mini-batch" in text
+    two_bw, sync = (final_loss(convergence(v, lr=0.2, steps=10)) for v in ("pipedream_2bw", "gpipe"))
+    assert f"micro-batches) {two_bw:.4g}: GPipe per mini-batch (as many updates, none stale) {sync:.4g} " \
+           f"({two_bw / sync:.2f}x the GPipe loss)" in text
+    ex.schedule.value = "pipedream"  # back: the checkboxes apply again, PipeDream's readout returns
+    assert not ex.weight_stashing.disabled and "versions held per stage [4, 3, 2, 1]" in _text(ex)
+
+
 def test_a_diverging_run_says_so():
     ex = StalenessExplorer(stages=4, microbatches=8, lr=2.0, steps=10, vertical_sync=True)
     text = _text(ex)

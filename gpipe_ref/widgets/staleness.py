@@ -1,19 +1,22 @@
 """The staleness explorer: PipeDream's asynchronous pipeline, its weight versions and its loss against
-synchronous SGD (per micro-batch, the fair baseline) and GPipe (per mini-batch)."""
+synchronous SGD (per micro-batch, the fair baseline) and GPipe (per mini-batch); PipeDream-2BW beside it."""
 
 from __future__ import annotations
 
 import math
 import time
 
-from ..schedule import pipedream_async
+from ..schedule import gpipe, pipedream_async
 from ..simulator import simulate
 from ..viz import running_mean, timeline_svg
 from .base import Dashboard
 
-__all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout"]
+__all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "two_bw_readout"]
 
-VARIANTS = ("gpipe", "sync_microbatch", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync")
+VARIANTS = ("gpipe", "sync_microbatch", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync",
+            "pipedream_2bw")
+SCHEDULES = (("PipeDream", "pipedream"), ("PipeDream-2BW", "2bw"))
+TWO_BW_BATCHES = 2  # 2BW's table and timeline: two mini-batches, so the second shows the steady state
 CURVE_NAMES = {"gpipe": "GPipe (update per mini-batch)", "sync_microbatch": "sync SGD (update per micro-batch)"}
 LONG_RUN = 10  # the readout's many-mini-batch run: PipeDream's bubble over LONG_RUN * m micro-batches
 FINAL_WINDOW = 64  # micro-batches averaged for the readout's final loss
@@ -26,16 +29,19 @@ class StalenessExplorer(Dashboard):
     Training runs are cached by their settings, so moving back to a setting redraws at
     once; :meth:`precompute` fills the cache for every learning rate and variant. The
     loss curves train with m = 8 micro-batches per GPipe step whatever the slider says
-    (the slider sets the timeline, the table and the bubble).
+    (the slider sets the timeline, the table and the bubble). The schedule control picks
+    PipeDream (the two checkboxes apply) or PipeDream-2BW, whose table and timeline run
+    two mini-batches of m micro-batches.
     """
 
     LEARNING_RATES = (0.05, 0.2, 1.0, 2.0)
 
     def __init__(self, stages: int = 4, microbatches: int = 8, lr: float = 0.2, weight_stashing: bool = True,
-                 vertical_sync: bool = False, steps: int = 20) -> None:
+                 vertical_sync: bool = False, steps: int = 20, schedule: str = "pipedream") -> None:
         import ipywidgets as w
 
         style = {"description_width": "130px"}
+        self.schedule = w.Dropdown(options=SCHEDULES, value=schedule, description="schedule", style=style)
         self.stages = w.Dropdown(options=[2, 4], value=stages, description="stages p", style=style)
         self.microbatches = w.IntSlider(value=microbatches, min=4, max=16, description="micro-batches m", style=style)
         self.lr = w.Dropdown(options=self.LEARNING_RATES, value=lr, description="learning rate", style=style)
@@ -49,7 +55,7 @@ class StalenessExplorer(Dashboard):
         self.last_redraw_s = 0.0
         self.record = None
         self.timeline = None  # the drawn timeline, each event with its weight version
-        controls = [self.stages, self.microbatches, self.lr, self.weight_stashing, self.vertical_sync]
+        controls = [self.stages, self.microbatches, self.lr, self.schedule, self.weight_stashing, self.vertical_sync]
         for control in controls:
             control.observe(lambda _change: self.redraw(), names="value")
         self.widget = w.VBox([w.HBox([w.VBox(controls[:3]), w.VBox(controls[3:])]), self.readout, self.picture,
@@ -69,6 +75,8 @@ class StalenessExplorer(Dashboard):
         return self._cached(("train", variant, p, lr), lambda: convergence(variant, stages=p, lr=lr, steps=self.steps))
 
     def _variant(self) -> str:
+        if self.schedule.value == "2bw":
+            return "pipedream_2bw"
         if self.vertical_sync.value:
             return "pipedream_vertical_sync"
         return "pipedream_stash" if self.weight_stashing.value else "pipedream_no_stash"
@@ -80,28 +88,41 @@ class StalenessExplorer(Dashboard):
 
     def redraw(self) -> None:
         """Look up (or train) the chosen settings and redraw the readout, timeline, table and curves."""
-        from ..staleness import diverged, final_loss, version_table  # torch, as in precompute
+        from ..staleness import diverged, double_buffered_timeline, final_loss, version_table  # torch, as above
 
         began = time.perf_counter()
         p, m, lr = self.stages.value, self.microbatches.value, self.lr.value
         stash, vsync = self.weight_stashing.value, self.vertical_sync.value
-        self.record = self._cached(("table", p, m, stash, vsync),
-                                   lambda: version_table(pipedream_async(p, m), weight_stashing=stash,
-                                                         vertical_sync=vsync))
+        two_bw = self.schedule.value == "2bw"
+        self.weight_stashing.disabled = self.vertical_sync.disabled = two_bw  # 2BW stashes, by design
         variant = self._variant()
         runs = {name: self._train(name, p, lr) for name in (variant, "sync_microbatch", "gpipe")}
-        # unit costs draw clearer than a tiny model's noisy measurement; the versions are the run's own
-        self.timeline = simulate(pipedream_async(p, m), weight_stashing=stash, vertical_sync=vsync)
         long_bubble = self._cached(("bubble", p, m),
                                    lambda: simulate(pipedream_async(p, LONG_RUN * m)).bubble_fraction)
         finals = {name: math.inf if diverged(run, FINAL_WINDOW) else final_loss(run, FINAL_WINDOW)
                   for name, run in runs.items()}
-        self.readout.value = staleness_readout(self.record, p, m, lr, stash, vsync, self.timeline.bubble_fraction,
-                                               long_bubble, finals[variant], finals["sync_microbatch"],
-                                               finals["gpipe"])
-        self.picture.value = timeline_svg(self.timeline, color_by="version",
-                                          title=f"{variant}: one run of {m} micro-batches, colour = weight version")
-        self.heat.value = _heat_table(self.record.versions, p, m)
+        # unit costs draw clearer than a tiny model's noisy measurement; the versions are the run's own
+        if two_bw:
+            n = TWO_BW_BATCHES * m
+            self.record = self._cached(("table_2bw", p, m),
+                                       lambda: version_table(pipedream_async(p, n), coalesce=m))
+            self.timeline = double_buffered_timeline(p, m, TWO_BW_BATCHES)
+            self.readout.value = two_bw_readout(self.record, p, m, lr, self.timeline.bubble_fraction,
+                                                simulate(gpipe(p, m)).bubble_fraction, long_bubble,
+                                                finals[variant], finals["gpipe"], finals["sync_microbatch"])
+            title = f"{variant}: {TWO_BW_BATCHES} mini-batches of {m} micro-batches, colour = weight version"
+        else:
+            n = m
+            self.record = self._cached(("table", p, m, stash, vsync),
+                                       lambda: version_table(pipedream_async(p, m), weight_stashing=stash,
+                                                             vertical_sync=vsync))
+            self.timeline = simulate(pipedream_async(p, m), weight_stashing=stash, vertical_sync=vsync)
+            self.readout.value = staleness_readout(self.record, p, m, lr, stash, vsync,
+                                                   self.timeline.bubble_fraction, long_bubble, finals[variant],
+                                                   finals["sync_microbatch"], finals["gpipe"])
+            title = f"{variant}: one run of {m} micro-batches, colour = weight version"
+        self.picture.value = timeline_svg(self.timeline, color_by="version", title=title)
+        self.heat.value = _heat_table(self.record.versions, p, n)
         self.curves.value = loss_chart_svg({CURVE_NAMES.get(name, name) + (" (diverged)" * diverged(run)):
                                             running_mean(run["losses"]) for name, run in runs.items()})
         self.last_redraw_s = time.perf_counter() - began
@@ -137,6 +158,35 @@ def staleness_readout(record, p: int, m: int, lr: float, stash: bool, vsync: boo
         f"<br>final loss (mean of the last {FINAL_WINDOW} micro-batches) <b>{_loss(final)}</b>: "
         f"sync SGD per micro-batch {_loss(final_sync)} ({_ratio(final, final_sync)}), "
         f"GPipe per mini-batch {_loss(final_gpipe)}"
+    )
+
+
+def two_bw_readout(record, p: int, m: int, lr: float, bubble: float, gpipe_bubble: float, long_bubble: float,
+                   final: float, final_gpipe: float, final_sync: float) -> str:
+    """The readout for PipeDream-2BW (Narayanan et al. 2021, sec. 3.1): its staleness and versions held
+    from the run, the bubble against GPipe's, and the final loss against the synchronous pipeline with
+    the same batch size (GPipe = PipeDream-Flush: as many updates, none stale)."""
+    from ..staleness import versions_held_bound
+
+    versions = record.versions
+    last = max(i for _, i in versions)
+    mismatch = max(abs(f - b) for f, b, _ in versions.values())
+    steady = [versions[(s, last)][2] for s in range(p)]
+    bound = versions_held_bound(p, double_buffered=True)
+    reached = "reached" if record.stash_peak == bound else "not reached"
+    return (
+        f"<b>p={p}, m={m}, lr={lr}</b> &middot; <b>PipeDream-2BW</b>: 1F1B with no flush, the gradients of each "
+        f"mini-batch of m micro-batches summed into one update per stage, weight stashing built in &middot; "
+        f"staleness per stage in steady state (the table's last column) <b>{steady}</b> &middot; "
+        f"largest forward/backward version mismatch <b>{mismatch}</b> &middot; versions held per stage "
+        f"<b>{record.stash_peak}</b> (double buffering: the version in-flight micro-batches use and the newest, "
+        f"{bound}, {reached}; PipeDream keeps p - s, a flush 1)"
+        f"<br>bubble of this run of {TWO_BW_BATCHES} mini-batches <b>{bubble:.1%}</b> against GPipe's "
+        f"{gpipe_bubble:.1%} every mini-batch; no flush, so over {LONG_RUN} mini-batches' worth "
+        f"({LONG_RUN * m} micro-batches) it is <b>{long_bubble:.1%}</b>, and 0 in steady state"
+        f"<br>final loss (mean of the last {FINAL_WINDOW} micro-batches) <b>{_loss(final)}</b>: "
+        f"GPipe per mini-batch (as many updates, none stale) {_loss(final_gpipe)} "
+        f"({_ratio(final, final_gpipe).replace('synchronous', 'GPipe')}), sync SGD per micro-batch {_loss(final_sync)}"
     )
 
 
