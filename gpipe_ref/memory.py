@@ -114,6 +114,7 @@ class ActivationMeter:
 CATEGORIES = ("weights", "gradients", "optimizer state", "activations")
 MEMORY_SCHEDULES = ("gpipe", "1f1b")
 RECOMPUTE_MODES = ("never", "always")  # checkpoint nothing / every stage input (GPipe's checkpoint modes)
+ZERO_STAGES = (0, 1, 2, 3)  # which model states ZeRO shards over dp: none / optimizer / + gradients / + weights
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,9 @@ class MemorySetup:
     """One training configuration: the model (``layers`` MLP blocks of width ``hidden``, inner width
     ``ffn`` x ``hidden``), the global ``batch`` in rows, how it is split (``dp`` x ``tp`` x ``pp`` devices,
     ``microbatches`` per data-parallel replica), the pipeline ``schedule``, ``recompute`` ("never", or "always":
-    keep only each stage's input per micro-batch) and ``precision`` ("fp32" or "mixed" bf16)."""
+    keep only each stage's input per micro-batch), ``precision`` ("fp32" or "mixed" bf16) and ``zero_stage``
+    (0: every data-parallel rank keeps all its stage's model states; 1, 2, 3: ZeRO shards the optimizer state,
+    then also the gradients, then also the weights over the ``dp`` ranks, Rajbhandari et al. 2020, sec. 5)."""
 
     hidden: int = 1024
     layers: int = 24
@@ -162,6 +165,7 @@ class MemorySetup:
     schedule: str = "gpipe"
     recompute: str = "never"
     precision: str = "fp32"
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "batch", "ffn", "dp", "tp", "pp", "microbatches"):
@@ -169,6 +173,7 @@ class MemorySetup:
         one_of("schedule", self.schedule, MEMORY_SCHEDULES)
         one_of("recompute", self.recompute, RECOMPUTE_MODES)
         one_of("precision", self.precision, tuple(PRECISIONS))
+        one_of("zero_stage", self.zero_stage, ZERO_STAGES)
         if self.layers % self.pp:
             raise ValueError(f"layers ({self.layers}) must divide into pp ({self.pp}) equal stages, got pp={self.pp}")
         if (self.ffn * self.hidden) % self.tp:
@@ -221,11 +226,30 @@ def stage_parameters(setup: MemorySetup) -> int:
     return setup.layers // setup.pp * block_parameters(setup.hidden, setup.ffn, setup.tp)
 
 
+def sharded_parameters(setup: MemorySetup) -> int:
+    """Parameters of one device's share when ZeRO shards its stage over the ``dp`` ranks: each Linear's
+    parameters are one flat buffer padded to a multiple of dp, of which a rank keeps 1/dp
+    (``distributed.zero.ZeRO`` does the same)."""
+    inner = setup.ffn * setup.hidden // setup.tp
+    linears = (setup.hidden * inner + inner, inner * setup.hidden + setup.hidden)  # (weight + bias) of each
+    return setup.layers // setup.pp * sum(-(-n // setup.dp) for n in linears)
+
+
 def state_bytes(setup: MemorySetup) -> dict[str, int]:
-    """Weights, gradients and optimizer state of one device (every data-parallel rank keeps all three)."""
+    """Weights, gradients and optimizer state of one device. Without ZeRO every data-parallel rank keeps all
+    three; ZeRO stage 1 keeps 1/dp of the optimizer state, stage 2 also of the gradients, stage 3 also of the
+    weights (sec. 5), every ZeRO buffer padded as :func:`sharded_parameters` says. The whole weights a stage-3
+    rank gathers for one layer at a time, and the whole gradient of one layer before its reduce-scatter, are
+    passing buffers that ZeRO's accounting, and this, leave out."""
     params, precision = stage_parameters(setup), PRECISIONS[setup.precision]
-    return {"weights": params * precision.weight, "gradients": params * precision.gradient,
-            "optimizer": params * precision.optimizer}
+    shard = sharded_parameters(setup)
+    whole = setup.dp * shard if setup.zero_stage else params  # ZeRO's flat buffers are padded, DDP's tensors not
+
+    def kept(stage: int) -> int:  # the parameters whose state of this kind a rank keeps
+        return shard if setup.zero_stage >= stage else whole
+
+    return {"weights": kept(3) * precision.weight, "gradients": kept(2) * precision.gradient,
+            "optimizer": kept(1) * precision.optimizer}
 
 
 def saved_per_microbatch(setup: MemorySetup, stage: int) -> tuple[int, int]:
@@ -328,6 +352,9 @@ def measure_anatomy(setup: MemorySetup, seed: int = 0, timeout: float = 120.0) -
     measured as one replica on its rows (no all-reduce changes what it holds)."""
     if not isinstance(setup, MemorySetup):
         raise TypeError(f"setup must be a MemorySetup, got {type(setup).__name__}")
+    if setup.zero_stage:
+        raise ValueError(f"measure_anatomy measures zero_stage 0 (one replica); got zero_stage={setup.zero_stage}: "
+                         "ZeRO's sharded bytes are measured on dp ranks by distributed.zero.ZeRO.held_bytes")
     if setup.tp == 1:
         return [_measure_stages(setup, seed)]
     from .distributed import launch

@@ -135,3 +135,60 @@ def test_bad_setups_are_named(field, value, message):
     with pytest.raises(TypeError, match="setup must be a MemorySetup"):
         memory_anatomy({"pp": 2})
 
+
+
+# -- ZeRO: the anatomy's sharded model states against distributed.zero's measured bytes -------------------------------
+
+
+def test_zero_stages_divide_optimizer_then_gradients_then_weights_by_dp():
+    """Sec. 5: stage 1 keeps 1/dp of the optimizer state, stage 2 also of the gradients, stage 3 also of the weights
+    (each Linear padded to a multiple of dp); activations do not change."""
+    base = MemorySetup(hidden=64, layers=4, batch=64, dp=4, precision="mixed")
+    params = 4 * block_parameters(64)
+    shard = 4 * (-(-(64 * 256 + 256) // 4) + -(-(256 * 64 + 64) // 4))
+    assert shard * 4 == params  # these sizes need no padding
+    expected = {0: (2 * params, 2 * params, 12 * params), 1: (2 * params, 2 * params, 12 * shard),
+                2: (2 * params, 2 * shard, 12 * shard), 3: (2 * shard, 2 * shard, 12 * shard)}
+    for stage, states in expected.items():
+        device = memory_anatomy(replace(base, zero_stage=stage))[0]
+        assert (device.weights, device.gradients, device.optimizer) == states
+        assert device.activations == memory_anatomy(base)[0].activations
+    one_rank = MemorySetup(hidden=64, layers=4, batch=64, dp=1)
+    assert all(memory_anatomy(replace(one_rank, zero_stage=s)) == memory_anatomy(one_rank) for s in range(4))
+
+
+def _zero_held_bytes(rank: int, world: int, setup: MemorySetup) -> dict[str, int]:
+    from gpipe_ref.distributed.zero import ZeRO
+    from gpipe_ref.models import mlp_block, regression_data
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[mlp_block(setup.hidden, setup.ffn * setup.hidden) for _ in range(setup.layers)])
+    zero = ZeRO(model, setup.zero_stage)
+    x, y = regression_data(samples=setup.batch, width=setup.hidden, seed=0)
+    zero.zero_grad()
+    nn.MSELoss()(zero(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    zero.step()
+    return zero.held_bytes()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_anatomy_equals_the_bytes_zero_ranks_hold(dp):
+    """hidden 6, ffn 2: Linears of 84 and 78 parameters, the second padded to 80 on 4 ranks. zero.py's stage 0
+    (DDP on the same padded buffers) is compared where nothing is padded: the anatomy's stage 0 is DDP's
+    unpadded tensors, which measure_anatomy measures."""
+    from gpipe_ref.distributed import launch
+
+    for stage in range(4) if dp == 2 else range(1, 4):
+        setup = MemorySetup(hidden=6, ffn=2, layers=2, batch=8, dp=dp, microbatches=1, zero_stage=stage)
+        predicted = memory_anatomy(setup)[0]
+        for held in launch(_zero_held_bytes, dp, setup, backend="gloo"):
+            assert held == {"weights": predicted.weights, "gradients": predicted.gradients,
+                            "optimizer state": predicted.optimizer}, (dp, stage)
+
+
+def test_bad_zero_stage_is_named_and_measure_anatomy_refuses_zero():
+    with pytest.raises(ValueError, match=r"zero_stage must be one of \(0, 1, 2, 3\), got 4"):
+        MemorySetup(zero_stage=4)
+    with pytest.raises(ValueError, match="measure_anatomy measures zero_stage 0"):
+        measure_anatomy(MemorySetup(hidden=8, layers=2, batch=4, dp=2, microbatches=1, zero_stage=2))
