@@ -89,3 +89,29 @@ def test_an_impossible_split_shows_the_reason_instead_of_numbers():
 
 def test_format_bytes():
     assert [format_bytes(n) for n in (12, 1500, 2.5e6, 80e9)] == ["12 B", "1.50 kB", "2.50 MB", "80.00 GB"]
+
+
+def test_zero_stage_control_shards_the_model_states_over_dp():
+    """Each ZeRO stage divides one more category by dp (the library's anatomy, held equal to zero.py's ranks in
+    test_memory.py); activations stay; with dp = 1 there is nothing to divide."""
+    explorer = memory_explorer(dp=8, precision="mixed")
+    assert "ZeRO stage" not in explorer.readout.value  # stage 0: the readout reads as before
+    states = [(explorer.anatomy[0].weights, explorer.anatomy[0].gradients, explorer.anatomy[0].optimizer)]
+    activations = explorer.anatomy[0].activations
+    for stage in (1, 2, 3):
+        before = explorer.readout.value
+        explorer.zero_stage.value = stage
+        assert explorer.setup.zero_stage == stage and explorer.readout.value != before
+        assert f"ZeRO stage {stage} over dp = 8" in explorer.readout.value
+        assert f"ZeRO-{stage}" in explorer.picture.value  # the bars' title
+        assert _table(explorer) == _expected_rows(explorer.setup)
+        device = explorer.anatomy[0]
+        states.append((device.weights, device.gradients, device.optimizer))
+        assert device.activations == activations
+    # hidden 2048 splits evenly: each stage divides exactly one more category by 8
+    assert [s[2] * 8 == states[0][2] for s in states] == [False, True, True, True]
+    assert [s[1] * 8 == states[0][1] for s in states] == [False, False, True, True]
+    assert [s[0] * 8 == states[0][0] for s in states] == [False, False, False, True]
+    explorer.dp.value = 1
+    assert explorer.anatomy == memory_anatomy(MemorySetup(hidden=2048, layers=24, batch=16384, dp=1,
+                                                          precision="mixed"))

@@ -1,5 +1,6 @@
 """The memory-anatomy explorer: what one device holds (weights, gradients, optimizer state, activations)
-as the model is split dp x tp x pp, scheduled GPipe or 1F1B, recomputed or not, in fp32 or mixed bf16.
+as the model is split dp x tp x pp, scheduled GPipe or 1F1B, recomputed or not, in fp32 or mixed bf16, with
+or without ZeRO sharding the model states over the dp ranks (stages 1-3).
 
 The numbers come from :func:`gpipe_ref.memory.memory_anatomy`, which the tests hold equal to the bytes of a
 real step's tensors (:func:`gpipe_ref.memory.measure_anatomy`).
@@ -21,6 +22,7 @@ HATCHES = {"weights": "", "gradients": "//", "optimizer state": "..", "activatio
 RECOMPUTE_LABELS = [("none", "never"), ("checkpoint every stage input", "always")]
 SCHEDULE_LABELS = [("GPipe (all forwards, then all backwards)", "gpipe"), ("1F1B", "1f1b")]
 PRECISION_LABELS = [(PRECISIONS[name].label, name) for name in PRECISIONS]
+ZERO_LABELS = [("0: none (DDP)", 0), ("1: optimizer state", 1), ("2: + gradients", 2), ("3: + weights (FSDP)", 3)]
 
 
 def format_bytes(n: float) -> str:
@@ -38,8 +40,9 @@ def memory_readout(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: fl
     device = anatomy[fullest]
     share = device.by_category()[device.largest] / device.total
     fits = "fits in" if device.total <= capacity else "does not fit in"
+    zero = (f"ZeRO stage {setup.zero_stage} over dp = {setup.dp} &middot; " if setup.zero_stage else "")
     summary = (f"<b>{setup.dp} x {setup.tp} x {setup.pp} = {setup.devices} devices</b> (dp x tp x pp), "
-               f"{setup.rows_per_microbatch} rows per micro-batch &middot; fullest device: stage {fullest}, "
+               f"{setup.rows_per_microbatch} rows per micro-batch &middot; {zero}fullest device: stage {fullest}, "
                f"<b>{format_bytes(device.total)}</b> ({fits} {format_bytes(capacity)}) &middot; largest category "
                f"there: <b>{device.largest}</b>, {share:.0%} of it")
     head = "".join(f"<th style='padding:2px 8px'>{name}</th>" for name in (*CATEGORIES, "total"))
@@ -74,7 +77,8 @@ def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float)
     ax.set_xticks(list(stages), [f"stage {s}" for s in stages])
     ax.set_ylabel("GB per device")
     ax.set_ylim(0, top * 1.1)
-    ax.set_title(f"{PRECISIONS[setup.precision].label}, {setup.schedule}, recompute {setup.recompute}: "
+    zero = f", ZeRO-{setup.zero_stage}" if setup.zero_stage else ""
+    ax.set_title(f"{PRECISIONS[setup.precision].label}, {setup.schedule}, recompute {setup.recompute}{zero}: "
                  f"each of {setup.devices} device{'s' if setup.devices > 1 else ''}", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     order = [labels.index(name) for name in reversed(CATEGORIES)] + [i for i, label in enumerate(labels)
@@ -89,7 +93,8 @@ def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float)
 
 
 class MemoryExplorer(Dashboard):
-    """Split a model dp x tp x pp, pick the schedule, recomputation and precision; see each device's bytes.
+    """Split a model dp x tp x pp, pick the schedule, recomputation, precision and ZeRO stage; see each device's
+    bytes.
 
     The model is ``layers`` MLP blocks of width ``hidden`` trained on ``batch`` rows (tokens), as in
     :class:`~gpipe_ref.memory.MemorySetup`; ``capacity`` is one device's memory in bytes (the dashed line).
@@ -101,7 +106,7 @@ class MemoryExplorer(Dashboard):
 
     def __init__(self, hidden: int = 2048, layers: int = 24, batch: int = 16384, dp: int = 1, tp: int = 1,
                  pp: int = 1, microbatches: int = 8, schedule: str = "gpipe", recompute: str = "never",
-                 precision: str = "fp32", capacity: float = 80e9) -> None:
+                 precision: str = "fp32", zero_stage: int = 0, capacity: float = 80e9) -> None:
         import ipywidgets as w
 
         for name, value, choices in (("dp", dp, self.POWERS_OF_TWO), ("tp", tp, self.POWERS_OF_TWO),
@@ -110,7 +115,8 @@ class MemoryExplorer(Dashboard):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         self.base = MemorySetup(hidden=hidden, layers=layers, batch=batch, dp=dp, tp=tp, pp=pp,
-                                microbatches=microbatches, schedule=schedule, recompute=recompute, precision=precision)
+                                microbatches=microbatches, schedule=schedule, recompute=recompute, precision=precision,
+                                zero_stage=zero_stage)
         self.capacity = capacity
         style = {"description_width": "150px"}
         layout = w.Layout(width="420px")
@@ -128,12 +134,15 @@ class MemoryExplorer(Dashboard):
                                     style=style, layout=layout)
         self.precision = w.Dropdown(options=PRECISION_LABELS, value=precision, description="precision",
                                     style=style, layout=layout)
+        self.zero_stage = w.Dropdown(options=ZERO_LABELS, value=zero_stage, description="ZeRO stage (shards)",
+                                     style=style, layout=layout)
         self.readout = w.HTML(layout=w.Layout(min_height="48px"))
         self.readout.add_class("gpipe-memory-readout")
         self.picture = w.HTML()
         self.picture.add_class("gpipe-memory-picture")
         self.setup, self.anatomy = self.base, []
-        controls = [self.dp, self.tp, self.pp, self.microbatches, self.schedule, self.recompute, self.precision]
+        controls = [self.dp, self.tp, self.pp, self.microbatches, self.schedule, self.recompute, self.precision,
+                    self.zero_stage]
         for control in controls:
             control.observe(lambda _change: self.redraw(), names="value")
         self.widget = w.VBox([w.HBox([w.VBox(controls[:4]), w.VBox(controls[4:])]), self.readout, self.picture])
@@ -144,7 +153,8 @@ class MemoryExplorer(Dashboard):
         try:
             self.setup = replace(self.base, dp=self.dp.value, tp=self.tp.value, pp=self.pp.value,
                                  microbatches=self.microbatches.value, schedule=self.schedule.value,
-                                 recompute=self.recompute.value, precision=self.precision.value)
+                                 recompute=self.recompute.value, precision=self.precision.value,
+                                 zero_stage=self.zero_stage.value)
         except ValueError as exc:
             self.anatomy = []
             self.readout.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
