@@ -10,11 +10,12 @@ GPT layer saves for its backward pass, for ``s`` tokens, a micro-batch of ``b`` 
 * the two LayerNorms: 4 s b h (their inputs);
 
 in all s b h (34 + 5 a s / h). Tensor parallelism over ``t`` ranks divides the terms inside its region and
-leaves the LayerNorms, the dropouts after the projections and the two Linear inputs they feed (10 s b h)
-whole: s b h (10 + 24 / t + 5 a s / (h t)) (sec. 4.2.1). Sequence parallelism splits those 10 s b h along
-the tokens too: s b h / t (34 + 5 a s / h) (sec. 4.2.2). Selective recomputation keeps only the core
-attention's input and recomputes the 5 a s^2 b terms (sec. 5); full recomputation keeps only the layer's
-input, 2 s b h (Table 2).
+leaves whole the LayerNorms' inputs, their outputs (the inputs of the QKV projection and of the first MLP
+Linear) and the two dropout masks after the blocks, 10 s b h: s b h (10 + 24 / t + 5 a s / (h t))
+(sec. 4.2.1). Sequence parallelism splits those 10 s b h along the tokens too: s b h / t (34 + 5 a s / h)
+(sec. 4.2.2). Selective recomputation keeps only the core attention's input and recomputes the 5 a s^2 b
+terms (sec. 5); full recomputation keeps only the layer's input, 2 s b h (Table 2; with sequence
+parallelism each rank keeps its own s / t tokens of it).
 
 :data:`TERMS` writes each term down with the :class:`gpipe_ref.models.TransformerLayer` step that saves it;
 :func:`measure_layer` counts what each step of a real layer saves, with :class:`gpipe_ref.memory.ActivationMeter`.
