@@ -1,5 +1,5 @@
-"""06's staleness explorer in JupyterLab: weight stashing, vertical sync, the micro-batch slider and the learning
-rate each change the readout to the library's numbers."""
+"""06's staleness explorer in JupyterLab: weight stashing, vertical sync, the micro-batch slider, the learning
+rate and the schedule choice (PipeDream-2BW) each change the readout to the library's numbers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_ru
 
 from gpipe_ref.schedule import pipedream_async
 from gpipe_ref.simulator import simulate
+from gpipe_ref.staleness import version_table
 
 
 def _bubbles(p: int, m: int) -> tuple[str, str]:
@@ -74,3 +75,17 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         sync_api.expect(page.locator("text=pipedream_vertical_sync (diverged)")).to_have_count(1, timeout=WAIT_MS)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_06_staleness_vertical_sync.png"))
+        schedule = page.locator(".widget-dropdown", has_text="schedule").locator("select")
+        schedule.scroll_into_view_if_needed()
+        schedule.select_option(label="PipeDream-2BW")
+        record = version_table(pipedream_async(4, 24), coalesce=12)  # two mini-batches of m = 12
+
+        def two_bw():
+            said = readout.inner_text()
+            assert "PipeDream-2BW" in said and "m=12" in said
+            assert f"versions held per stage {record.stash_peak}" in said and record.stash_peak == [2, 2, 2, 2]
+            assert "staleness per stage in steady state (the table's last column) [1, 1, 1, 1]" in said
+
+        eventually(two_bw)
+        readout.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts_dir / "browser_06_staleness_2bw.png"))
