@@ -422,3 +422,16 @@ def test_staleness_writes_each_run_and_prints_them_when_the_json_is_lost(tmp_pat
     assert len(printed["runs"]) == len(VARIANTS) * 2 and printed["stash_peak"] == [2, 1]  # PipeDream's bound p - s
     assert printed["version_table"]["0,2"] == [1, 1, 1]  # stage 0, micro-batch 2: version 1, one update late
     assert "could not write" in captured.err.splitlines()[-1]
+
+
+def test_staleness_skips_2bw_when_a_batch_cannot_fill_the_pipeline(monkeypatch, capsys):
+    trained = []
+
+    def fake_run(variant, stages, microbatches, steps, lr, **_):
+        trained.append(variant)
+        return {"variant": variant, "lr": lr, "losses": [1.0] * (steps * microbatches)}
+
+    monkeypatch.setattr("gpipe_ref.staleness.convergence", fake_run)
+    assert main(["staleness", "--stages", "4", "--microbatches", "2", "--steps", "1", "--lr", "0.1"]) == 0
+    assert "pipedream_2bw" not in trained and len(trained) == len(VARIANTS) - 1
+    assert "skipped: PipeDream-2BW needs micro-batches >= stages" in capsys.readouterr().out
