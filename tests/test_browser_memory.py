@@ -1,5 +1,6 @@
 """JupyterLab in a real browser: run 05_rematerialization, move the memory explorer's pipeline slider and
-schedule, and check that the readout follows the library's anatomy (see test_browser.py for the shared pieces)."""
+schedule; run 08_zero, pick ZeRO stage 3; check that the readout follows the library's anatomy (see
+test_browser.py for the shared pieces)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,27 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         sync_api.expect(page.locator(".gpipe-memory-picture svg").first).to_be_attached(timeout=WAIT_MS)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_05_memory_explorer.png"))
+
+
+def test_memory_explorer_zero_stage_in_jupyterlab(jupyter_lab, artifacts_dir):
+    """Notebook 08 (ZeRO runs on gloo ranks first): pick ZeRO stage 3 and the readout names it and shows the
+    library's total for 8 data-parallel ranks sharding weights, gradients and optimizer state."""
+    with lab_page(artifacts_dir, "08_zero") as (sync_api, page):
+        open_and_run_all(page, sync_api, jupyter_lab, "08_zero.ipynb", "gpipe-memory-readout", "8 x 1 x 1 = 8 devices")
+        readout = page.locator(".gpipe-memory-readout")
+        base = dict(hidden=2048, layers=24, batch=16384, microbatches=8, dp=8, precision="mixed")
+        _, unsharded = _fullest(MemorySetup(**base))
+        said = readout.inner_text()
+        assert "ZeRO stage" not in said and f"fullest device: stage 0, {unsharded}" in said
+        zero = page.locator(".widget-dropdown", has_text="ZeRO stage").locator("select")
+        zero.select_option(label="3: + weights (FSDP)")
+
+        def stage_three():
+            said = readout.inner_text()
+            _, total = _fullest(MemorySetup(zero_stage=3, **base))
+            assert "ZeRO stage 3 over dp = 8" in said and f"fullest device: stage 0, {total}" in said
+            assert total != unsharded
+
+        eventually(stage_three)
+        readout.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts_dir / "browser_08_zero_stage.png"))
