@@ -93,7 +93,8 @@ def test_every_stage_ends_at_ddps_weights_and_one_processs(runs):
         assert _largest_difference(rank["ddp"], rank["single"]) < 1e-6
         for stage in range(4):
             for collectives in ("ring", "torch"):
-                assert _largest_difference(rank[stage, collectives]["weights"], rank["ddp"]) < 1e-6, (stage, collectives)
+                difference = _largest_difference(rank[stage, collectives]["weights"], rank["ddp"])
+                assert difference < 1e-6, (stage, collectives)
 
 
 def test_bytes_held_per_rank_are_zeros_formulas(runs):
