@@ -234,11 +234,13 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
                     "solutions/NN_topic.ipynb: every answer between '### BEGIN SOLUTION' and "
                     "'### END SOLUTION' becomes '# YOUR CODE HERE' and a NotImplementedError; outputs of "
                     "exercise and check cells are cleared; a notebook there that holds answers is not "
-                    "overwritten unless --force. check: exit 1 if exercises/ differs from what build writes.",
+                    "overwritten unless --force. check: exit 1 if exercises/ differs from what build writes. "
+                    "list: every exercise with its points and category, and how many of each.",
     )
-    exercises.add_argument("action", choices=("start", "build", "check"),
+    exercises.add_argument("action", choices=("start", "build", "check", "list"),
                            help="start: copy exercises/ into DIR; build: write exercises/; "
-                                "check: exit 1 if exercises/ differs from what build writes")
+                                "check: exit 1 if exercises/ differs from what build writes; "
+                                "list: the exercises, their categories and the counts")
     exercises.add_argument("work", nargs="?", metavar="DIR",
                            help="start only: your work folder, made if missing (default: work)")
     exercises.add_argument("--solutions", default="solutions",  # checked by build and check only
@@ -355,11 +357,37 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else status
 
 
+def exercise_listing() -> str:
+    """Every exercise (id, points, category, title), then the count per category and per notebook."""
+    from collections import Counter
+
+    from .grading import NOTEBOOKS
+    from .grading.core import CATEGORIES, THINKING
+
+    lines = [f"{'id':5} {'pts':>3}  {'category':8} title"]
+    for exercises in NOTEBOOKS.values():
+        lines += [f"{ex.id:5} {ex.points:>3}  {ex.category:8} {ex.title}" for ex in exercises]
+    every = [ex for exercises in NOTEBOOKS.values() for ex in exercises]
+    counts = Counter(ex.category for ex in every)
+    lines.append("")
+    lines += [f"{name:8} {counts[name]:>3}  {meaning}" for name, meaning in CATEGORIES.items()]
+    thinking = sum(counts[name] for name in THINKING)
+    lines.append(f"{len(every)} exercises, {sum(ex.points for ex in every)} points; "
+                 f"{thinking} of {len(every)} ({thinking / len(every):.0%}) are {', '.join(THINKING)}")
+    lines.append("per notebook: " + ", ".join(f"{name[:2]} {len(exercises)}" for name, exercises in NOTEBOOKS.items()))
+    return "\n".join(lines)
+
+
 def _exercises(args: argparse.Namespace) -> int:
     import tempfile
 
     from .grading.notebooks import AnswersWouldBeLost, answers_in, build, listing, read
 
+    if args.action == "list":
+        if args.work is not None or args.force:
+            raise ValueError("`exercises list` takes no DIR and no --force")
+        print(exercise_listing())
+        return 0
     if args.action != "start":  # a learner's `start` needs no solutions/
         try:
             folder(args.solutions)

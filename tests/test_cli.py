@@ -435,3 +435,25 @@ def test_staleness_skips_2bw_when_a_batch_cannot_fill_the_pipeline(monkeypatch, 
     assert main(["staleness", "--stages", "4", "--microbatches", "2", "--steps", "1", "--lr", "0.1"]) == 0
     assert "pipedream_2bw" not in trained and len(trained) == len(VARIANTS) - 1
     assert "skipped: PipeDream-2BW needs micro-batches >= stages" in capsys.readouterr().out
+
+
+def test_exercises_list_counts_every_exercise_by_category(capsys):
+    from gpipe_ref.grading import EXERCISES
+    from gpipe_ref.grading.core import CATEGORIES, THINKING
+
+    assert main(["exercises", "list"]) == 0
+    out = capsys.readouterr().out
+    for exercise in EXERCISES.values():
+        assert re.search(rf"^{re.escape(exercise.id)} +{exercise.points} +{exercise.category} +"
+                         rf"{re.escape(exercise.title)}$", out, re.M)
+    for name in CATEGORIES:
+        count = sum(e.category == name for e in EXERCISES.values())
+        assert re.search(rf"^{name} +{count} ", out, re.M)
+    thinking = sum(e.category in THINKING for e in EXERCISES.values())
+    assert f"{thinking} of {len(EXERCISES)} " in out
+
+
+def test_exercises_list_takes_no_folder(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["exercises", "list", "work"])
+    assert stop.value.code == 2 and "takes no DIR" in capsys.readouterr().err

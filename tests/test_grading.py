@@ -589,3 +589,11 @@ def test_build_refuses_a_folder_without_solutions_and_makes_nothing(tmp_path):
             build(solutions, tmp_path / "exercises")
         assert str(refused.value) == message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_an_exercise_names_a_known_category():
+    from gpipe_ref.grading.core import CATEGORIES, Exercise
+
+    with pytest.raises(ValueError, match=r"category must be one of .*'design'.*got 'quiz'"):
+        Exercise("99.1", "t", "answer", 1, list, list, category="quiz")
+    assert all(e.category in CATEGORIES for e in EXERCISES.values())

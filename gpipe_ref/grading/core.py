@@ -71,6 +71,19 @@ def sealed(expected: Callable[[], Any]) -> Callable[[], Any]:
 SEALED_CODE = sealed(lambda: None).__code__
 
 
+# What an exercise asks of the learner. The first four make the learner think (issue 17 wants two thirds of
+# them); "derive" asks for a rule the lesson did not state; "formula" applies one the lesson stated.
+CATEGORIES = {
+    "design": "design under constraints: any design that meets the targets passes",
+    "predict": "predict, then check: a number committed before running, judged within a tolerance",
+    "debug": "find the bug: return the fix, judged by running it",
+    "build": "build the piece: a real part, judged against the library on hidden random cases",
+    "derive": "derive a rule the lesson did not state",
+    "formula": "apply a rule or formula the lesson stated",
+}
+THINKING = ("design", "predict", "debug", "build")
+
+
 @dataclass(frozen=True)
 class Exercise:
     """A piece of the course the learner writes, with the cases that judge it."""
@@ -85,6 +98,11 @@ class Exercise:
     # dotted names of library code that does the exercise, or a function giving them when judged
     forbidden: tuple[str, ...] | Callable[[], Sequence[str]] = ()
     timeout: float = 20.0  # seconds per case
+    category: str = "formula"  # one of CATEGORIES
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"category must be one of {tuple(CATEGORIES)}, got {self.category!r} (exercise {self.id})")
 
     def all_cases(self) -> list[Case]:
         """The shown cases, then the hidden ones, whose expected values only the grader's process computes."""
