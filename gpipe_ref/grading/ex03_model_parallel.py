@@ -23,8 +23,8 @@ def _idle_case(forward: list[float], backward: list[float], comm: float) -> Case
 
     return Case(f"forward={forward}, backward={backward}, comm={comm}",
                 lambda answer: answer(list(forward), list(backward), comm), expected,
-                hint="only one device works at a time: the step lasts the sum of every forward and backward "
-                     "plus 2(p-1) transfers, and each device is busy for its own forward and backward only")
+                hint="how many transfers does one step make, and does anyone compute during them? Which "
+                     "device-time counts as busy?")
 
 
 def _idle_hidden() -> list[Case]:
@@ -100,11 +100,20 @@ BEST_BALANCE = Exercise(
 def _split_case(layers: int, balance: list[int]) -> Case:
     def run(answer):  # the stages cannot leave the kernel: say which of the model's own layers each holds
         model = nn.Sequential(*[nn.Linear(2, 2) if i % 2 == 0 else nn.ReLU() for i in range(layers)])
+        own = {id(layer): i for i, layer in enumerate(model)}
         stages = answer(model, list(balance))
         if not isinstance(stages, (list, tuple)):
             return {"returned": type(stages).__name__}
-        return [[next((i for i, layer in enumerate(model) if layer is child), None) for child in stage]
-                if isinstance(stage, nn.Sequential) else type(stage).__name__ for stage in stages]
+
+        def child(module):  # a layer's index in model, a wrapper around model's layers, or a copy (None)
+            if id(module) in own:
+                return own[id(module)]
+            if any(id(inner) in own for inner in module.modules()):
+                return f"wrapper {type(module).__name__}"
+            return None
+
+        return [[child(c) for c in stage] if isinstance(stage, nn.Sequential) else type(stage).__name__
+                for stage in stages]
 
     def expected():
         starts = [sum(balance[:k]) for k in range(len(balance))]
@@ -117,13 +126,21 @@ def _split_case(layers: int, balance: list[int]) -> Case:
             for k, stage in enumerate(actual):
                 if isinstance(stage, str):
                     return f"stage {k} is a {stage[:60]}, not an nn.Sequential"
-                if isinstance(stage, list) and None in stage:
-                    return "the stages hold copies of the model's layers, not the layers themselves"
+                if not isinstance(stage, list):
+                    continue
+                wrapper = next((c for c in stage if isinstance(c, str)), None)
+                if wrapper is not None:
+                    return (f"stage {k}'s children are not the model's layers: it holds a {wrapper[8:68]} that wraps "
+                            f"them; a stage's own children must be its layers, len(stage) == balance[{k}], because "
+                            f"the pipeline finds each stage's layers among the model's children")
+                if None in stage:
+                    return (f"stage {k} holds layers that are not the model's own objects (copies?): training the "
+                            f"stages would not train the model")
         return same(actual, expected, "stage")
 
     return Case(f"{layers} layers, balance={balance}", run, expected, compare=compare,
-                hint="stage k holds the next balance[k] layers, in order; use the model's own layer objects "
-                     "(not copies) so the stages train the model's weights")
+                hint="stage k holds the next balance[k] layers, in order, as its own children; use the model's own "
+                     "layer objects (not copies) so the stages train the model's weights")
 
 
 SPLIT = Exercise(

@@ -5,21 +5,28 @@ from __future__ import annotations
 from ..schedule import Action, one_f_one_b, pipedream_async, weight_versions
 from ..simulator import simulate
 from .common import judge_fill_drain, schedule_generators
-from .core import Case, Exercise
+from .core import Case, Exercise, same
 
 # -- 06.1 forwards before the first backward ---------------------------------------------------------------
 
 
 def _warmup_case(p: int, m: int, device: int) -> Case:
+    def compare(actual, expected):
+        if isinstance(actual, int) and not isinstance(actual, bool) and actual > m:
+            return f"device {device} cannot run {actual} forwards: there are only m = {m} micro-batches"
+        return same(actual, expected, f"device {device}")
+
     return Case(f"p={p}, m={m}, device={device}", lambda answer: answer(p, m, device),
                 lambda: next(i for i, a in enumerate(one_f_one_b(p, m).per_device[device]) if a.op == "B"),
-                hint="micro-batch 0's gradient comes back to device d after it has gone through the p - d - 1 "
-                     "later stages and back; count the forwards d can start meanwhile, and no more than m")
+                compare=compare,
+                hint="follow micro-batch 0: which stages must it pass, forward and back, before its gradient "
+                     "reaches this device, and what else can the device do meanwhile? What if there are few "
+                     "micro-batches?")
 
 
 WARMUP = Exercise(
     "06.1", "1F1B: forwards before the first backward", "forwards_before_first_backward", 2,
-    lambda: [_warmup_case(4, 8, d) for d in range(4)],
+    lambda: [_warmup_case(4, 8, d) for d in range(4)] + [_warmup_case(4, 2, d) for d in range(4)],
     lambda: [_warmup_case(p, m, d) for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
     forbidden=schedule_generators)
 
@@ -36,21 +43,27 @@ def _one_f_one_b_case(p: int, m: int) -> Case:
             return schedule
         timeline = simulate(schedule)
         held = [timeline.peak_in_flight(d) for d in range(p)]
-        if held != expected["held"]:
-            return f"your schedule holds {held} micro-batches per device at its peak; 1F1B holds {expected['held']}"
+        for d, (yours, theirs) in enumerate(zip(held, expected["held"])):
+            if yours > theirs:
+                return (f"device {d} holds {yours} micro-batches in flight at its peak, 1F1B's {theirs}: it runs "
+                        f"more forwards before a backward than it needs to")
+            if yours < theirs:
+                return (f"device {d} holds {yours} micro-batches in flight at its peak, 1F1B's {theirs}: it waits "
+                        f"for a backward before it has run the forwards that keep the later stages busy")
         bubble = round(timeline.bubble_fraction, 12)
         if bubble != expected["bubble"]:
             return f"simulated bubble {bubble:.4f}, 1F1B's is {expected['bubble']:.4f}"
         return None
 
     return Case(f"p={p}, m={m}", lambda answer: answer(p, m), expected, compare=compare,
-                hint="device d: a warm-up of min(p - d - 1, m) forwards, then alternate one forward and one "
-                     "backward while forwards remain, then the remaining backwards, all in micro-batch order")
+                hint="1F1B holds as few micro-batches as it can without adding bubble: how many forwards must a "
+                     "device run before its first backward can arrive (exercise 06.1)? From then on, one forward, "
+                     "one backward")
 
 
 ONE_F_ONE_B = Exercise(
     "06.2", "The 1F1B schedule", "one_f_one_b_actions", 3,
-    lambda: [_one_f_one_b_case(2, 4), _one_f_one_b_case(4, 8)],
+    lambda: [_one_f_one_b_case(2, 4), _one_f_one_b_case(4, 8), _one_f_one_b_case(4, 2)],
     lambda: [_one_f_one_b_case(p, m) for p, m in ((1, 1), (1, 4), (3, 1), (4, 2), (5, 7), (8, 16))],
     forbidden=schedule_generators)
 
