@@ -23,7 +23,7 @@ WRONG = [
 def naive_idle_fraction(forward, backward, comm):
     return (len(forward) - 1) / len(forward)
 """),
-    ("03.1", "idle time over busy time instead of over device-time", "expected", """
+    ("03.1", "idle time over busy time instead of over device-time", "lies between 0 and 1", """
 def naive_idle_fraction(forward, backward, comm):
     p, busy = len(forward), sum(forward) + sum(backward)
     step = busy + 2 * (p - 1) * comm
@@ -63,7 +63,7 @@ def one_f_one_b_actions(p, m):
         out.append(acts + [Action("B", d, k) for k in range(max(m - w, 0), m)])
     return out
 """),
-    ("06.2", "warm-up one forward short (p - d - 2)", "waits for a backward", """
+    ("06.2", "warm-up one forward short (p - d - 2)", "peak is 1 micro-batch in flight", """
 def one_f_one_b_actions(p, m):
     out = []
     for d in range(p):

@@ -21,8 +21,13 @@ def _idle_case(forward: list[float], backward: list[float], comm: float) -> Case
         durations.update({Action("B", s, 0): backward[s] for s in range(p)})
         return place(gpipe(p, 1), durations, comm).bubble_fraction
 
+    def compare(actual, expected):
+        if isinstance(actual, (int, float)) and not isinstance(actual, bool) and not 0 <= actual <= 1:
+            return f"got {actual:.6g}: a fraction of the device-time lies between 0 and 1"
+        return same(actual, expected)
+
     return Case(f"forward={forward}, backward={backward}, comm={comm}",
-                lambda answer: answer(list(forward), list(backward), comm), expected,
+                lambda answer: answer(list(forward), list(backward), comm), expected, compare=compare,
                 hint="how many transfers does one step make, and does anyone compute during them? Which "
                      "device-time counts as busy?")
 

@@ -45,11 +45,11 @@ def _one_f_one_b_case(p: int, m: int) -> Case:
         held = [timeline.peak_in_flight(d) for d in range(p)]
         for d, (yours, theirs) in enumerate(zip(held, expected["held"])):
             if yours > theirs:
-                return (f"device {d} holds {yours} micro-batches in flight at its peak, 1F1B's {theirs}: it runs "
-                        f"more forwards before a backward than it needs to")
+                return (f"device {d}'s peak is {_microbatches(yours)} in flight, 1F1B's {theirs}: it runs more "
+                        f"forwards before a backward than it needs to")
             if yours < theirs:
-                return (f"device {d} holds {yours} micro-batches in flight at its peak, 1F1B's {theirs}: it waits "
-                        f"for a backward before it has run the forwards that keep the later stages busy")
+                return (f"device {d}'s peak is {_microbatches(yours)} in flight, 1F1B's {theirs}: it waits for a "
+                        f"backward before it has run the forwards that keep the later stages busy")
         bubble = round(timeline.bubble_fraction, 12)
         if bubble != expected["bubble"]:
             return f"simulated bubble {bubble:.4f}, 1F1B's is {expected['bubble']:.4f}"
@@ -59,6 +59,10 @@ def _one_f_one_b_case(p: int, m: int) -> Case:
                 hint="1F1B holds as few micro-batches as it can without adding bubble: how many forwards must a "
                      "device run before its first backward can arrive (exercise 06.1)? From then on, one forward, "
                      "one backward")
+
+
+def _microbatches(n: int) -> str:
+    return f"{n} micro-batch" + ("" if n == 1 else "es")
 
 
 ONE_F_ONE_B = Exercise(
