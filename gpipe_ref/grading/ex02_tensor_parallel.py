@@ -91,10 +91,14 @@ def _f_rank(rank: int, world: int, answer, seed: int, width: int, hidden: int):
     row = RowParallelLinear.from_dense(dense[2])
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_()
     copied = answer.apply(x)
+    incoming = []  # the gradient handed to f's backward, and a copy of it taken before f runs
+    if copied.requires_grad:
+        copied.register_hook(lambda grad: incoming.append((grad, grad.clone())))
     # Megatron's MLP: f, then the column layer's own matmul (no second f), GELU, row layer (ends in g).
     y = row(nn.functional.gelu(nn.functional.linear(copied, column.weight, column.bias)))
     (y ** 2).sum().backward()
-    return {"forward": copied.detach(), "x.grad": x.grad}
+    untouched = bool(incoming) and all(torch.equal(grad, before) for grad, before in incoming)
+    return {"forward": copied.detach(), "x.grad": x.grad, "incoming grad left unchanged by backward": untouched}
 
 
 def _f_case(world: int, seed: int, width: int = 4, hidden: int = 8) -> Case:
@@ -104,12 +108,13 @@ def _f_case(world: int, seed: int, width: int = 4, hidden: int = 8) -> Case:
         dense = _dense_mlp(seed, width, hidden)
         x = torch.randn(3, width, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_()
         (dense(x) ** 2).sum().backward()
-        return [{"forward": x.detach(), "x.grad": x.grad}] * world
+        return [{"forward": x.detach(), "x.grad": x.grad, "incoming grad left unchanged by backward": True}] * world
 
     return Case(f"{world} ranks, MLP {width} -> {hidden} -> {width} (f before the column layer)",
                 lambda answer: launch(_f_rank, world, answer, seed, width, hidden, timeout=20), expected,
                 hint="every rank uses the whole input x, so x's gradient is the SUM of the ranks' gradients: "
-                     "all-reduce in the backward (and do not touch the value in the forward)")
+                     "all-reduce in the backward (and do not touch the value in the forward); the grad autograd "
+                     "hands you may be used elsewhere: all-reduce a copy of it, not grad itself")
 
 
 COPY = Exercise(

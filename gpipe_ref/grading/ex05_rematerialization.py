@@ -45,7 +45,8 @@ def _peak_cases(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> 
 
 
 def _peak_shown() -> list[Case]:
-    return [case for mode in ("never", "always", "except_last") for case in _peak_cases("gpipe", mode, 4, 8, 2)[:1]]
+    return ([case for mode in ("never", "always", "except_last") for case in _peak_cases("gpipe", mode, 4, 8, 2)[:1]]
+            + _peak_cases("gpipe", "except_last", 2, 1, 1)[:1])  # held = 1: the edge the prompt warns about
 
 
 def _peak_hidden() -> list[Case]:
@@ -64,10 +65,21 @@ PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activ
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
 
 
-def _checkpoint_case(width: int, depth: int, rows: int, seed: int) -> Case:
-    def run_stage(answer):
+def _checkpoint_case(width: int, depth: int, rows: int, seed: int, input_grad: bool = True) -> Case:
+    """``input_grad=False``: the input is data that needs no gradient (stage 0's), yet the weights need theirs.
+    The backward runs through ``torch.autograd.grad``, which reentrant checkpointing refuses."""
+    def stage_and_input():
         stage = mlp(width=width, depth=depth, seed=seed)
-        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_(input_grad)
+        return stage, x
+
+    def gradients(y, stage, x):
+        wanted = ([x] if input_grad else []) + list(stage.parameters())
+        grads = torch.autograd.grad(y.pow(2).sum(), wanted)
+        return ({"x.grad": grads[0]} if input_grad else {}) | {"weight grads": list(grads[-len(wanted) + input_grad:])}
+
+    def run_stage(answer):
+        stage, x = stage_and_input()
         meter = ActivationMeter(ignore=stage.parameters())
         in_backward, recomputed = [False], [0]
 
@@ -83,29 +95,35 @@ def _checkpoint_case(width: int, depth: int, rows: int, seed: int) -> Case:
         if not isinstance(y, torch.Tensor):
             return {"output": y}
         in_backward[0] = True
-        y.pow(2).sum().backward()
-        return {"output": y.detach(), "saved, in inputs": saved, "x.grad": x.grad,
-                "weight grads": [p.grad for p in stage.parameters()],
+        try:
+            grads = gradients(y, stage, x)
+            backward = "ran"
+        except RuntimeError as error:
+            grads = {"x.grad": None} if input_grad else {}
+            grads["weight grads"] = None
+            backward = "failed: " + str(error).splitlines()[0][:160]
+        return {"backward": backward, "output": y.detach(), "saved, in inputs": saved, **grads,
                 "Linear layers recomputed in the backward": recomputed[0]}
 
     def expected():
-        stage = mlp(width=width, depth=depth, seed=seed)
-        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        stage, x = stage_and_input()
         y = stage(x)
-        y.pow(2).sum().backward()
-        return {"output": y.detach(), "saved, in inputs": 1.0, "x.grad": x.grad,
-                "weight grads": [p.grad for p in stage.parameters()],
+        return {"backward": "ran", "output": y.detach(), "saved, in inputs": 1.0, **gradients(y, stage, x),
                 "Linear layers recomputed in the backward": sum(isinstance(m, nn.Linear) for m in stage.modules())}
 
-    return Case(f"stage of {depth} (Linear, ReLU) blocks, width {width}, {rows} rows", run_stage, expected,
-                hint="torch.utils.checkpoint.checkpoint(stage, x, use_reentrant=False) keeps only x and "
-                     "recomputes the rest in the backward; no_grad or detach would cut the gradient")
+    frozen = "" if input_grad else ", input without requires_grad"
+    return Case(f"stage of {depth} (Linear, ReLU) blocks, width {width}, {rows} rows{frozen}, "
+                f"backward by torch.autograd.grad", run_stage, expected,
+                hint="torch.utils.checkpoint.checkpoint keeps only x and recomputes the rest in the backward; "
+                     "no_grad or detach would cut the gradient, and the reentrant mode neither works with "
+                     "torch.autograd.grad nor gives weight gradients when x needs none")
 
 
 CHECKPOINTED = Exercise(
     "05.2", "A checkpointed stage forward", "checkpointed_forward", 3,
-    lambda: [_checkpoint_case(8, 2, 4, 0)],
-    lambda: [_checkpoint_case(4, 1, 1, 1), _checkpoint_case(16, 4, 3, 2), _checkpoint_case(8, 3, 8, 3)],
+    lambda: [_checkpoint_case(8, 2, 4, 0), _checkpoint_case(8, 2, 4, 0, input_grad=False)],
+    lambda: [_checkpoint_case(4, 1, 1, 1), _checkpoint_case(16, 4, 3, 2), _checkpoint_case(8, 3, 8, 3),
+             _checkpoint_case(4, 1, 1, 1, input_grad=False), _checkpoint_case(16, 4, 3, 2, input_grad=False)],
     forbidden=("gpipe_ref.pipeline.GPipe",))
 
 # -- 05.3 how many micro-batches a device holds --------------------------------------------------------------
@@ -121,7 +139,8 @@ def _held_case(schedule: str, p: int, m: int, device: int) -> Case:
 
 HELD = Exercise(
     "05.3", "Micro-batches held: GPipe vs 1F1B", "held_microbatches", 2,
-    lambda: [_held_case("gpipe", 4, 8, 0), _held_case("1f1b", 4, 8, 0), _held_case("1f1b", 4, 8, 3)],
+    lambda: [_held_case("gpipe", 4, 8, 0), _held_case("1f1b", 4, 8, 0), _held_case("1f1b", 4, 8, 3),
+             _held_case("1f1b", 4, 2, 0)],  # m < p: fewer micro-batches than the warm-up would hold
     lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
                                                     ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
              for d in range(p)],

@@ -107,7 +107,9 @@ def _layout_case(label: str, model: ModelConfig, cluster: ClusterConfig) -> Case
         if cluster.gpus_per_node % tp:
             return f"tp={tp} does not divide the {cluster.gpus_per_node} GPUs of a node"
         if not e.fits:
-            return f"{actual} needs {e.memory['total'] / 1e9:.1f} GB per GPU, over the budget"
+            return (f"{actual} needs {e.memory['total'] / 1e9:.1f} GB per GPU, over the "
+                    f"{cluster.usable_bytes / 1e9:.1f} GB a layout may fill (cluster.usable_bytes: "
+                    f"usable_memory={cluster.usable_memory:g} of {cluster.memory_bytes / 1e9:g} GB)")
         best = estimate(model, cluster, dp=expected[0], tp=expected[1], pp=expected[2], recompute=True)
         if e.step_time > best.step_time * (1 + 1e-9):
             return f"{actual} fits but takes {e.step_time:.3g} s a step; {expected} takes {best.step_time:.3g} s"
@@ -121,7 +123,9 @@ def _layout_case(label: str, model: ModelConfig, cluster: ClusterConfig) -> Case
 def _layout_cases() -> list[Case]:
     gpt_7b = ModelConfig(layers=36, hidden=4096, heads=32, batch=512)
     return [_layout_case("GPT 7.5B, 64 GPUs of 80 GB", gpt_7b, ClusterConfig(gpus=64)),
-            _layout_case("GPT 7.5B, 64 GPUs of 24 GB", gpt_7b, ClusterConfig(gpus=64, memory_bytes=24e9))]
+            _layout_case("GPT 7.5B, 64 GPUs of 24 GB", gpt_7b, ClusterConfig(gpus=64, memory_bytes=24e9)),
+            # the fastest layout under the whole 32 GB needs more than the 90 % a layout may fill
+            _layout_case("GPT 7.5B, 16 GPUs of 32 GB", gpt_7b, ClusterConfig(gpus=16, memory_bytes=32e9))]
 
 
 def _layout_hidden() -> list[Case]:
@@ -133,7 +137,15 @@ def _layout_hidden() -> list[Case]:
             _layout_case("GPT 18.4B, 64 GPUs of 16 GB", gpt_18b, ClusterConfig(gpus=64, memory_bytes=16e9)),
             _layout_case("GPT 145.6B, 8 GPUs of 80 GB (nothing fits)", gpt_146b, ClusterConfig(gpus=8)),
             _layout_case("GPT 18.4B, 32 GPUs of 16 GB, 4 per node", gpt_18b,
-                         ClusterConfig(gpus=32, gpus_per_node=4, memory_bytes=16e9))]
+                         ClusterConfig(gpus=32, gpus_per_node=4, memory_bytes=16e9)),
+            # where the usable-memory fraction decides: nothing fits in 90 % of 40 GB, and a smaller fraction
+            _layout_case("GPT 18.4B, 8 GPUs of 40 GB (nothing fits in the usable 36 GB)", gpt_18b,
+                         ClusterConfig(gpus=8, memory_bytes=40e9)),
+            _layout_case("GPT 145.6B, 64 GPUs of 80 GB", gpt_146b, ClusterConfig(gpus=64)),
+            _layout_case("GPT 7.5B, 64 GPUs of 80 GB, usable_memory=0.75", gpt_7b,
+                         ClusterConfig(gpus=64, usable_memory=0.75)),
+            _layout_case("GPT 18.4B, 64 GPUs of 24 GB, usable_memory=0.75", gpt_18b,
+                         ClusterConfig(gpus=64, memory_bytes=24e9, usable_memory=0.75))]
 
 
 LAYOUT = Exercise(
