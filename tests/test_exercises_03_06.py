@@ -115,10 +115,10 @@ def split_into_stages(model, balance):
     assert verdict.passed, verdict
 
 
-FORMULAS = ("min(", "p - d", "p-d", "2(p-1)", "2(p - 1)", "2 * (p - 1)")
+FORMULAS = ("min(", "max(", "p - d", "p-d", "p - 1 - s", "p-1-s", "2(p-1)", "2(p - 1)", "2 * (p - 1)")
 
 
-@pytest.mark.parametrize("exercise_id", ["03.1", "06.1", "06.2"])
+@pytest.mark.parametrize("exercise_id", ["03.1", "06.1", "06.2", "06.3"])
 def test_hints_nudge_without_stating_the_answer(exercise_id):
     ex = EXERCISES[exercise_id]
     for case in ex.all_cases():

@@ -85,9 +85,9 @@ def _version_case(p: int, stage: int, microbatch: int) -> Case:
 
     return Case(f"p={p}, stage={stage}, microbatch={microbatch}", lambda answer: answer(p, stage, microbatch),
                 expected,
-                hint="the forward of micro-batch k on stage s comes after that stage's backwards of the "
-                     "micro-batches more than p - 1 - s ahead of it; staleness counts the updates between the "
-                     "forward and the update that applies k's gradient")
+                hint="on stage s's device, how many of that stage's backwards (each one an update) run before "
+                     "micro-batch k's forward, and how does that change from the first stage to the last? Staleness "
+                     "counts the updates between the forward and the update that applies k's gradient")
 
 
 STASHED = Exercise(
