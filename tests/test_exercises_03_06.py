@@ -127,7 +127,8 @@ def test_hints_nudge_without_stating_the_answer(exercise_id):
 
 def _prompt(notebook: str, exercise_id: str) -> str:
     cells = nbformat.read(ROOT / "solutions" / f"{notebook}.ipynb", as_version=4).cells
-    start = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith(f"## {exercise_id}"))
+    start = next(i for i, c in enumerate(cells)
+                 if c.cell_type == "markdown" and c.source.startswith(f"## {exercise_id}"))
     return "\n".join(c.source for c in cells[start:] if c.cell_type == "markdown").split("\n## ")[0]
 
 
