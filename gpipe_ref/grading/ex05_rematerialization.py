@@ -133,8 +133,9 @@ def _held_case(schedule: str, p: int, m: int, device: int) -> Case:
     return Case(f"schedule={schedule!r}, p={p}, m={m}, device={device}",
                 lambda answer: answer(schedule, p, m, device),
                 lambda: simulate(make_schedule(schedule, p, m)).peak_in_flight(device),
-                hint="GPipe runs every forward before any backward; 1F1B starts a backward as soon as the first "
-                     "micro-batch comes back, which takes p - device forwards on device `device`")
+                hint="GPipe runs every forward before any backward; in 1F1B a device keeps running forwards "
+                     "until the first micro-batch's backward comes back from the last stage: how many forwards "
+                     "is that on device `device`, and does the step always have that many micro-batches?")
 
 
 HELD = Exercise(
