@@ -74,7 +74,7 @@ AVERAGE_GRADIENTS = Exercise(
     "01.1", "Average gradients with all-reduce", "average_gradients", 3, _average_cases, _average_hidden,
     forbidden=("gpipe_ref.distributed.data_parallel.DataParallel",
                "gpipe_ref.distributed.data_parallel.naive_data_parallel_step",
-               "torch.nn.parallel.DistributedDataParallel"), timeout=40)
+               "torch.nn.parallel.DistributedDataParallel"), timeout=40, category="build")
 
 # -- 01.2 which chunk a rank sends at step k of a ring all-reduce ------------------------------------
 
@@ -142,7 +142,7 @@ RING_CHUNK = Exercise(
     lambda: [_ring_case(2, 0), _ring_case(4, 1)],
     lambda: [_ring_case(n, 10 + n) for n in (3, 5, 6, 7, 8, 16)],
     forbidden=("gpipe_ref.distributed.collectives.ring_chunk_to_send",
-               "gpipe_ref.distributed.collectives.ring_all_reduce"))
+               "gpipe_ref.distributed.collectives.ring_all_reduce"), category="derive")
 
 # -- 01.3 DDP's gradient buckets, simplified (closed before the cap; real DDP closes at >= cap) ------
 
@@ -175,6 +175,6 @@ def _bucket_hidden() -> list[Case]:
 
 BUCKETS = Exercise(
     "01.3", "DDP's gradient buckets", "assign_buckets", 2, _bucket_cases, _bucket_hidden,
-    forbidden=("gpipe_ref.distributed.data_parallel.assign_buckets",))
+    forbidden=("gpipe_ref.distributed.data_parallel.assign_buckets",), category="formula")
 
 EXERCISES = [AVERAGE_GRADIENTS, RING_CHUNK, BUCKETS]

@@ -43,7 +43,7 @@ COLUMN = Exercise(
     "02.1", "Column-parallel Linear", "column_parallel_outputs", 3,
     lambda: [_column_case(0, (4,), 6, 8, 2), _column_case(1, (3,), 5, 12, 4)],
     lambda: [_column_case(2, (1,), 3, 4, 1), _column_case(3, (2, 5), 8, 6, 3), _column_case(4, (7,), 16, 16, 8)],
-    forbidden=("gpipe_ref.distributed.tensor_parallel.ColumnParallelLinear",))
+    forbidden=("gpipe_ref.distributed.tensor_parallel.ColumnParallelLinear",), category="formula")
 
 # -- 02.2 row-parallel Linear --------------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ ROW = Exercise(
     "02.2", "Row-parallel Linear", "row_parallel_linear", 3,
     lambda: [_row_case(0, (4,), 8, 6, 2), _row_case(1, (3,), 12, 5, 4)],
     lambda: [_row_case(2, (1,), 4, 3, 1), _row_case(3, (2, 5), 6, 8, 3), _row_case(4, (7,), 16, 16, 8)],
-    forbidden=("gpipe_ref.distributed.tensor_parallel.RowParallelLinear",))
+    forbidden=("gpipe_ref.distributed.tensor_parallel.RowParallelLinear",), category="formula")
 
 # -- 02.3 the backward of f ----------------------------------------------------------------------------------
 
@@ -122,6 +122,6 @@ COPY = Exercise(
     lambda: [_f_case(2, 0)], lambda: [_f_case(4, 1, width=6, hidden=8), _f_case(2, 2, width=3, hidden=6)],
     kind="class",
     forbidden=("gpipe_ref.distributed.tensor_parallel.copy_to_region",
-               "gpipe_ref.distributed.tensor_parallel._CopyToRegion"), timeout=40)
+               "gpipe_ref.distributed.tensor_parallel._CopyToRegion"), timeout=40, category="build")
 
 EXERCISES = [COLUMN, ROW, COPY]

@@ -46,7 +46,7 @@ NAIVE_IDLE = Exercise(
     "03.1", "Idle time of naive model parallelism", "naive_idle_fraction", 2,
     lambda: [_idle_case([1.0] * 4, [2.0] * 4, 0.0), _idle_case([1.0, 3.0], [2.0, 6.0], 0.0),
              _idle_case([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 0.5)],
-    _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"))
+    _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"), category="derive")
 
 # -- 03.2 a balance that minimises the slowest stage --------------------------------------------------------
 
@@ -97,7 +97,7 @@ BEST_BALANCE = Exercise(
              _balance_case([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3)],
     _balance_hidden,
     forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
-               "gpipe_ref.partition.balance_by_time"))
+               "gpipe_ref.partition.balance_by_time"), category="design")
 
 # -- 03.3 cutting an nn.Sequential into stages ----------------------------------------------------------------
 
@@ -152,6 +152,6 @@ SPLIT = Exercise(
     "03.3", "Cut a model into stages", "split_into_stages", 2,
     lambda: [_split_case(4, [2, 2]), _split_case(6, [1, 2, 3])],
     lambda: [_split_case(1, [1]), _split_case(5, [5]), _split_case(5, [1, 1, 1, 1, 1]), _split_case(8, [3, 1, 4])],
-    forbidden=("gpipe_ref.partition.split",))
+    forbidden=("gpipe_ref.partition.split",), category="build")
 
 EXERCISES = [NAIVE_IDLE, BEST_BALANCE, SPLIT]

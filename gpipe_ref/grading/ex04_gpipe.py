@@ -29,7 +29,7 @@ GPIPE_SCHEDULE = Exercise(
     "04.1", "The GPipe schedule as data", "gpipe_actions", 3,
     lambda: [_gpipe_case(2, 2), _gpipe_case(4, 8)],
     lambda: [_gpipe_case(1, 1), _gpipe_case(1, 5), _gpipe_case(5, 1), _gpipe_case(3, 7), _gpipe_case(8, 16)],
-    forbidden=schedule_generators)
+    forbidden=schedule_generators, category="build")
 
 # -- 04.2 the bubble fraction -----------------------------------------------------------------------------
 
@@ -47,7 +47,7 @@ BUBBLE = Exercise(
     lambda: [_bubble_case(4, 8), _bubble_case(2, 1), _bubble_case(4, 32)],
     lambda: [_bubble_case(1, 1), _bubble_case(1, 7), _bubble_case(8, 1), _bubble_case(3, 5),
              _bubble_case(16, 64), _bubble_case(64, 1024)],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"))
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula")
 
 # -- 04.3 uneven micro-batches ----------------------------------------------------------------------------
 
@@ -65,6 +65,6 @@ SPLIT_SIZES = Exercise(
     lambda: [_split_case(8, 4), _split_case(10, 4), _split_case(7, 3)],
     lambda: [_split_case(1, 1), _split_case(5, 5), _split_case(6, 4), _split_case(17, 5), _split_case(100, 7),
              _split_case(33, 32), _split_case(9, 1)],
-    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"))
+    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"), category="formula")
 
 EXERCISES = [GPIPE_SCHEDULE, BUBBLE, SPLIT_SIZES]

@@ -60,7 +60,7 @@ def _peak_hidden() -> list[Case]:
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
                 _peak_shown, _peak_hidden, forbidden=("gpipe_ref.grading.ex05_rematerialization.measured_peaks",
                            "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
-                           "gpipe_ref.memory.measure_anatomy"))
+                           "gpipe_ref.memory.measure_anatomy"), category="formula")
 
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
 
@@ -124,7 +124,7 @@ CHECKPOINTED = Exercise(
     lambda: [_checkpoint_case(8, 2, 4, 0), _checkpoint_case(8, 2, 4, 0, input_grad=False)],
     lambda: [_checkpoint_case(4, 1, 1, 1), _checkpoint_case(16, 4, 3, 2), _checkpoint_case(8, 3, 8, 3),
              _checkpoint_case(4, 1, 1, 1, input_grad=False), _checkpoint_case(16, 4, 3, 2, input_grad=False)],
-    forbidden=("gpipe_ref.pipeline.GPipe",))
+    forbidden=("gpipe_ref.pipeline.GPipe",), category="build")
 
 # -- 05.3 how many micro-batches a device holds --------------------------------------------------------------
 
@@ -145,6 +145,6 @@ HELD = Exercise(
     lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
                                                     ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
              for d in range(p)],
-    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"))
+    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula")
 
 EXERCISES = [PEAK, CHECKPOINTED, HELD]

@@ -28,7 +28,7 @@ WARMUP = Exercise(
     "06.1", "1F1B: forwards before the first backward", "forwards_before_first_backward", 2,
     lambda: [_warmup_case(4, 8, d) for d in range(4)] + [_warmup_case(4, 2, d) for d in range(4)],
     lambda: [_warmup_case(p, m, d) for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
-    forbidden=schedule_generators)
+    forbidden=schedule_generators, category="derive")
 
 # -- 06.2 the 1F1B schedule ---------------------------------------------------------------------------------------
 
@@ -69,7 +69,7 @@ ONE_F_ONE_B = Exercise(
     "06.2", "The 1F1B schedule", "one_f_one_b_actions", 3,
     lambda: [_one_f_one_b_case(2, 4), _one_f_one_b_case(4, 8), _one_f_one_b_case(4, 2)],
     lambda: [_one_f_one_b_case(p, m) for p, m in ((1, 1), (1, 4), (3, 1), (4, 2), (5, 7), (8, 16))],
-    forbidden=schedule_generators)
+    forbidden=schedule_generators, category="build")
 
 # -- 06.3 PipeDream's stashed weight version and its staleness ---------------------------------------------------
 
@@ -95,6 +95,6 @@ STASHED = Exercise(
     lambda: [_version_case(4, s, k) for s, k in ((0, 0), (0, 5), (2, 5), (3, 5))],
     lambda: [_version_case(p, s, k) for p in (1, 2, 4, 6) for s in range(p) for k in (0, 1, p - 1, p, 3 * p + 1)],
     forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.staleness.version_table",
-               "gpipe_ref.staleness.StagedTrainer"))
+               "gpipe_ref.staleness.StagedTrainer"), category="derive")
 
 EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED]

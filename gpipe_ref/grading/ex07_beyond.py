@@ -28,7 +28,7 @@ INTERLEAVED = Exercise(
     "07.1", "The interleaved bubble", "interleaved_bubble", 2,
     lambda: [_interleaved_case(4, 8, 2), _interleaved_case(4, 8, 1), _interleaved_case(2, 4, 4)],
     lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2))],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"))
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula")
 
 # -- 07.2 a schedule of your own that beats GPipe's bubble ---------------------------------------------------------
 
@@ -65,7 +65,7 @@ OWN_SCHEDULE = Exercise(
     "07.2", "A schedule that beats GPipe's bubble", "my_schedule", 3,
     lambda: [_own_schedule_case(3, 4)],
     lambda: [_own_schedule_case(p, m) for p, m in ((2, 2), (2, 6), (4, 8), (5, 3), (6, 12))],
-    forbidden=lambda: schedule_generators() + ("gpipe_ref.playground.builtin_text",))
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.playground.builtin_text",), category="design")
 
 # -- 07.3 a layout for a memory budget ----------------------------------------------------------------------
 
@@ -151,6 +151,6 @@ def _layout_hidden() -> list[Case]:
 LAYOUT = Exercise(
     "07.3", "A layout for a memory budget", "pick_layout", 3, _layout_cases, _layout_hidden,
     forbidden=("gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
-               "gpipe_ref.grading.ex07_beyond.best_layout"))
+               "gpipe_ref.grading.ex07_beyond.best_layout"), category="design")
 
 EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT]
