@@ -97,4 +97,59 @@ STASHED = Exercise(
     forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.staleness.version_table",
                "gpipe_ref.staleness.StagedTrainer"), category="derive")
 
-EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED]
+# -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
+
+VARIANTS = {"stashing": {}, "vertical_sync": {"vertical_sync": True}}
+
+
+def _measured(p: int) -> dict:
+    """What a real run of PipeDream's schedule (3p micro-batches, past its start-up) records, per variant: each
+    stage's peak versions held and the largest staleness of any micro-batch on it."""
+    from ..staleness import version_table
+
+    out, m = {}, 3 * p
+    for name, options in VARIANTS.items():
+        record = version_table(pipedream_async(p, m), **options)
+        out[name] = {"held": list(record.stash_peak),
+                     "staleness": [max(record.versions[(s, i)][2] for i in range(m)) for s in range(p)]}
+    return out
+
+
+def _prediction_case(p: int) -> Case:
+    def compare(actual, expected):
+        if not isinstance(actual, dict) or set(actual) != set(VARIANTS):
+            return f"expected a dict with the keys {sorted(VARIANTS)}, got {_describe(actual)}"
+        for name in VARIANTS:
+            entry = actual[name]
+            if not isinstance(entry, dict) or set(entry) != {"held", "staleness"}:
+                return f"{name}: expected a dict with the keys ['held', 'staleness'], got {_describe(entry)}"
+            for key in ("held", "staleness"):
+                values = entry[key]
+                if not isinstance(values, list) or len(values) != p:
+                    return f"{name}[{key!r}]: expected a list of p = {p} numbers (one per stage), got {values!r}"
+                for stage, (yours, run) in enumerate(zip(values, expected[name][key])):
+                    if yours != run:
+                        what = "versions held at once" if key == "held" else "largest staleness"
+                        return f"{name}, stage {stage}: you predicted {what} {yours!r}, the run measured {run}"
+        return None
+
+    return Case(f"p={p}", lambda answer: answer(p), lambda: _measured(p), compare=compare,
+                hint="replay the start of the run on one stage: which versions are stashed while its micro-batches "
+                     "are in flight, and how many updates pass before each one's gradient is applied? Under vertical "
+                     "sync, whose choice of version does a later stage follow, and how long must it keep it?")
+
+
+def _describe(value) -> str:
+    return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__
+
+
+PREDICT_VERSIONS = Exercise(
+    "06.4", "Predict, then check: versions held and staleness", "predict_pipedream", 3,
+    lambda: [_prediction_case(2)],
+    lambda: [_prediction_case(p) for p in (1, 4, 8)],
+    forbidden=("gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
+               "gpipe_ref.staleness.versions_held_bound", "gpipe_ref.schedule.weight_versions",
+               "gpipe_ref.schedule.pipedream_async", "gpipe_ref.simulator.simulate"),
+    category="predict")
+
+EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS]

@@ -1,0 +1,99 @@
+"""Issue 17's new exercises for notebooks 04 and 06: the solution passes, every planted wrong answer (a mistake
+learners make) scores 0 and already fails the shown check() with the mistake named, and check() answers fast."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from gpipe_ref.grading import EXERCISES, check, grade
+from gpipe_ref.grading.core import THINKING
+
+PRELUDE = """
+from gpipe_ref import Action
+"""
+
+SOLUTIONS = {
+    "06.4": """
+def predict_pipedream(p):
+    stages = range(p)
+    return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
+            "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 for _ in stages]}}
+""",
+}
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("06.4", "vertical sync keeps as few versions as stashing (p - s)", "vertical_sync, stage 1", """
+def predict_pipedream(p):
+    stages = range(p)
+    return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
+            "vertical_sync": {"held": [p - s for s in stages], "staleness": [p - 1 for _ in stages]}}
+"""),
+    ("06.4", "vertical sync's staleness falls with the stage, as stashing's does", "largest staleness 0", """
+def predict_pipedream(p):
+    stages = range(p)
+    return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
+            "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 - s for s in stages]}}
+"""),
+    ("06.4", "versions held counted without the current weights (one short)", "stashing, stage 0", """
+def predict_pipedream(p):
+    stages = range(p)
+    return {"stashing": {"held": [p - 1 - s for s in stages], "staleness": [p - 1 - s for s in stages]},
+            "vertical_sync": {"held": [p - 1 for _ in stages], "staleness": [p - 1 for _ in stages]}}
+"""),
+    ("06.4", "stashing's staleness counted from the last stage (s instead of p - 1 - s)", "largest staleness 0", """
+def predict_pipedream(p):
+    stages = range(p)
+    return {"stashing": {"held": [p - s for s in stages], "staleness": [s for s in stages]},
+            "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 for _ in stages]}}
+"""),
+]
+
+
+def _answer(code: str) -> dict:
+    namespace: dict = {}
+    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
+def test_the_solution_scores_full_marks_and_the_exercise_makes_the_learner_think(exercise_id):
+    exercise = EXERCISES[exercise_id]
+    verdict = grade(exercise_id, _answer(SOLUTIONS[exercise_id]))
+    assert verdict.passed and verdict.points == exercise.points, verdict
+    assert exercise.category in THINKING
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
+def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    namespace = _answer(code)
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])  # the shown cases alone catch it
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ Exercise {exercise_id}"), out
+    assert phrase in out, out
+
+
+def test_every_new_exercise_has_at_least_two_planted_wrong_answers():
+    for exercise_id in SOLUTIONS:
+        assert sum(row[0] == exercise_id for row in WRONG) >= 2, exercise_id
+
+
+@pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
+def test_check_answers_in_under_10_seconds(exercise_id, capsys):
+    namespace = _answer(SOLUTIONS[exercise_id])
+    start = time.perf_counter()
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])
+    assert time.perf_counter() - start < 10
+    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+
+
+def test_predictions_are_judged_against_a_run_and_a_wrong_shape_is_named(capsys):
+    check("06.4", lambda p: {"stashing": [p - s for s in range(p)]})
+    assert "expected a dict with the keys ['stashing', 'vertical_sync']" in capsys.readouterr().out
+    check("06.4", lambda p: {"stashing": {"held": [p], "staleness": [0]}, "vertical_sync": {"held": [], "staleness": []}})
+    assert "expected a list of p = 2 numbers" in capsys.readouterr().out
