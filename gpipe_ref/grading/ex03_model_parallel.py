@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from torch import nn
 
-from ..partition import partition_costs
+from ..partition import partition_costs, stage_cost_model
 from ..schedule import Action, gpipe
-from ..simulator import place
+from ..simulator import place, simulate
 from .core import Case, Exercise, same, short_repr
 
 # -- 03.1 idle fraction of naive model parallelism -----------------------------------------------------
@@ -154,4 +155,100 @@ SPLIT = Exercise(
     lambda: [_split_case(1, [1]), _split_case(5, [5]), _split_case(5, [1, 1, 1, 1, 1]), _split_case(8, [3, 1, 4])],
     forbidden=("gpipe_ref.partition.split",), category="build")
 
-EXERCISES = [NAIVE_IDLE, BEST_BALANCE, SPLIT]
+# -- 03.4 a cut that meets a step-time target within a per-stage memory limit ----------------------------------
+
+
+def _gpipe_step(costs: list[float], balance: list[int], microbatches: int) -> float:
+    """The simulated GPipe step of ``balance``: stage s spends its layers' summed cost per micro-batch."""
+    return simulate(gpipe(len(balance), microbatches), stage_cost_model(_stage_sums(costs, balance))).makespan
+
+
+def _all_balances(layers: int, stages: int):
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        edges = (0, *cuts, layers)
+        yield [edges[k + 1] - edges[k] for k in range(stages)]
+
+
+def _fastest_fitting(costs, memory, stages, microbatches, memory_limit) -> float | None:
+    """The shortest simulated step over every cut whose stages all fit ``memory_limit`` (None: no cut fits)."""
+    steps = [_gpipe_step(costs, b, microbatches) for b in _all_balances(len(costs), stages)
+             if max(_stage_sums(memory, b)) <= memory_limit + 1e-9]
+    return min(steps) if steps else None
+
+
+NO_CUT = {"fit_balance returned": "None"}
+
+
+def _fit_case(costs: list[float], memory: list[float], stages: int, microbatches: int, step_target: float,
+              memory_limit: float) -> Case:
+    def expected():  # True: some cut meets both limits
+        best = _fastest_fitting(costs, memory, stages, microbatches, memory_limit)
+        return best is not None and best <= step_target + 1e-9
+
+    def run(answer):  # a None answer travels tagged, so only a None the answer returned reads as "no cut"
+        balance = answer(list(costs), list(memory), stages, microbatches, step_target, memory_limit)
+        return NO_CUT if balance is None else balance
+
+    def compare(actual, expected):
+        if actual == NO_CUT:
+            return None if not expected else "you returned None, but a cut meeting both limits exists"
+        if not isinstance(actual, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                             for n in actual):
+            return f"expected a list of ints (layers per stage) or None, got {short_repr(actual)}"
+        if len(actual) != stages or any(n < 1 for n in actual) or sum(actual) != len(costs):
+            return (f"a balance needs {stages} stages of at least one layer each and {len(costs)} layers in all, "
+                    f"got {list(actual)}")
+        held = _stage_sums(memory, actual)
+        over = next((k for k, m in enumerate(held) if m > memory_limit + 1e-9), None)
+        if over is not None:
+            return f"your balance {list(actual)} puts {held[over]:g} memory on stage {over}, over the limit {memory_limit:g}"
+        step = _gpipe_step(costs, list(actual), microbatches)
+        if step > step_target + 1e-9:
+            return (f"your balance {list(actual)} fits in memory but its simulated step takes {step:g}, over the "
+                    f"target {step_target:g}" + ("" if expected else "; no cut meets both limits here"))
+        return None
+
+    return Case(f"costs={costs}, memory={memory}, stages={stages}, microbatches={microbatches}, "
+                f"step_target={step_target:g}, memory_limit={memory_limit:g}",
+                run, expected, compare=compare,
+                hint="which cuts are allowed at all once memory is counted? Among those, what sets the step time "
+                     "of a GPipe step, and can any of them reach the target?")
+
+
+def _fit_target(costs, memory, stages, microbatches, memory_limit, factor: float) -> float:
+    best = _fastest_fitting(costs, memory, stages, microbatches, memory_limit)
+    return round((best if best is not None else sum(costs) * (microbatches + stages)) * factor, 6)
+
+
+def _fit_hidden() -> list[Case]:
+    cases = [
+        _fit_case([3.0], [5.0], 1, 1, 3.0, 5.0),  # one device, m = 1, both limits met exactly
+        _fit_case([3.0], [5.0], 1, 4, 12.0, 4.0),  # one device, the only layer does not fit
+        _fit_case([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 3, 1, 3.0, 2.0),  # one layer per stage, m = 1
+        _fit_case([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 9.0], 2, 4, 100.0, 8.0),  # a layer nothing holds
+        _fit_case([4.0, 1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 3, 8, 0.0, 10.0),  # no time fits
+        _fit_case([6.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 5.0, 5.0, 1.0, 1.0, 1.0], 2, 4, 33.0, 6.0),
+    ]
+    rng = random.Random(34)
+    for _ in range(10):
+        n = rng.randrange(2, 10)
+        stages, microbatches = rng.randrange(1, min(n, 5) + 1), rng.choice([1, 2, 4, 8])
+        costs = [float(rng.randrange(1, 8)) for _ in range(n)]
+        memory = [float(rng.randrange(1, 6)) for _ in range(n)]
+        limit = float(max(max(memory), round(sum(memory) / stages * rng.choice([0.8, 1.0, 1.3]))))
+        cases.append(_fit_case(costs, memory, stages, microbatches,
+                               _fit_target(costs, memory, stages, microbatches, limit, rng.choice([0.97, 1.0, 1.1])),
+                               limit))
+    return cases
+
+
+FIT_BALANCE = Exercise(
+    "03.4", "A cut that meets a step-time target within a memory limit", "fit_balance", 3,
+    lambda: [_fit_case([4.0, 1.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0], 2, 4, 25.0, 2.0),  # memory forces 2 + 2
+             _fit_case([1.0, 1.0, 6.0, 1.0], [1.0, 1.0, 1.0, 1.0], 2, 4, 30.0, 3.0),
+             _fit_case([2.0, 2.0, 2.0, 2.0], [3.0, 1.0, 1.0, 3.0], 2, 2, 11.0, 4.0)],
+    _fit_hidden,
+    forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
+               "gpipe_ref.partition.balance_by_time", "gpipe_ref.partition.balance_report"), category="design")
+
+EXERCISES = [NAIVE_IDLE, BEST_BALANCE, SPLIT, FIT_BALANCE]
