@@ -22,6 +22,24 @@ def predict_pipedream(p):
     return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
             "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 for _ in stages]}}
 """,
+    "06.5": """
+def two_bw_versions(per_device, batch):
+    if batch < len(per_device):
+        return None
+    versions, staleness = [], []
+    for acts in per_device:
+        made, used, stale = 0, [], []
+        for a in acts:
+            version = max(a.microbatch // batch - 1, 0)
+            used.append(version)
+            if a.op == "B":
+                stale.append(made - version)
+                if a.microbatch % batch == batch - 1:
+                    made += 1
+        versions.append(used)
+        staleness.append(stale)
+    return {"versions": versions, "staleness": staleness}
+""",
 }
 
 # (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
@@ -49,6 +67,73 @@ def predict_pipedream(p):
     stages = range(p)
     return {"stashing": {"held": [p - s for s in stages], "staleness": [s for s in stages]},
             "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 for _ in stages]}}
+"""),
+    ("06.5", "the batch's own version t instead of the one before it", "2BW uses 0", """
+def two_bw_versions(per_device, batch):
+    if batch < len(per_device):
+        return None
+    versions, staleness = [], []
+    for acts in per_device:
+        made, used, stale = 0, [], []
+        for a in acts:
+            used.append(a.microbatch // batch)
+            if a.op == "B":
+                stale.append(made - a.microbatch // batch)
+                if a.microbatch % batch == batch - 1:
+                    made += 1
+        versions.append(used)
+        staleness.append(stale)
+    return {"versions": versions, "staleness": staleness}
+"""),
+    ("06.5", "t - 1 without the floor at 0 (version -1 for the first batch)", "version -1", """
+def two_bw_versions(per_device, batch):
+    if batch < len(per_device):
+        return None
+    versions, staleness = [], []
+    for acts in per_device:
+        made, used, stale = 0, [], []
+        for a in acts:
+            used.append(a.microbatch // batch - 1)
+            if a.op == "B":
+                stale.append(made - used[-1])
+                if a.microbatch % batch == batch - 1:
+                    made += 1
+        versions.append(used)
+        staleness.append(stale)
+    return {"versions": versions, "staleness": staleness}
+"""),
+    ("06.5", "updates after every backward, as PipeDream does", "staleness", """
+def two_bw_versions(per_device, batch):
+    if batch < len(per_device):
+        return None
+    versions, staleness = [], []
+    for acts in per_device:
+        made, used, stale = 0, [], []
+        for a in acts:
+            version = max(a.microbatch // batch - 1, 0)
+            used.append(version)
+            if a.op == "B":
+                stale.append(made - version)
+                made += 1
+        versions.append(used)
+        staleness.append(stale)
+    return {"versions": versions, "staleness": staleness}
+"""),
+    ("06.5", "never returns None: runs batches smaller than the pipeline", "expected None", """
+def two_bw_versions(per_device, batch):
+    versions, staleness = [], []
+    for acts in per_device:
+        made, used, stale = 0, [], []
+        for a in acts:
+            version = max(a.microbatch // batch - 1, 0)
+            used.append(version)
+            if a.op == "B":
+                stale.append(made - version)
+                if a.microbatch % batch == batch - 1:
+                    made += 1
+        versions.append(used)
+        staleness.append(stale)
+    return {"versions": versions, "staleness": staleness}
 """),
 ]
 

@@ -152,4 +152,88 @@ PREDICT_VERSIONS = Exercise(
                "gpipe_ref.schedule.pipedream_async", "gpipe_ref.simulator.simulate"),
     category="predict")
 
-EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS]
+# -- 06.5 build PipeDream-2BW's version rule ---------------------------------------------------------------------
+
+
+def _two_bw_expected(p: int, batch: int, n: int):
+    """The library's 2BW run: None when the order does not suit 2BW, else each device's versions (one per action,
+    in order) and staleness (one per backward, in order)."""
+    from ..staleness import double_buffered_versions, version_table
+
+    schedule = pipedream_async(p, n)
+    try:
+        double_buffered_versions(schedule, batch)
+    except ValueError:
+        return None
+    record = version_table(schedule, coalesce=batch)
+    return {"versions": [[record.versions[(a.stage, a.microbatch)][0 if a.op == "F" else 1] for a in acts]
+                         for acts in schedule.per_device],
+            "staleness": [[record.versions[(a.stage, a.microbatch)][2] for a in acts if a.op == "B"]
+                          for acts in schedule.per_device]}
+
+
+def _two_bw_case(p: int, batch: int, batches: int) -> Case:
+    n = batch * batches
+
+    def run(answer):
+        return answer([list(acts) for acts in pipedream_async(p, n).per_device], batch)
+
+    def compare(actual, expected):
+        if expected is None:
+            return None if actual is None else (f"2BW cannot run batches of {batch} micro-batches on {p} stages "
+                                                f"(Narayanan et al. 2021, sec. 3.1): expected None, got "
+                                                f"{_describe(actual)}")
+        if actual is None:
+            return f"returned None, but 2BW runs batches of {batch} micro-batches on {p} stages"
+        if not isinstance(actual, dict) or set(actual) != {"versions", "staleness"}:
+            return f"expected a dict with the keys ['staleness', 'versions'], got {_describe(actual)}"
+        actions = pipedream_async(p, n).per_device
+        for key in ("versions", "staleness"):
+            if not isinstance(actual[key], list) or len(actual[key]) != p:
+                return f"{key!r}: expected one list per device ({p}), got {actual[key]!r}"
+        for device, acts in enumerate(actions):
+            yours, theirs = actual["versions"][device], expected["versions"][device]
+            if not isinstance(yours, list) or len(yours) != len(theirs):
+                return f"versions of device {device}: expected one per action ({len(theirs)}), got {yours!r}"
+            for a, v, w in zip(acts, yours, theirs):
+                if v != w:
+                    return f"{a} (micro-batch {a.microbatch} of batch {a.microbatch // batch}): version {v!r}, 2BW uses {w}"
+            yours, theirs = actual["staleness"][device], expected["staleness"][device]
+            backwards = [a for a in acts if a.op == "B"]
+            if not isinstance(yours, list) or len(yours) != len(theirs):
+                return f"staleness of device {device}: expected one per backward ({len(theirs)}), got {yours!r}"
+            for a, v, w in zip(backwards, yours, theirs):
+                if v != w:
+                    return f"{a}: staleness {v!r}, 2BW's is {w}"
+        return None
+
+    return Case(f"p={p}, batch={batch}, batches={batches}", run, lambda: _two_bw_expected(p, batch, n),
+                compare=compare,
+                hint="walk each device's list in order and count the updates its stage has made: when does a 2BW "
+                     "stage update, and which of its versions does a micro-batch of a given batch compute with? "
+                     "And which condition does the paper put on the batch size?")
+
+
+def _random_two_bw_cases(seed: int, count: int) -> list[Case]:
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        p = rng.choice((1, 2, 4, 8))
+        cases.append(_two_bw_case(p, rng.randint(max(1, p - 2), 2 * p + 1), rng.randint(1, 3)))
+    return cases
+
+
+TWO_BW = Exercise(
+    "06.5", "PipeDream-2BW's version rule", "two_bw_versions", 3,
+    lambda: [_two_bw_case(2, 2, 3), _two_bw_case(4, 5, 2), _two_bw_case(4, 2, 2)],
+    lambda: [_two_bw_case(1, 1, 1), _two_bw_case(1, 1, 4), _two_bw_case(2, 2, 1), _two_bw_case(2, 1, 3),
+             _two_bw_case(4, 3, 3), _two_bw_case(4, 4, 3), _two_bw_case(8, 8, 2), _two_bw_case(8, 7, 2),
+             _two_bw_case(8, 11, 2)] + _random_two_bw_cases(17, 6),
+    forbidden=("gpipe_ref.staleness.double_buffered_versions", "gpipe_ref.staleness.double_buffered_timeline",
+               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
+               "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
+    category="build")
+
+EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS, TWO_BW]
