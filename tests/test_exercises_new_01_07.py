@@ -12,7 +12,7 @@ from gpipe_ref.grading import EXERCISES, check, grade
 
 PRELUDE = """
 from itertools import combinations
-from gpipe_ref import gpipe, simulate
+from gpipe_ref import Action, gpipe, simulate
 from gpipe_ref.partition import stage_cost_model
 
 
@@ -49,6 +49,41 @@ def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):
             return b
     return None
 """),
+    ("07.4", "the generator as given: W before its B on device 0", "does not run", """
+def zb_h1_orders(p, m):
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        next_w = 0
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            if j >= d:
+                order.append(Action("W", d, next_w))
+                next_w += 1
+            order.append(Action("B", d, j))
+        order += [Action("W", d, k) for k in range(next_w, m)]
+        orders.append(order)
+    return orders
+"""),
+    ("07.4", "runs every W at the end: valid, but the bubble grows", "more than ZB-H1's", """
+def zb_h1_orders(p, m):
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            order.append(Action("B", d, j))
+        orders.append(order + [Action("W", d, k) for k in range(m)])
+    return orders
+"""),
+    ("07.4", "drops the W actions", "missing", """
+def zb_h1_orders(p, m):
+    return [[Action(op, d, k) for k in range(m) for op in "FB"] for d in range(p)]
+"""),
 ]
 
 RIGHT = {
@@ -60,6 +95,23 @@ def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):
         if max(_sums(memory, b)) <= memory_limit and step <= step_target + 1e-9:
             found = b
     return found
+""",
+    "07.4": """
+def zb_h1_orders(p, m):  # each W straight after its own B where the schedule has room, written another way
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        pending = []
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            order.append(Action("B", d, j))
+            pending.append(j)
+            if j >= d:
+                order.append(Action("W", d, pending.pop(0)))
+        orders.append(order + [Action("W", d, k) for k in pending])
+    return orders
 """,
 }
 

@@ -6,7 +6,7 @@ import re
 
 from ..planner import ClusterConfig, ModelConfig, estimate
 from ..playground import PLAYGROUND_COST, analyse
-from ..schedule import make_schedule
+from ..schedule import Action, Schedule, ScheduleError, make_schedule, validate, zero_bubble_h1
 from ..simulator import CostModel, simulate
 from .common import schedule_generators
 from .core import Case, Exercise, short_repr
@@ -153,4 +153,49 @@ LAYOUT = Exercise(
     forbidden=("gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
                "gpipe_ref.grading.ex07_beyond.best_layout"), category="design")
 
-EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT]
+# -- 07.4 find the bug in a zero-bubble generator ------------------------------------------------------------------
+
+ZB_COST = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0)  # F = B = W, no communication
+
+
+def _zb_case(p: int, m: int) -> Case:
+    def run(answer):
+        orders = answer(p, m)
+        return [list(device) for device in orders] if isinstance(orders, (list, tuple)) else short_repr(orders)
+
+    def expected():
+        return simulate(zero_bubble_h1(p, m), ZB_COST).bubble_fraction
+
+    def compare(actual, expected):
+        if not isinstance(actual, list) or len(actual) != p:
+            return f"expected a list of {p} per-device lists of Action, got {short_repr(actual)}"
+        for d, device in enumerate(actual):
+            if not isinstance(device, list) or not all(isinstance(a, Action) for a in device):
+                return f"device {d}: expected a list of Action, got {short_repr(device)}"
+            wanted = {Action(op, d, k) for op in "FBW" for k in range(m)}
+            if set(device) != wanted or len(device) != 3 * m:
+                missing, extra = sorted(map(str, wanted - set(device)))[:4], sorted(map(str, set(device) - wanted))[:4]
+                return (f"device {d} must run F, B and W of stage {d} for micro-batches 0..{m - 1} once each"
+                        + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else ""))
+        try:
+            schedule = validate(Schedule("yours", p, m, p, tuple(range(p)), tuple(tuple(d) for d in actual)))
+            bubble = simulate(schedule, ZB_COST).bubble_fraction
+        except ScheduleError as error:
+            return f"the schedule does not run: {' '.join(str(error).split())[:300]}"
+        if bubble > expected + 1e-9:
+            return (f"the schedule runs, but its bubble is {bubble:.4f}, more than ZB-H1's {expected:.4f}: "
+                    f"the fix gave up some of the overlap the W actions were there to give")
+        return None
+
+    return Case(f"p={p}, m={m}", run, expected, compare=compare,
+                hint="run it on the smallest pipeline that fails and read which action waits for which; does "
+                     "every device hit the problem, or only some?")
+
+
+ZB_DEBUG = Exercise(
+    "07.4", "Find the bug in a zero-bubble generator", "zb_h1_orders", 3,
+    lambda: [_zb_case(2, 2), _zb_case(4, 8)],
+    lambda: [_zb_case(p, m) for p, m in ((1, 1), (1, 3), (2, 1), (3, 2), (4, 4), (5, 3), (6, 12), (8, 8))],
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule._one_f_one_b_order",), category="debug")
+
+EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT, ZB_DEBUG]
