@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import (ex01_data_parallel, ex02_tensor_parallel, ex03_model_parallel, ex04_gpipe, ex05_rematerialization,
-               ex06_pipedream, ex07_beyond)
+               ex06_pipedream, ex07_beyond, ex08_zero)
 from .core import Case, Exercise, Verdict, run_cases
 from .notebooks import COURSE
 from .runner import run_one
@@ -28,6 +28,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
     "05_rematerialization": ex05_rematerialization.EXERCISES,
     "06_pipedream": ex06_pipedream.EXERCISES,
     "07_beyond": ex07_beyond.EXERCISES,
+    "08_zero": ex08_zero.EXERCISES,
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 
