@@ -18,7 +18,7 @@ from gpipe_ref.grading import EXERCISES, NOTEBOOKS
 from gpipe_ref.grading.classroom import grade_paths
 from gpipe_ref.grading.grader import MAX_TIMEOUT, grade_notebook
 from gpipe_ref.grading.notebooks import COURSE, exercise_of
-from test_grading import WRONG
+from test_grading import planted_answers
 
 SOLUTIONS = ROOT / "solutions"
 EXERCISE_DIR = ROOT / "exercises"
@@ -61,9 +61,7 @@ def _submission(tmp_path, name: str, answers: dict[str, str], student: str = "st
 @pytest.mark.slow
 def test_grader_fails_planted_wrong_notebooks(tmp_path):
     """One wrong answer per exercise, planted in the student notebooks, graded end to end."""
-    firsts: dict[str, str] = {}
-    for exercise_id, _, code in WRONG:
-        firsts.setdefault(exercise_id, code)
+    firsts = planted_answers()
     paths = [_submission(tmp_path, name, {ex.id: firsts[ex.id] for ex in exercises})
              for name, exercises in NOTEBOOKS.items()]
     report = tmp_path / "wrong.json"

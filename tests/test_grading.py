@@ -384,14 +384,22 @@ def _solution_namespace(name: str) -> dict:
     return namespace
 
 
-def _planted_everywhere() -> set[str]:
-    """Exercise ids with a planted wrong answer: WRONG here, and WRONG in each tests/test_exercises_*.py."""
+def planted_answers() -> dict[str, str]:
+    """The first planted wrong answer (its code) of each exercise: WRONG here, then WRONG in each
+    tests/test_exercises_*.py, whose rows start with the exercise id and end with the code."""
     import importlib
 
-    ids = {ex for ex, _, _ in WRONG}
+    firsts: dict[str, str] = {}
+    for exercise_id, _, code in WRONG:
+        firsts.setdefault(exercise_id, code)
     for path in sorted(Path(__file__).parent.glob("test_exercises_*.py")):
-        ids |= {row[0] for row in importlib.import_module(path.stem).WRONG}
-    return ids
+        for row in importlib.import_module(path.stem).WRONG:
+            firsts.setdefault(row[0], row[-1])
+    return firsts
+
+
+def _planted_everywhere() -> set[str]:
+    return set(planted_answers())
 
 
 def test_every_exercise_has_a_planted_wrong_answer():

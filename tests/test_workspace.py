@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from gpipe_ref.grading import NOTEBOOKS
 from gpipe_ref.grading.notebooks import AnswersWouldBeLost, build, exercise_of, start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def exercises_copy(tmp_path) -> Path:
 def test_start_copies_every_exercise_notebook_and_then_keeps_them(tmp_path):
     work = tmp_path / "new" / "work"
     copied, kept = start(EXERCISES, work)
-    assert len(NAMES) == 7 and [path.name for path in copied] == NAMES and kept == []
+    assert len(NAMES) == len(NOTEBOOKS) and [path.name for path in copied] == NAMES and kept == []
     assert sorted(path.name for path in work.iterdir()) == NAMES  # no README, nothing else
     for name in NAMES:
         assert (work / name).read_bytes() == (EXERCISES / name).read_bytes()
