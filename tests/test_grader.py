@@ -78,9 +78,7 @@ def test_grader_isolates_a_broken_exercise(tmp_path):
     hanging at definition each cost one exercise; the right answer beside them keeps its points."""
     gpipe_nb = _submission(tmp_path, "04_gpipe", {
         "04.1": """
-            import gpipe_ref
             from gpipe_ref import Action
-            gpipe_ref.gpipe = None  # breaks the course cell below that calls gpipe(3, 4)
             def gpipe_actions(p, m):
                 return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in range(m)]
                         for d in range(p)]
@@ -109,12 +107,21 @@ def test_grader_isolates_a_broken_exercise(tmp_path):
             while True:
                 pass
             """})
+    pipedream_nb = _submission(tmp_path, "06_pipedream", {
+        "06.2": """
+            import gpipe_ref.viz
+            gpipe_ref.viz.plot_staleness = None  # breaks the course cell below that draws the version table
+            def one_f_one_b_actions(p, m):
+                return [[] for _ in range(p)]
+            """})
     results = {r.notebook: r for r in (grade_notebook(gpipe_nb, cell_timeout=10, case_timeout=3),
-                                       grade_notebook(model_nb, cell_timeout=10, case_timeout=3))}
+                                       grade_notebook(model_nb, cell_timeout=10, case_timeout=3),
+                                       grade_notebook(pipedream_nb, cell_timeout=10, case_timeout=3))}
     gpipe_verdicts = {v.exercise: v for v in results["04_gpipe"].verdicts}
-    assert gpipe_verdicts["04.1"].points == 0 and "broke a later cell" in gpipe_verdicts["04.1"].feedback
-    assert gpipe_verdicts["04.2"].status == "timeout"
-    assert gpipe_verdicts["04.3"].passed and results["04_gpipe"].points == 2
+    assert gpipe_verdicts["04.1"].passed and gpipe_verdicts["04.3"].passed
+    assert gpipe_verdicts["04.2"].status == "timeout" and results["04_gpipe"].points == 5
+    pipedream_verdicts = {v.exercise: v for v in results["06_pipedream"].verdicts}
+    assert pipedream_verdicts["06.2"].points == 0 and "broke a later cell" in pipedream_verdicts["06.2"].feedback
     model_verdicts = {v.exercise: v for v in results["03_model_parallel"].verdicts}
     assert model_verdicts["03.1"].status == "failed" and "expected a number" in model_verdicts["03.1"].feedback
     assert model_verdicts["03.2"].status == "error" and "kernel" in model_verdicts["03.2"].feedback
