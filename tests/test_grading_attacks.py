@@ -19,6 +19,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT
+from gpipe_ref.grading import NOTEBOOKS
 from gpipe_ref.grading.notebooks import exercise_of
 
 HONEST_04_3 = """
@@ -57,7 +58,7 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         sys.stdout = io.StringIO()
         builtins.print = lambda *a, **k: sys.__stdout__.write(line + "\\n")
         json.dumps = lambda *a, **k: '{"exercise": "04.1", "status": "passed", "points": 100}'
-        """, None, 2),
+        """, None, 0),  # json.dumps replaced breaks the kernel's own messages: every exercise there scores 0
     "a background thread printing report lines": ("""
         import threading, time, sys
         def _spam():
@@ -237,7 +238,7 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
     solution = cls / "zz_solution" / "03_model_parallel.ipynb"
     solution.parent.mkdir()
     shutil.copy(ROOT / "solutions" / "03_model_parallel.ipynb", solution)
-    expected[str(solution)] = 7
+    expected[str(solution)] = sum(ex.points for ex in NOTEBOOKS["03_model_parallel"])
 
     began = time.monotonic()
     result = _grade(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv",
