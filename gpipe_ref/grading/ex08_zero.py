@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from ..distributed.thread_ring import ring_buffers, run_ring
 from ..distributed.zero import ZERO_STAGES, zero_state_bytes, zero_traffic_bytes
 from .core import Case, Exercise, short_repr
 
@@ -57,10 +56,13 @@ def _shard_step_case(world: int, shard: int, steps: int, seed: int, scale: float
 
     def compare(actual, expected):
         if isinstance(actual, str):
-            return actual
+            return actual or "the answer's run returned an empty message"
         if not isinstance(actual, list) or len(actual) != len(expected):
             return f"expected the weights after each of {len(expected)} steps, got {short_repr(actual)}"
         for step, (got, want) in enumerate(zip(actual, expected)):
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                return f"after step {step + 1}: expected the weights, a tensor of shape {tuple(want.shape)}, " \
+                       f"got {short_repr(got)}"
             for rank in range(world):
                 part = slice(rank * shard, (rank + 1) * shard)
                 if not torch.allclose(got[part].double(), want[part].double(), rtol=1e-5, atol=1e-6):
@@ -169,61 +171,6 @@ SIZING = Exercise(
 
 # -- 08.3 a broken reduce-scatter ------------------------------------------------------------------------------
 
-EXCHANGE_WAIT = 5.0  # seconds a rank waits for the others at an exchange before the ring is declared stuck
-
-
-def ring_buffers(world: int, chunk: int, seed: int) -> list[torch.Tensor]:
-    """Each rank's flat gradient for a case: ``world`` chunks of ``chunk`` elements, seeded."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(world * chunk, generator=generator) for _ in range(world)]
-
-
-def run_ring(answer, world: int, chunk: int, seed: int):
-    """Run ``answer(flat, rank, world_size, exchange)`` on ``world`` ranks at once (threads) on
-    ``ring_buffers(world, chunk, seed)``; ``exchange(t)`` sends ``t`` to the right neighbour and returns the left
-    neighbour's. Returns ``{"shards": each rank's result, "sent": elements each rank sent}``, or a text saying
-    what went wrong."""
-    buffers = ring_buffers(world, chunk, seed)
-    slots, sent, results, errors = [None] * world, [0] * world, [None] * world, [None] * world
-    barrier = threading.Barrier(world, timeout=EXCHANGE_WAIT)
-
-    def rank_main(rank: int) -> None:
-        def exchange(tensor: torch.Tensor) -> torch.Tensor:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"exchange takes a tensor, got {type(tensor).__name__}")
-            slots[rank] = tensor.detach().clone()
-            sent[rank] += tensor.numel()
-            barrier.wait()
-            received = slots[(rank - 1) % world].clone()
-            barrier.wait()
-            return received
-
-        try:
-            results[rank] = answer(buffers[rank].clone(), rank, world, exchange)
-        except threading.BrokenBarrierError:
-            errors[rank] = "stuck"
-        except BaseException as error:  # noqa: BLE001 - re-raised in the case's thread
-            errors[rank] = error
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    raised = next((e for e in errors if isinstance(e, BaseException)), None)
-    if raised is not None:
-        raise raised
-    if any(errors):
-        calls = "the ranks called exchange a different number of times (each call waits for every rank)"
-        return f"the ring got stuck: {calls}"
-    for rank, result in enumerate(results):
-        if not isinstance(result, torch.Tensor) or tuple(result.shape) != (chunk,):
-            return f"rank {rank} returned {short_repr(result)}: return this rank's shard, a tensor of shape " \
-                   f"({chunk},)"
-    return {"shards": [r.detach().float().clone() for r in results], "sent": sent}
-
-
 def _ring_expected(world: int, chunk: int, seed: int):
     mean = torch.stack(ring_buffers(world, chunk, seed)).mean(0).view(world, chunk)
     return {"shards": list(mean.unbind()), "sent": [(world - 1) * chunk] * world}
@@ -232,7 +179,7 @@ def _ring_expected(world: int, chunk: int, seed: int):
 def _ring_case(world: int, chunk: int, seed: int) -> Case:
     def compare(actual, expected):
         if isinstance(actual, str):
-            return actual
+            return actual or "the answer's run returned an empty message"
         if not isinstance(actual, dict) or set(actual) != {"shards", "sent"}:
             return f"a malformed result {short_repr(actual)}"
         for rank, (got, want) in enumerate(zip(actual["shards"], expected["shards"])):
