@@ -1,0 +1,15 @@
+"""What every planted wrong answer must do, shared by the tests/test_exercises_*.py files: score 0 from the
+grader, and fail the shown check() too, naming the mistake (so check() and the grader rarely disagree)."""
+
+from __future__ import annotations
+
+from gpipe_ref.grading import EXERCISES, check, grade
+
+
+def assert_caught(exercise_id: str, namespace: dict, phrase: str, capsys) -> None:
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])  # the shown cases alone catch it
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ Exercise {exercise_id}"), out
+    assert phrase in out, out
