@@ -17,6 +17,14 @@ from gpipe_ref import Action
 """
 
 SOLUTIONS = {
+    "04.4": """
+def accumulate_gradients(model, loss_fn, x, y, m):
+    model.zero_grad()
+    for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+        loss = loss_fn(model(xb), yb) * len(xb) / len(x)
+        loss.backward()
+    return [q.grad for q in model.parameters()]
+""",
     "06.4": """
 def predict_pipedream(p):
     stages = range(p)
@@ -45,6 +53,33 @@ def two_bw_versions(per_device, batch):
 
 # (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
 WRONG = [
+    ("04.4", "the function as given (zero_grad inside the loop, each loss divided by m)", "differs from one device", """
+def accumulate_gradients(model, loss_fn, x, y, m):
+    for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+        model.zero_grad()
+        loss = loss_fn(model(xb), yb) / m
+        loss.backward()
+    return [q.grad for q in model.parameters()]
+"""),
+    ("04.4", "zero_grad moved out of the loop but each loss still divided by m", "batch=10, m=4", """
+def accumulate_gradients(model, loss_fn, x, y, m):
+    model.zero_grad()
+    for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+        (loss_fn(model(xb), yb) / m).backward()
+    return [q.grad for q in model.parameters()]
+"""),
+    ("04.4", "weights fixed but zero_grad dropped: a second call adds to the first", "batch=8, m=4", """
+def accumulate_gradients(model, loss_fn, x, y, m):
+    for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+        (loss_fn(model(xb), yb) * len(xb) / len(x)).backward()
+    return [q.grad for q in model.parameters()]
+"""),
+    ("04.4", "gives up micro-batching: one forward on the whole batch", "keep the micro-batching", """
+def accumulate_gradients(model, loss_fn, x, y, m):
+    model.zero_grad()
+    loss_fn(model(x), y).backward()
+    return [q.grad for q in model.parameters()]
+"""),
     ("06.4", "vertical sync keeps as few versions as stashing (p - s)", "vertical_sync, stage 1", """
 def predict_pipedream(p):
     stages = range(p)

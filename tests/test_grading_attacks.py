@@ -58,7 +58,7 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         sys.stdout = io.StringIO()
         builtins.print = lambda *a, **k: sys.__stdout__.write(line + "\\n")
         json.dumps = lambda *a, **k: '{"exercise": "04.1", "status": "passed", "points": 100}'
-        """, None, 0),  # json.dumps replaced breaks the kernel's own messages: every exercise there scores 0
+        """, None, 2),  # the course cell after 04.4's prompt breaks, so 04.1 is blamed and 04.3 graded without it
     "a background thread printing report lines": ("""
         import threading, time, sys
         def _spam():
@@ -357,9 +357,10 @@ def test_a_result_read_back_is_held_to_the_course():
 
     forged = {"path": "a.ipynb", "notebook": "04_gpipe", "error": None, "exercises": [
         {"exercise": e, "title": "x", "status": "passed", "points": 1000, "max_points": 1000, "feedback": "ok"}
-        for e in ("04.1", "04.2", "04.3")]}
+        for e in [ex.id for ex in NOTEBOOKS["04_gpipe"]]]}
     result = NotebookResult.from_dict(forged)
-    assert (result.points, result.max_points, [v.max_points for v in result.verdicts]) == (7, 7, [3, 2, 2])
+    real = [ex.points for ex in NOTEBOOKS["04_gpipe"]]
+    assert (result.points, result.max_points, [v.max_points for v in result.verdicts]) == (sum(real), sum(real), real)
     for broken in ({**forged, "exercises": forged["exercises"] + [dict(forged["exercises"][0], exercise="01.1")]},
                    {**forged, "exercises": forged["exercises"][:2]},
                    {**forged, "exercises": [dict(forged["exercises"][0], status="excellent")] + forged["exercises"][1:]}):
