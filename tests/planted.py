@@ -13,3 +13,12 @@ def assert_caught(exercise_id: str, namespace: dict, phrase: str, capsys) -> Non
     out = capsys.readouterr().out
     assert out.startswith(f"❌ Exercise {exercise_id}"), out
     assert phrase in out, out
+
+
+def run_answer(prelude: str, code: str) -> dict:
+    """The namespace a learner's answer ``code`` defines, run after the notebook's imports ``prelude``."""
+    import textwrap
+
+    namespace: dict = {}
+    exec(compile(prelude + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    return namespace

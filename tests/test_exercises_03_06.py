@@ -4,13 +4,12 @@ prompt answers another exercise."""
 
 from __future__ import annotations
 
-import textwrap
 
 import nbformat
 import pytest
 
 from conftest import ROOT
-from planted import assert_caught
+from planted import assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 
 PRELUDE = """
@@ -90,8 +89,7 @@ def one_f_one_b_actions(p, m):
 
 
 def _answer(exercise_id: str, code: str):
-    namespace: dict = {}
-    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    namespace = run_answer(PRELUDE, code)
     return namespace
 
 

@@ -3,12 +3,11 @@ learners make) scores 0 and already fails the shown check() with the mistake nam
 
 from __future__ import annotations
 
-import textwrap
 import time
 
 import pytest
 
-from planted import assert_caught
+from planted import assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 from gpipe_ref.grading.core import THINKING
 
@@ -175,8 +174,7 @@ def two_bw_versions(per_device, batch):
 
 
 def _answer(code: str) -> dict:
-    namespace: dict = {}
-    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    namespace = run_answer(PRELUDE, code)
     return namespace
 
 

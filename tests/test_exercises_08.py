@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from planted import assert_caught
+from planted import assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 from gpipe_ref.grading.ex08_zero import fewest_gpus
 
@@ -127,8 +127,7 @@ RIGHT = {
 
 
 def _answer(code: str) -> dict:
-    namespace: dict = {}
-    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    namespace = run_answer(PRELUDE, code)
     return namespace
 
 

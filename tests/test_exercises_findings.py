@@ -4,12 +4,12 @@ enforced by a case, and no stored output prints an exercise's answer."""
 
 from __future__ import annotations
 
-import textwrap
 
 import nbformat
 import pytest
 
 from conftest import ROOT
+from planted import run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 
 PRELUDE = """
@@ -92,8 +92,7 @@ def pick_layout(model, cluster):
 
 
 def _answer(exercise_id: str, code: str):
-    namespace: dict = {}
-    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    namespace = run_answer(PRELUDE, code)
     return namespace, namespace[EXERCISES[exercise_id].answer]
 
 

@@ -3,12 +3,11 @@ check() with its mistake named and scores 0 from the grader; a different valid d
 
 from __future__ import annotations
 
-import textwrap
 import time
 
 import pytest
 
-from planted import assert_caught
+from planted import assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 
 PRELUDE = """
@@ -118,8 +117,7 @@ def zb_h1_orders(p, m):  # each W straight after its own B where the schedule ha
 
 
 def _answer(code: str) -> dict:
-    namespace: dict = {}
-    exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
+    namespace = run_answer(PRELUDE, code)
     return namespace
 
 
