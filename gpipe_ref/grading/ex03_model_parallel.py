@@ -228,6 +228,7 @@ def _fit_hidden() -> list[Case]:
         _fit_case([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 9.0], 2, 4, 100.0, 8.0),  # a layer nothing holds
         _fit_case([4.0, 1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 3, 8, 0.0, 10.0),  # no time fits
         _fit_case([6.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 5.0, 5.0, 1.0, 1.0, 1.0], 2, 4, 33.0, 6.0),
+        _fit_case([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], 2, 2, 100.0, 10.0),  # loose limits: every cut meets them
     ]
     rng = random.Random(34)
     for _ in range(10):

@@ -116,8 +116,8 @@ def _layout_case(label: str, model: ModelConfig, cluster: ClusterConfig) -> Case
         return None
 
     return Case(label, lambda answer: answer(model, cluster), lambda: best_layout(model, cluster), compare=compare,
-                hint="try every tp dividing the node and every pp dividing the rest; keep the layouts whose "
-                     "estimate(..., recompute=True).fits, and return the one with the smallest step_time")
+                hint="which (dp, tp, pp) may this cluster run at all (mind the node), which of those does the "
+                     "planner say fit, and what should the one you return be best at?")
 
 
 def _layout_cases() -> list[Case]:
@@ -132,7 +132,10 @@ def _layout_hidden() -> list[Case]:
     gpt_7b = ModelConfig(layers=36, hidden=4096, heads=32, batch=512)
     gpt_18b = ModelConfig(layers=40, hidden=6144, heads=48, batch=1024)
     gpt_146b = ModelConfig(layers=80, hidden=12288, heads=96, batch=2304)
-    return [_layout_case("GPT 7.5B, 256 GPUs of 40 GB", gpt_7b, ClusterConfig(gpus=256, memory_bytes=40e9)),
+    gpt_350m = ModelConfig(layers=24, hidden=1024, heads=16, batch=512)
+    return [_layout_case("GPT 350M, 8 GPUs of 80 GB (it fits whole on each GPU)", gpt_350m, ClusterConfig(gpus=8)),
+            _layout_case("GPT 350M, one GPU of 80 GB", gpt_350m, ClusterConfig(gpus=1)),
+            _layout_case("GPT 7.5B, 256 GPUs of 40 GB", gpt_7b, ClusterConfig(gpus=256, memory_bytes=40e9)),
             _layout_case("GPT 7.5B, 512 GPUs of 16 GB", gpt_7b, ClusterConfig(gpus=512, memory_bytes=16e9)),
             _layout_case("GPT 18.4B, 64 GPUs of 16 GB", gpt_18b, ClusterConfig(gpus=64, memory_bytes=16e9)),
             _layout_case("GPT 145.6B, 8 GPUs of 80 GB (nothing fits)", gpt_146b, ClusterConfig(gpus=8)),
