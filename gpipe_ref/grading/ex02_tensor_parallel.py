@@ -1,11 +1,14 @@
-"""Exercises for notebook 02: column and row splits of a Linear, and the f operator's backward."""
+"""Exercises for notebook 02: column and row splits of a Linear, the f operator's backward, and a prediction of
+the bytes a Megatron MLP block sends."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
-from .core import Case, Exercise, same
+from .core import Case, Exercise, same, short_repr
 
 
 def _tensors(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int):
@@ -124,4 +127,138 @@ COPY = Exercise(
     forbidden=("gpipe_ref.distributed.tensor_parallel.copy_to_region",
                "gpipe_ref.distributed.tensor_parallel._CopyToRegion"), timeout=40, category="build")
 
-EXERCISES = [COLUMN, ROW, COPY]
+# -- 02.4 predict, then check: the bytes a Megatron MLP block sends --------------------------------------------
+
+MODES = {"tensor_parallel": False, "sequence_parallel": True}
+DIRECTIONS = ("forward", "backward")
+DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def _collectives_seen(rank: int, world: int, batch: int, seq_len: int, hidden: int, element: int) -> dict:
+    """On one rank: run the real MLP sub-block forward, then backward, in each mode, with torch.distributed's
+    collectives wrapped to record (direction, collective, bytes of the full tensor) of every call. None for
+    sequence parallelism when the tokens do not split evenly (the layer refuses)."""
+    import torch.distributed as dist
+
+    from ..distributed.tensor_parallel import ParallelMLPSubBlock, mlp_sub_block
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dense = mlp_sub_block(hidden)
+    names = {"all_reduce": "all-reduce",  # the single-tensor collectives the layers look up at call time
+             ("all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"): "all-gather",
+             ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"):
+                 "reduce-scatter"}
+    seen = {}
+    for mode, sequence_parallel in MODES.items():
+        if sequence_parallel and seq_len % world:
+            seen[mode] = None
+            continue
+        layer = ParallelMLPSubBlock.from_dense(dense, sequence_parallel=sequence_parallel).to(DTYPES[element])
+        x = torch.randn(batch, seq_len, hidden).to(DTYPES[element])
+        if sequence_parallel:
+            x = x.chunk(world, dim=1)[rank]
+        x = x.clone().requires_grad_()
+        calls, phase, originals = [], ["forward"], {name: getattr(dist, name) for name in names}
+
+        def wrapped(name, kind):
+            def call(*args, **kwargs):
+                full = args[1] if kind == "reduce-scatter" else args[0]  # all-gather: its output
+                calls.append((phase[0], kind, full.nbytes))
+                return originals[name](*args, **kwargs)
+            return call
+
+        for name, kind in names.items():
+            setattr(dist, name, wrapped(name, kind))
+        try:
+            y = layer(x)
+            phase[0] = "backward"
+            y.float().square().sum().backward()
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        seen[mode] = calls
+    return seen
+
+
+def _measured(batch: int, seq_len: int, hidden: int, tp: int, element: int) -> dict:
+    """Bytes each rank sends per mode and direction, the collectives the real layers called on ``tp`` gloo
+    ranks each run as a ring (Patarasuk & Yuan 2009)."""
+    from ..distributed.launch import launch
+    from ..sharding import ring_bytes_per_rank
+
+    ranks = launch(_collectives_seen, tp, batch, seq_len, hidden, element, timeout=30)
+    if any(seen != ranks[0] for seen in ranks):
+        raise RuntimeError(f"the ranks called different collectives: {ranks}")
+    return {mode: None if calls is None else
+            {direction: sum(ring_bytes_per_rank(kind, size, tp) for where, kind, size in calls if where == direction)
+             for direction in DIRECTIONS}
+            for mode, calls in ranks[0].items()}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and math.isfinite(value)
+
+
+def _agrees(yours, run: float) -> bool:
+    """Exactly, up to float rounding (a prediction computed with ``/`` may be off in its last digits)."""
+    try:
+        return abs(yours - run) <= 1e-9 * max(1.0, abs(run))
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _bytes(value) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:,.6g}"
+    return short_repr(f"{int(value):,}", 40).strip("'")
+
+
+def _prediction_case(batch: int, seq_len: int, hidden: int, tp: int, element: int) -> Case:
+    def compare(actual, expected):
+        if not isinstance(actual, dict) or set(actual) != set(MODES):
+            return f"expected a dict with the keys {sorted(MODES)}, got {_describe(actual)}"
+        for mode in MODES:
+            entry, runs = actual[mode], expected[mode]
+            if runs is None:
+                if entry is not None:
+                    return (f"{mode}: seq_len={seq_len} tokens do not split evenly over tp={tp} ranks, so the layer "
+                            f"refuses to run: predict None, not {_describe(entry)}")
+                continue
+            if not isinstance(entry, dict) or set(entry) != set(DIRECTIONS):
+                return f"{mode}: expected a dict with the keys {list(DIRECTIONS)}, got {_describe(entry)}"
+            for direction in DIRECTIONS:
+                yours, run = entry[direction], runs[direction]
+                if not _is_number(yours):
+                    return f"{mode} {direction}: expected a number of bytes, got {short_repr(yours, 60)}"
+                if not _agrees(yours, run):
+                    return f"{mode} {direction}: you predicted {_bytes(yours)} bytes per rank, the run sent {_bytes(run)}"
+        return None
+
+    return Case(f"batch={batch}, seq_len={seq_len}, hidden={hidden}, tp={tp}, bytes_per_element={element}",
+                lambda answer: answer(batch, seq_len, hidden, tp, element),
+                lambda: _measured(batch, seq_len, hidden, tp, element), compare=compare,
+                hint="which tensor crosses between the ranks at the block's edges (how wide, how many bytes), and "
+                     "what share of a tensor does each rank send in a ring collective? Which collectives take the "
+                     "place of each all-reduce under sequence parallelism, and what does one rank send to nobody?")
+
+
+def _describe(value) -> str:
+    return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__
+
+
+PREDICT_BYTES = Exercise(
+    "02.4", "Predict, then check: what a Megatron MLP block sends", "predict_mlp_bytes", 3,
+    lambda: [_prediction_case(2, 4, 8, 2, 4), _prediction_case(3, 8, 6, 4, 2), _prediction_case(1, 6, 4, 4, 4)],
+    lambda: [_prediction_case(2, 3, 4, 1, 4), _prediction_case(1, 1, 2, 1, 2), _prediction_case(3, 5, 6, 2, 2),
+             _prediction_case(5, 12, 5, 4, 2), _prediction_case(1, 9, 3, 3, 4), _prediction_case(2, 2, 4, 4, 2),
+             _prediction_case(1, 16, 6, 8, 2), _prediction_case(2, 8, 10, 8, 4)],
+    forbidden=("gpipe_ref.sharding.sharding_plan", "gpipe_ref.sharding.ring_bytes_per_rank",
+               "gpipe_ref.distributed.tensor_parallel.ring_bytes_sent",
+               "gpipe_ref.distributed.tensor_parallel.record_collectives",
+               "gpipe_ref.distributed.tensor_parallel.ParallelMLPSubBlock",
+               "gpipe_ref.distributed.tensor_parallel.ParallelMLP",
+               "gpipe_ref.widgets.sharding.sharding_readout"),
+    category="predict")
+
+EXERCISES = [COLUMN, ROW, COPY, PREDICT_BYTES]

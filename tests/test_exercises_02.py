@@ -1,0 +1,151 @@
+"""Exercise 02.4 (predict the bytes a Megatron MLP block sends): the solution passes against the measured run,
+planted wrong answers fail check() with the first wrong number named and score 0, small mutants of the solution
+fail the grader, and check() and the grader answer quickly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from planted import assert_caught, run_answer
+from gpipe_ref.grading import EXERCISES, check, grade
+
+PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+"""
+
+PREDICT = """
+def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
+    size = batch * seq_len * {width} * {element}
+    half = (tp - 1) * size // tp
+    all_reduce = {all_reduce}
+    tensor_parallel = {{"forward": {tp_forward}, "backward": {tp_backward}}}
+    if {refuses}:
+        return {{"tensor_parallel": tensor_parallel, "sequence_parallel": None}}
+    sequence_parallel = {{"forward": {sp_forward}, "backward": {sp_backward}}}
+    return {{"tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}}
+"""
+
+RIGHT = dict(width="hidden", element="bytes_per_element", all_reduce="2 * (tp - 1) * size // tp",
+             tp_forward="all_reduce", tp_backward="all_reduce", refuses="seq_len % tp",
+             sp_forward="half + half", sp_backward="half + half")
+
+
+def predict(**changes) -> str:
+    return PREDICT.format(**{**RIGHT, **changes})
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("02.4", "forgets f's all-reduce in the backward", "tensor_parallel backward: you predicted 0 bytes",
+     predict(tp_backward="0")),
+    ("02.4", "puts f's all-reduce in the forward beside g's (f and g mixed up)",
+     "tensor_parallel forward: you predicted 512 bytes per rank, the run sent 256",
+     predict(tp_forward="2 * all_reduce", tp_backward="0")),
+    ("02.4", "an all-reduce sends the whole tensor per rank, not 2(n-1)/n of it",
+     "tensor_parallel forward: you predicted 288 bytes per rank, the run sent 432", predict(all_reduce="size")),
+    ("02.4", "an all-reduce counted like an all-gather, (n-1)/n of the tensor",
+     "tensor_parallel forward: you predicted 128 bytes per rank, the run sent 256", predict(all_reduce="half")),
+    ("02.4", "2n ring steps instead of 2(n-1): one rank still sends", "you predicted 512 bytes per rank",
+     predict(all_reduce="2 * size")),
+    ("02.4", "the 4h-wide inner activation instead of the h-wide output",
+     "you predicted 1,024 bytes per rank, the run sent 256", predict(width="4 * hidden")),
+    ("02.4", "every number 4 bytes, whatever bytes_per_element",
+     "tensor_parallel forward: you predicted 864 bytes per rank, the run sent 432", predict(element="4")),
+    ("02.4", "what all the ranks send together, not each rank",
+     "tensor_parallel forward: you predicted 512 bytes per rank, the run sent 256",
+     predict(all_reduce="2 * (tp - 1) * size")),
+    ("02.4", "sequence parallelism's all-gather and reduce-scatter counted as all-reduces",
+     "sequence_parallel forward: you predicted 512 bytes per rank, the run sent 256",
+     predict(sp_forward="2 * all_reduce", sp_backward="2 * all_reduce")),
+    ("02.4", "sequence parallelism's all-gather counted on the rank's own s/tp tokens",
+     "sequence_parallel forward: you predicted 192 bytes per rank, the run sent 256",
+     predict(sp_forward="half // tp + half")),
+    ("02.4", "sequence parallelism's backward as identities (only the forward sends)",
+     "sequence_parallel backward: you predicted 0 bytes", predict(sp_backward="0")),
+    ("02.4", "sequence parallelism run on tokens that do not split evenly", "do not split evenly",
+     predict(refuses="False")),
+    ("02.4", "sequence parallelism refused only when there are fewer tokens than ranks", "do not split evenly",
+     predict(refuses="seq_len < tp")),
+]
+
+SOLUTION = predict()
+
+MUTANTS = [  # small edits of the solution: an integer constant +-1, a flipped comparison, + to -, * to /
+    ("2 * (tp - 1) * size // tp", "3 * (tp - 1) * size // tp"),
+    ("2 * (tp - 1) * size // tp", "1 * (tp - 1) * size // tp"),
+    ("2 * (tp - 1) * size // tp", "2 * (tp - 0) * size // tp"),
+    ("2 * (tp - 1) * size // tp", "2 * (tp - 2) * size // tp"),
+    ("half = (tp - 1) * size // tp", "half = (tp - 2) * size // tp"),
+    ("half = (tp - 1) * size // tp", "half = (tp + 1) * size // tp"),
+    ('"forward": half + half', '"forward": half - half'),
+    ('"backward": half + half', '"backward": half - half'),
+    ("batch * seq_len", "batch / seq_len"),
+    ("* bytes_per_element", "/ bytes_per_element"),
+    ("if seq_len % tp:", "if seq_len % tp == 0:"),
+    ("if seq_len % tp:", "if seq_len % tp > 1:"),
+    ("if seq_len % tp:", "if seq_len < tp:"),
+]
+
+
+def _answer(code: str) -> dict:
+    return run_answer(PRELUDE, code)
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
+def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    assert_caught(exercise_id, _answer(code), phrase, capsys)
+
+
+@pytest.mark.parametrize("old,new", MUTANTS, ids=[new for _, new in MUTANTS])
+def test_a_small_mutant_of_the_solution_fails_the_grader(old, new):
+    assert SOLUTION.count(old) == 1, old
+    verdict = grade("02.4", _answer(SOLUTION.replace(old, new)))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+
+
+def test_the_solution_and_one_in_floats_pass_check_and_the_grader_quickly(capsys):
+    floats = predict(all_reduce="2 * (tp - 1) / tp * size", sp_forward="2 * (tp - 1) / tp * size",
+                     sp_backward="(tp - 1) / tp * size * 2")
+    for code in (SOLUTION, floats):
+        namespace = _answer(code)
+        start = time.perf_counter()
+        check("02.4", namespace["predict_mlp_bytes"])
+        assert time.perf_counter() - start < 3
+        assert capsys.readouterr().out.startswith("✅ Exercise 02.4")
+        start = time.perf_counter()
+        verdict = grade("02.4", namespace)
+        assert verdict.passed, verdict
+        assert time.perf_counter() - start < 15
+
+
+def test_cases_are_measured_on_ranks_and_cover_the_edges():
+    ex = EXERCISES["02.4"]
+    assert ex.category == "predict"
+    shown = ex.cases()
+    measured = shown[0].expected()  # the run: 2 ranks, (2, 4, 8) float32 tensors of 256 bytes
+    assert measured == {"tensor_parallel": {"forward": 256, "backward": 256},
+                        "sequence_parallel": {"forward": 256, "backward": 256}}
+    labels = [case.label for case in shown + ex.hidden()]
+    assert any("tp=1," in label for label in labels) and any("tp=8," in label for label in labels)
+    assert any("tp=3," in label for label in labels)  # an odd degree
+    assert {label.rpartition("=")[2] for label in labels} == {"2", "4"}  # both element sizes
+    uneven = [label for label in labels if int(label.split("seq_len=")[1].split(",")[0])
+              % int(label.split("tp=")[1].split(",")[0])]
+    assert len(uneven) >= 3 and any("seq_len=2," in label and "tp=4," in label for label in uneven)
+
+
+def test_compare_names_bad_shapes_without_raising():
+    case = EXERCISES["02.4"].cases()[0]
+    expected = case.expected()
+    for junk in (None, 3, "x", [], {"tensor_parallel": None}, {"tensor_parallel": 1, "sequence_parallel": 2},
+                 {"tensor_parallel": {"forward": float("nan"), "backward": 1},
+                  "sequence_parallel": {"forward": 1, "backward": 1}},
+                 {"tensor_parallel": {"forward": 10 ** 400, "backward": 1},
+                  "sequence_parallel": {"forward": 1, "backward": 1}},
+                 {"tensor_parallel": {"forward": True, "backward": 1},
+                  "sequence_parallel": {"forward": 1, "backward": 1}}):
+        assert isinstance(case.compare(junk, expected), str), junk
