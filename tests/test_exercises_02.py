@@ -149,3 +149,27 @@ def test_compare_names_bad_shapes_without_raising():
                  {"tensor_parallel": {"forward": True, "backward": 1},
                   "sequence_parallel": {"forward": 1, "backward": 1}}):
         assert isinstance(case.compare(junk, expected), str), junk
+
+
+@pytest.mark.parametrize("code,name", [
+    ("""
+from gpipe_ref.sharding import sharding_plan
+
+def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
+    def sent(kind):
+        plan = sharding_plan(kind, tp, batch, seq_len, hidden, bytes_per_element)
+        return {d: plan.sent_per_rank(d) for d in ("forward", "backward")}
+    return {"tensor_parallel": sent("mlp"), "sequence_parallel": sent("sequence_parallel") if seq_len % tp == 0 else None}
+""", "sharding_plan"),
+    ("""
+import gpipe_ref.sharding as sharding
+
+def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
+    one = 2 * sharding.ring_bytes_per_rank("all-gather", batch * seq_len * hidden * bytes_per_element, tp)
+    both = {"forward": one, "backward": one}
+    return {"tensor_parallel": both, "sequence_parallel": None if seq_len % tp else both}
+""", "ring_bytes_per_rank"),
+])
+def test_an_answer_that_asks_the_library_scores_0(code, name, capsys):
+    verdict = grade("02.4", _answer(code))
+    assert verdict.points == 0 and verdict.status == "failed" and name in verdict.feedback, verdict

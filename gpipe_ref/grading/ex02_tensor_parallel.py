@@ -258,7 +258,7 @@ PREDICT_BYTES = Exercise(
                "gpipe_ref.distributed.tensor_parallel.record_collectives",
                "gpipe_ref.distributed.tensor_parallel.ParallelMLPSubBlock",
                "gpipe_ref.distributed.tensor_parallel.ParallelMLP",
-               "gpipe_ref.widgets.sharding.sharding_readout"),
+               "gpipe_ref.widgets.sharding.sharding_readout", "gpipe_ref.distributed.launch.launch"),
     category="predict")
 
 EXERCISES = [COLUMN, ROW, COPY, PREDICT_BYTES]
