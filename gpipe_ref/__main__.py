@@ -235,12 +235,15 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
                     "'### END SOLUTION' becomes '# YOUR CODE HERE' and a NotImplementedError; outputs of "
                     "exercise and check cells are cleared; a notebook there that holds answers is not "
                     "overwritten unless --force. check: exit 1 if exercises/ differs from what build writes. "
-                    "list: every exercise with its points and category, and how many of each.",
+                    "list: every exercise with its points and category, and how many of each. "
+                    "mutate: grade every small slip in each solution (an off-by-one, a flipped comparison, a "
+                    "swapped operator, a flipped flag, a dropped call) and list those that keep full marks.",
     )
-    exercises.add_argument("action", choices=("start", "build", "check", "list"),
+    exercises.add_argument("action", choices=("start", "build", "check", "list", "mutate"),
                            help="start: copy exercises/ into DIR; build: write exercises/; "
                                 "check: exit 1 if exercises/ differs from what build writes; "
-                                "list: the exercises, their categories and the counts")
+                                "list: the exercises, their categories and the counts; "
+                                "mutate: the solutions' slips that the cases miss")
     exercises.add_argument("work", nargs="?", metavar="DIR",
                            help="start only: your work folder, made if missing (default: work)")
     exercises.add_argument("--solutions", default="solutions",  # checked by build and check only
@@ -378,6 +381,25 @@ def exercise_listing() -> str:
     return "\n".join(lines)
 
 
+def _mutate(solutions: Path) -> int:
+    """Grade each solution's single-slip mutants; print the count per notebook and every survivor."""
+    import contextlib
+    import io
+
+    from .grading.mutants import run_mutants
+
+    survivors = 0
+    for path in sorted(solutions.glob("[0-9][0-9]_*.ipynb")):
+        with contextlib.redirect_stdout(io.StringIO()):  # what the notebook's cells print
+            outcomes = run_mutants(path)
+        kept = [o.mutant.label for o in outcomes if o.survived]
+        survivors += len(kept)
+        print(f"{path.name}: {len(outcomes) - len(kept)} of {len(outcomes)} slips lose points")
+        print("".join(f"  keeps full marks: {label}\n" for label in kept), end="")
+    print(f"{survivors} slips keep full marks: check each is equivalent (computes the same answer) or add a case")
+    return 0
+
+
 def _exercises(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -409,6 +431,8 @@ def _exercises(args: argparse.Namespace) -> int:
             raise ValueError(f"--exercises: cannot write to {args.exercises!r}: {exc.strerror}") from None
     if not any(Path(args.solutions).glob("[0-9][0-9]_*.ipynb")):  # the notebooks build() reads
         raise ValueError(f"--solutions: no solution notebooks (NN_topic.ipynb) in {args.solutions!r}")
+    if args.action == "mutate":
+        return _mutate(Path(args.solutions))
     if args.action == "build":
         try:
             for path in build(Path(args.solutions), exercises, force=args.force):

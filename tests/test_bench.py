@@ -25,7 +25,7 @@ def test_quick_bench_writes_json_and_plot(tmp_path):
     names = {case["name"] for case in data["cases"]}
     for fragment in ("pipeline speedup", "torch.distributed.pipelining", "simulator fidelity", "executor overhead",
                      "DistributedDataParallel", "ring_all_reduce", "tensor-parallel MLP", "simulator scale",
-                     "torchgpipe"):
+                     "torchgpipe", "exercise check()"):
         assert any(fragment in name for name in names), fragment
     for case in data["cases"]:
         assert KEYS <= set(case), case

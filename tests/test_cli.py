@@ -457,3 +457,18 @@ def test_exercises_list_takes_no_folder(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["exercises", "list", "work"])
     assert stop.value.code == 2 and "takes no DIR" in capsys.readouterr().err
+
+
+def test_exercises_mutate_lists_the_slips_that_keep_full_marks(tmp_path, capsys):
+    import shutil
+
+    for name in ("03_model_parallel", "04_gpipe"):
+        shutil.copy(ROOT / "solutions" / f"{name}.ipynb", tmp_path)
+    assert main(["exercises", "mutate", "--solutions", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^03_model_parallel.ipynb: \d+ of \d+ slips lose points$", out, re.M)
+    assert "  keeps full marks: 03.2 17:15 < -> <=\n" in out  # a tie-break: the exercise accepts either balance
+    assert re.search(r"^(\d+) slips keep full marks", out, re.M)
+    with pytest.raises(SystemExit) as stop:
+        main(["exercises", "mutate", "--solutions", str(tmp_path / "nope")])
+    assert stop.value.code == 2 and "--solutions" in capsys.readouterr().err
