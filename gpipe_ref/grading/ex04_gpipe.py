@@ -1,11 +1,13 @@
-"""Exercises for notebook 04: the GPipe schedule as data, its bubble, uneven micro-batches."""
+"""Exercises for notebook 04: the GPipe schedule as data, its bubble, uneven micro-batches, a broken gradient
+accumulation, and a micro-batch size chosen under a step-time target and a memory budget."""
 
 from __future__ import annotations
 
 from ..microbatch import sizes
+from ..microbatch_size import LinearCost
 from ..simulator import CostModel, simulate
 from .common import judge_fill_drain, schedule_generators
-from .core import Case, Exercise
+from .core import Case, Exercise, short_repr
 
 # -- 04.1 the GPipe schedule as per-device action lists ------------------------------------------------
 
@@ -131,4 +133,137 @@ ACCUMULATE = Exercise(
              _accumulation_case(6, 4, seed=3), _accumulation_case(64, 7, seed=11)],
     forbidden=("gpipe_ref.pipeline.GPipe",), category="debug")
 
-EXERCISES = [GPIPE_SCHEDULE, BUBBLE, SPLIT_SIZES, ACCUMULATE]
+# -- 04.5 design under a step-time target: the micro-batch size ----------------------------------------------------
+
+DESIGN_SCHEDULES = ("gpipe", "1f1b")
+TIME_TOLERANCE = 1e-9  # relative: a step within it of the target meets the target
+
+
+def design_step_time(schedule: str, global_batch: int, stages: int, cost, micro_batch: int) -> float:
+    """The simulated step of ``schedule`` on ``stages`` equal stages, each doing 1/stages of ``cost(micro_batch)``."""
+    from ..schedule import make_schedule
+
+    forward, backward = cost(micro_batch)
+    model = CostModel(forward=forward / stages, backward_input=backward / stages, backward_weight=0.0)
+    return simulate(make_schedule(schedule, stages, global_batch // micro_batch), model).makespan
+
+
+def design_held(schedule: str, global_batch: int, stages: int, micro_batch: int) -> int:
+    """Samples of activations the fullest device holds at once: the most micro-batches in flight there, times b."""
+    from ..memory import microbatches_in_flight
+
+    return max(microbatches_in_flight(schedule, stages, global_batch // micro_batch)) * micro_batch
+
+
+def judge_design(design, global_batch: int, stages: int, cost, budget: int, target: float) -> str | None:
+    """None when ``design`` = (schedule, b) meets the step-time target and the memory budget, else what it misses."""
+    if not isinstance(design, (tuple, list)) or len(design) != 2:
+        return f"expected a pair (schedule, micro_batch) or None, got {short_repr(design)}"
+    schedule, b = design
+    if not isinstance(schedule, str) or schedule not in DESIGN_SCHEDULES:
+        return f"the schedule must be one of {DESIGN_SCHEDULES}, got {short_repr(schedule)}"
+    if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= global_batch or global_batch % b:
+        return f"the micro-batch size must be an int that divides B = {global_batch}, got {short_repr(b)}"
+    problems = []
+    step = design_step_time(schedule, global_batch, stages, cost, b)
+    if step > target * (1 + TIME_TOLERANCE):
+        problems.append(f"its simulated step takes {step:.6g} ms, over the target of {target:g} ms")
+    held = design_held(schedule, global_batch, stages, b)
+    if held > budget:
+        problems.append(f"its fullest device holds {held // b} micro-batches of {b} = {held} samples of "
+                        f"activations, over the budget of {budget}")
+    return f"{short_repr(tuple(design))}: " + "; and ".join(problems) if problems else None
+
+
+def reference_design(global_batch: int, stages: int, cost, budget: int, target: float) -> tuple[str, int] | None:
+    """One design that meets both, or None: every schedule and every b that divides B, judged as answers are."""
+    for schedule in DESIGN_SCHEDULES:
+        for b in range(1, global_batch + 1):
+            if global_batch % b == 0 and judge_design((schedule, b), global_batch, stages, cost, budget,
+                                                      target) is None:
+                return schedule, b
+    return None
+
+
+def _design_case(label: str, global_batch: int, stages: int, overhead: float, per_sample: float, budget: int,
+                 target: float, backward_ratio: float = 2.0, hint: str = "") -> Case:
+    cost = LinearCost(overhead, per_sample, backward_ratio)
+
+    def compare(actual, expected):
+        if actual is None:
+            return None if expected is None else "returned None, but a design exists that meets both the " \
+                                                 "step-time target and the memory budget"
+        return judge_design(actual, global_batch, stages, cost, budget, target)
+
+    inputs = (f"B={global_batch}, p={stages}, LinearCost({overhead:g}, {per_sample:g}, {backward_ratio:g}), "
+              f"budget {budget} samples, target {target:g} ms")
+    return Case(f"{label}: {inputs}" if label else inputs,
+                lambda answer: answer(global_batch, stages, LinearCost(overhead, per_sample, backward_ratio),
+                                      budget, target),
+                lambda: reference_design(global_batch, stages, cost, budget, target), compare=compare,
+                hint=hint or "for each b that divides B: how long is the step, and how many samples does the "
+                             "fullest device hold, under each schedule? Which way does each constraint push b?")
+
+
+def _design_shown() -> list[Case]:
+    return [_design_case("overhead dominates small micro-batches", 64, 4, 8, 1, 64, 170, backward_ratio=3.0,
+                         hint="the bubble shrinks as m grows, but what does each micro-batch cost when b is small? "
+                              "Compute the step for every b that divides B before choosing one"),
+            _design_case("a tight memory budget", 64, 4, 8, 1, 32, 140,
+                         hint="how many micro-batches does each schedule keep in flight on device 0, and how many "
+                              "samples is that? Do the two schedules take different times?"),
+            _design_case("a tighter budget", 64, 4, 8, 1, 24, 140,
+                         hint="list what each b gives: does any b meet both? If none does, say so")]
+
+
+def _seeded_designs(count: int, seed: int) -> list[tuple]:
+    """Random sizes and costs; a target between two distinct step times and, mostly, a budget some b under the
+    target meets exactly (or misses by one sample)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        batch, stages = rng.choice([12, 24, 36, 40, 60, 72, 96, 120, 128]), rng.randint(1, 8)
+        overhead, per_sample, ratio = rng.randint(0, 40) / 4, rng.randint(1, 8) / 4, rng.choice([1.0, 2.0, 3.0])
+        cost = LinearCost(overhead, per_sample, ratio)
+        step = {b: design_step_time("1f1b", batch, stages, cost, b) for b in range(1, batch + 1) if batch % b == 0}
+        times = sorted(set(step.values()))
+        k = rng.randrange(len(times))
+        target = round(times[k] if k == len(times) - 1 else (times[k] + times[k + 1]) / 2, 3)
+        fast = [b for b, t in step.items() if t <= target]
+        budget = min(batch // (b := rng.choice(fast)), stages) * b - (rng.random() < 0.3)
+        rows.append((batch, stages, overhead, per_sample, budget, target, ratio))
+    return rows
+
+
+def _design_hidden() -> list[Case]:
+    return [
+        _design_case("the target one b meets exactly", 64, 4, 8, 1, 64, 126),
+        _design_case("a budget between two sizes' holdings", 64, 4, 8, 1, 48, 130),
+        _design_case("p=1", 32, 1, 4, 1, 32, 110),
+        _design_case("B=1", 1, 4, 1, 1, 1, 6),
+        _design_case("B=1, a tighter target", 1, 4, 1, 1, 1, 5.5),
+        _design_case("B=1, p=1, no memory", 1, 1, 1, 1, 0, 100),
+        _design_case("two b tie on time", 48, 4, 6, 1, 32, 94.5),
+        _design_case("two b tie on time, more memory", 48, 4, 6, 1, 48, 94.5),
+        _design_case("no overhead", 32, 4, 0, 1, 4, 27),
+        _design_case("an odd b", 12, 4, 2, 1, 12, 26.25),
+        _design_case("p=8", 96, 8, 16, 1, 48, 190),
+        _design_case("m < p at the fastest b", 16, 8, 32, 1, 16, 140),
+        _design_case("backward 3x the forward", 48, 4, 6, 1, 32, 127, backward_ratio=3.0),
+        _design_case("the largest size", 1024, 8, 64, 1, 256, 1500),
+    ] + [_design_case(f"seeded {n}", batch, stages, overhead, per_sample, budget, target, ratio)
+         for n, (batch, stages, overhead, per_sample, budget, target, ratio) in enumerate(_seeded_designs(6, 45))]
+
+
+DESIGN = Exercise(
+    "04.5", "Design under a step-time target: the micro-batch size", "choose_design", 3, _design_shown,
+    _design_hidden,
+    forbidden=("gpipe_ref.microbatch_size.microbatch_choices", "gpipe_ref.microbatch_size.best_choice",
+               "gpipe_ref.microbatch_size.linear_optimum", "gpipe_ref.microbatch_size.megatron_step_time",
+               "gpipe_ref.microbatch_size.fill_drain_bubble", "gpipe_ref.simulator.bubble_formula",
+               "gpipe_ref.grading.ex04_gpipe.reference_design"),
+    category="design")
+
+EXERCISES = [GPIPE_SCHEDULE, BUBBLE, SPLIT_SIZES, ACCUMULATE, DESIGN]

@@ -1,0 +1,221 @@
+"""Exercise 04.5 (a micro-batch size under a step-time target and a memory budget): planted wrong answers fail
+check() with the mistake named and score 0, any design that meets both passes, the judge is the simulator and the
+library's memory rule, and small slips in the solution lose the points."""
+
+from __future__ import annotations
+
+import time
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from planted import assert_caught, run_answer
+from gpipe_ref.grading import EXERCISES, check, grade
+from gpipe_ref.grading.ex04_gpipe import design_held, design_step_time, judge_design, reference_design
+from gpipe_ref.memory import microbatches_in_flight
+from gpipe_ref.microbatch_size import LinearCost, megatron_step_time
+
+PRELUDE = """
+from gpipe_ref import Action, Schedule, simulate, validate
+from gpipe_ref import CostModel, make_schedule
+from gpipe_ref.memory import microbatches_in_flight
+from gpipe_ref.microbatch_size import LinearCost
+"""
+
+# A search over every b that divides B, both schedules; {step} and {held} are what a learner computes.
+SEARCH = """
+def choose_design(global_batch, stages, cost, budget, target):
+    for schedule in {schedules}:
+        for b in range(1, global_batch + 1):
+            if {skip}:
+                continue
+            m = global_batch // b
+            forward, backward = cost(b)
+            step = {step}
+            held = {held}
+            if {fits}:
+                return schedule, b
+    return {otherwise}
+"""
+EQ1 = "(m + stages - 1) * (forward + backward) / stages"
+HELD = '(m if schedule == "gpipe" else min(m, stages)) * b'
+
+
+def search(schedules='("1f1b", "gpipe")', skip="global_batch % b", step=EQ1, held=HELD,
+           fits="step <= target and held <= budget", otherwise="None") -> str:
+    return SEARCH.format(schedules=schedules, skip=skip, step=step, held=held, fits=fits, otherwise=otherwise)
+
+
+FASTEST = """
+def choose_design(global_batch, stages, cost, budget, target):
+    sizes = [b for b in range(1, global_batch + 1) if global_batch % b == 0]
+    step = lambda b: (global_batch // b + stages - 1) * sum(cost(b)) / stages
+    return "1f1b", min(sizes, key=step)
+"""
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("04.5", "always the most micro-batches (b = 1): the smallest bubble", "over the target of 170 ms", """
+def choose_design(global_batch, stages, cost, budget, target):
+    return "1f1b", 1
+"""),
+    ("04.5", "always the largest micro-batch (m = 1)", "over the target of 170 ms", """
+def choose_design(global_batch, stages, cost, budget, target):
+    return "gpipe", global_batch
+"""),
+    ("04.5", "ignores the overhead: a micro-batch costs its samples only", "over the target of 170 ms",
+     search(step="(m + stages - 1) * cost.per_sample * b * (1 + cost.backward_ratio) / stages")),
+    ("04.5", "ignores the bubble: m slots instead of m + p - 1", "over the target of 170 ms",
+     search(step="m * (forward + backward) / stages")),
+    ("04.5", "the backward taken as twice the forward, whatever backward_ratio says", "over the target of 170 ms",
+     search(step="(m + stages - 1) * 3 * forward / stages")),
+    ("04.5", "a stage takes the whole model's time, not 1/p of it", "a design exists",
+     search(step="(m + stages - 1) * (forward + backward)")),
+    ("04.5", "ignores memory", "over the budget of 32", search(schedules='("gpipe", "1f1b")', held="0")),
+    ("04.5", "GPipe's memory for 1F1B too (every device holds all m)", "a design exists", search(held="m * b")),
+    ("04.5", "1F1B's memory counted in micro-batches, not samples", "over the budget of 24",
+     search(held='m * b if schedule == "gpipe" else min(m, stages)')),
+    ("04.5", "1F1B's memory read on device 1 (p - 1 in flight), not device 0", "over the budget of 24",
+     search(held='(m if schedule == "gpipe" else min(m, stages - 1)) * b')),
+    ("04.5", "never returns None: the fastest design whatever the budget", "over the budget of", FASTEST),
+    ("04.5", "the budget or the target, not both", "over the", search(fits="step <= target or held <= budget")),
+    ("04.5", "never returns None: b = B when nothing fits", "over the",
+     search(otherwise='"1f1b", global_batch')),
+    ("04.5", "tries every b, not only those dividing B", "divides B = 64", search(skip="False")),
+    ("04.5", "the schedule named as the paper writes it", "schedule must be one of",
+     search(schedules='("1F1B", "GPipe")', held='(m if schedule == "GPipe" else min(m, stages)) * b')),
+    ("04.5", "returns a dict", "expected a pair", search().replace("return schedule, b",
+                                                                    'return {"schedule": schedule, "b": b}')),
+]
+
+
+def _solution_source() -> str:
+    nb = nbformat.read(ROOT / "solutions" / "04_gpipe.ipynb", as_version=4)
+    return next(cell.source for cell in nb.cells if cell.source.startswith("# Exercise 04.5"))
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
+def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    assert_caught(exercise_id, run_answer(PRELUDE, code), phrase, capsys)
+
+
+def test_the_solution_and_a_search_written_another_way_pass_quickly(capsys):
+    for code in (_solution_source(), search(), search(schedules='("gpipe", "1f1b")')):
+        namespace = run_answer(PRELUDE, code)
+        start = time.perf_counter()
+        check("04.5", namespace["choose_design"])
+        assert time.perf_counter() - start < 2
+        assert "✅" in capsys.readouterr().out
+        start = time.perf_counter()
+        verdict = grade("04.5", namespace)
+        assert verdict.passed, verdict
+        assert time.perf_counter() - start < 10
+
+
+def test_a_search_that_judges_with_the_simulator_passes():
+    code = """
+def choose_design(global_batch, stages, cost, budget, target):
+    for b in [b for b in range(1, global_batch + 1) if global_batch % b == 0]:
+        m = global_batch // b
+        f, bw = cost(b)
+        timeline = simulate(make_schedule("1f1b", stages, m), CostModel(f / stages, bw / stages, 0))
+        if timeline.makespan <= target and max(microbatches_in_flight("1f1b", stages, m)) * b <= budget:
+            return "1f1b", b
+    return None
+"""
+    assert grade("04.5", run_answer(PRELUDE, code)).passed
+
+
+def test_any_design_that_meets_both_passes():
+    case = next(c for c in EXERCISES["04.5"].hidden() if c.label.startswith("two b tie on time, more memory"))
+    expected = case.expected()
+    assert expected is not None
+    # B = 48, p = 4: b = 8 and b = 12 both take 94.5 ms; a budget of 48 samples fits either under either schedule
+    for design in (("1f1b", 8), ("gpipe", 8), ("1f1b", 12), ["gpipe", 12]):
+        assert case.compare(design, expected) is None, design
+    for design, phrase in ((("1f1b", 6), "over the target"), (("1f1b", 16), "over the target"),
+                           (("1f1b", 5), "divides B"), (None, "a design exists")):
+        assert phrase in case.compare(design, expected), design
+
+
+def test_the_judge_is_the_simulator_and_the_librarys_memory_rule():
+    cost = LinearCost(6, 1, 3)
+    for schedule in ("gpipe", "1f1b"):
+        for b in (1, 3, 8, 48):
+            m = 48 // b
+            assert design_step_time(schedule, 48, 4, cost, b) == pytest.approx(megatron_step_time(48, b, 4, cost))
+            assert design_held(schedule, 48, 4, b) == max(microbatches_in_flight(schedule, 4, m)) * b
+    assert design_held("gpipe", 48, 4, 8) == 48 and design_held("1f1b", 48, 4, 8) == 32
+    # the target and the budget are met exactly at their boundary, not a sample or a rounding error beyond
+    assert judge_design(("1f1b", 8), 48, 4, LinearCost(6, 1), 32, 94.5) is None
+    assert "over the budget of 31" in judge_design(("1f1b", 8), 48, 4, LinearCost(6, 1), 31, 94.5)
+    assert "over the target of 94.4" in judge_design(("1f1b", 8), 48, 4, LinearCost(6, 1), 32, 94.4)
+    assert reference_design(48, 4, LinearCost(6, 1), 31, 94.5) is None
+
+
+def test_feedback_never_names_a_hidden_cases_design():
+    """A wrong answer's feedback says what its own design misses, never the design the grader found."""
+    namespace = run_answer(PRELUDE, search(held="m * b"))  # returns None where only 1F1B fits
+    for case in EXERCISES["04.5"].hidden():
+        expected = case.expected()
+        reason = case.compare(None, expected)
+        if expected is not None:
+            assert reason == "returned None, but a design exists that meets both the step-time target and the " \
+                             "memory budget", reason
+    assert grade("04.5", namespace).points == 0
+
+
+def test_hidden_cases_cover_the_edges_and_the_shown_ones_the_common_mistakes():
+    shown = EXERCISES["04.5"].cases()
+    hidden = EXERCISES["04.5"].hidden()
+    expected = [case.expected() for case in shown + hidden]
+    assert None in expected[:len(shown)] and any(e is None for e in expected[len(shown):])
+    assert sum(e is not None and e[0] == "1f1b" and reference_design_only_1f1b(case) for case, e in
+               zip(shown + hidden, expected)) >= 3
+    labels = [case.label for case in hidden]
+    for edge in ("B=1, p=4", "p=1,", "B=1, p=1", "tie", "seeded", "no overhead", "B=1024"):
+        assert any(edge in label for label in labels), edge
+    assert EXERCISES["04.5"].category == "design"
+
+
+def reference_design_only_1f1b(case) -> bool:
+    """True when GPipe misses the budget in ``case`` but 1F1B does not: the case rules GPipe out."""
+    return case.compare(("gpipe", case.expected()[1]), case.expected()) is not None
+
+
+MUTANTS = [  # (what, the solution's text, the slip)
+    ("bubble one slot short", "m + stages - 1", "m + stages - 2"),
+    ("bubble one slot long", "m + stages - 1", "m + stages"),
+    ("the target missed at equality", "step <= target", "step < target"),
+    ("the budget missed at equality", "held <= budget", "held < budget"),
+    ("p + 1 in flight on device 0", "min(m, stages)", "min(m, stages + 1)"),
+    ("p - 1 in flight on device 0", "min(m, stages)", "min(m, stages - 1)"),
+    ("forward minus backward", "forward + backward", "forward - backward"),
+    ("a stage times p", ") / stages", ") * stages"),
+    ("b = 1 never tried", "range(global_batch, 0, -1)", "range(global_batch, 1, -1)"),
+    ("GPipe and 1F1B swapped", 'schedule == "gpipe"', 'schedule != "gpipe"'),
+]
+
+
+@pytest.mark.parametrize("what,text,slip", MUTANTS, ids=[m[0] for m in MUTANTS])
+def test_a_slip_in_the_solution_loses_the_points(what, text, slip):
+    source = _solution_source()
+    assert source.count(text) == 1, text
+    verdict = grade("04.5", run_answer(PRELUDE, source.replace(text, slip)))
+    assert verdict.points == 0, (what, verdict)
+
+
+def test_compare_copes_with_any_result():
+    odd = [True, -1, 10 ** 30, float("nan"), "", "1f1b", [], ("1f1b",), ("1f1b", 8, 1), ("1f1b", 8.0), ("1f1b", True),
+           ("1f1b", 0), ("1f1b", -8), ("1f1b", 10 ** 30), ("pipedream", 8), (8, "1f1b"), ([], 8), ({}, {}),
+           ("1f1b", None), [None, None], {"schedule": "1f1b"}]
+    import torch
+
+    odd += [torch.zeros(2), (torch.zeros(1), 8), ("1f1b", torch.tensor(8))]
+    for case in EXERCISES["04.5"].cases() + EXERCISES["04.5"].hidden():
+        expected = case.expected()
+        for value in odd:
+            reason = case.compare(value, expected)
+            assert isinstance(reason, str) and reason, (case.label, value)
+        assert (case.compare(None, expected) is None) is (expected is None)
