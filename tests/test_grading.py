@@ -64,33 +64,6 @@ def ring_chunk_to_send(rank, step, world_size, phase):
         return (rank + step) % world_size
     return (rank + step + 1) % world_size
 """),
-    ("01.3", "fills buckets in forward order", """
-def assign_buckets(sizes_in_bytes, bucket_cap_mb):
-    cap, buckets, current, filled = bucket_cap_mb * 2 ** 20, [], [], 0
-    for i in range(len(sizes_in_bytes)):
-        if current and filled + sizes_in_bytes[i] > cap:
-            buckets.append(current); current, filled = [], 0
-        current.append(i); filled += sizes_in_bytes[i]
-    return buckets + ([current] if current else [])
-"""),
-    ("01.3", "closes a bucket at exactly the cap (>= instead of >)", """
-def assign_buckets(sizes_in_bytes, bucket_cap_mb):
-    cap, buckets, current, filled = bucket_cap_mb * 2 ** 20, [], [], 0
-    for i in reversed(range(len(sizes_in_bytes))):
-        if current and filled + sizes_in_bytes[i] >= cap:
-            buckets.append(current); current, filled = [], 0
-        current.append(i); filled += sizes_in_bytes[i]
-    return buckets + ([current] if current else [])
-"""),
-    ("01.3", "forgets the last bucket", """
-def assign_buckets(sizes_in_bytes, bucket_cap_mb):
-    cap, buckets, current, filled = bucket_cap_mb * 2 ** 20, [], [], 0
-    for i in reversed(range(len(sizes_in_bytes))):
-        if current and filled + sizes_in_bytes[i] > cap:
-            buckets.append(current); current, filled = [], 0
-        current.append(i); filled += sizes_in_bytes[i]
-    return buckets
-"""),
     ("02.1", "splits the wrong dimension of weight", """
 def column_parallel_outputs(x, weight, bias, world_size):
     return [x[..., :w.shape[1]] @ w.T for w in weight.chunk(world_size, dim=1)]

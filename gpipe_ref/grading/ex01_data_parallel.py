@@ -1,8 +1,12 @@
-"""Exercises for notebook 01: averaging gradients, the ring's chunk order, DDP's buckets (simplified)."""
+"""Exercises for notebook 01: averaging gradients, the ring's chunk order, the bug in a bucket assignment (DDP,
+simplified), the bytes each rank sends (predicted, then measured)."""
 
 from __future__ import annotations
 
+import queue
 import random
+import threading
+import types
 
 import torch
 from torch import nn
@@ -144,29 +148,69 @@ RING_CHUNK = Exercise(
     forbidden=("gpipe_ref.distributed.collectives.ring_chunk_to_send",
                "gpipe_ref.distributed.collectives.ring_all_reduce"), category="derive")
 
-# -- 01.3 DDP's gradient buckets, simplified (closed before the cap; real DDP closes at >= cap) ------
+# -- 01.3 find the bug: DDP's gradient buckets (simplified: closed before the cap; real DDP closes at >= cap) ----
 
 MB = 2 ** 20
 
 
+def _bucket_problem(actual, sizes: list[int], cap_mb: float) -> str | None:
+    """The first rule of exercise 01.3 that ``actual`` breaks, said without the expected buckets, else None."""
+    cap, n = cap_mb * MB, len(sizes)
+    if not isinstance(actual, (list, tuple)) or not all(
+            isinstance(bucket, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in bucket)
+            for bucket in actual):
+        return f"expected a list of buckets, each a list of parameter indices, got {short_repr(actual)}"
+    order = [i for bucket in actual for i in bucket]
+    if sorted(order) != list(range(n)):
+        missing = sorted(set(range(n)) - set(order))
+        if missing:
+            return f"parameter {missing[0]} is in no bucket (is the bucket being filled when the loop ends kept?)"
+        odd = next(i for i in order if order.count(i) != 1 or not 0 <= i < n)
+        return f"index {odd} is not one parameter's index once (there are {n} parameters, 0 to {n - 1})"
+    if n > 1 and order == list(range(n)):
+        return ("your first bucket holds the FIRST parameters, whose gradients the backward produces last: "
+                "no bucket is complete before the backward ends, so nothing overlaps")
+    if order != list(reversed(range(n))):
+        return f"the buckets list the parameters in the order {order}: not the order the backward produces them"
+    for b, bucket in enumerate(actual):
+        if not bucket:
+            return f"bucket {b} is empty: an all-reduce of nothing (what does the loop do when the first " \
+                   f"parameter it meets is bigger than the cap?)"
+        filled = sum(sizes[i] for i in bucket)
+        if len(bucket) > 1 and filled > cap:
+            return f"bucket {b} {list(bucket)} holds {filled} B, over the cap of {cap:g} B"
+        if b + 1 < len(actual) and filled + sizes[actual[b + 1][0]] <= cap:
+            return (f"bucket {b} {list(bucket)} was closed too early: parameter {actual[b + 1][0]} still fits "
+                    f"({filled + sizes[actual[b + 1][0]]} B, the cap is {cap:g} B; exactly the cap is allowed)")
+    return None
+
+
 def _bucket_case(sizes: list[int], cap_mb: float, label: str | None = None) -> Case:
+    def compare(actual, expected):
+        problem = _bucket_problem(actual, sizes, cap_mb)
+        if problem is None and [list(bucket) for bucket in actual] != expected:
+            problem = "the buckets break this exercise's rule"  # unreachable while the rules above are complete
+        return problem
+
     return Case(label or f"sizes_in_bytes={sizes}, bucket_cap_mb={cap_mb}",
                 lambda answer: answer(list(sizes), cap_mb), lambda: assign_buckets(sizes, cap_mb),
-                hint="walk the parameters from the LAST to the first (the backward produces their gradients in "
-                     "that order); start a new bucket when adding a parameter would go over the cap (this exercise's "
-                     "rule: real DDP adds it first and closes the bucket at >= the cap)")
+                compare=compare if sizes else None,  # no parameters: only [] is right, which `same` judges
+                hint="which gradients does the backward produce first, and which bucket goes out first? Then "
+                     "follow the loop by hand on a parameter bigger than the cap")
 
 
 def _bucket_cases() -> list[Case]:
     return [_bucket_case([MB, MB, MB, MB], 2.0), _bucket_case([4 * MB, MB, MB], 2.0),
-            _bucket_case([100, 200, 300], 25.0)]
+            _bucket_case([MB, MB, 3 * MB], 2.0), _bucket_case([100, 200, 300], 25.0)]
 
 
 def _bucket_hidden() -> list[Case]:
     rng = random.Random(7)
     cases = [_bucket_case([MB], 1.0), _bucket_case([MB, MB], 1.0, "two parameters exactly the cap each"),
              _bucket_case([MB // 2, MB // 2, MB // 2], 1.0, "halves that fill a bucket exactly"),
-             _bucket_case([], 1.0, "no parameters"), _bucket_case([5 * MB], 1.0, "one parameter over the cap")]
+             _bucket_case([MB + 1, MB // 2, MB // 2 - 1, 5 * MB], 1.0, "the last parameter and another over the cap"),
+             _bucket_case([], 1.0, "no parameters"), _bucket_case([5 * MB], 1.0, "one parameter over the cap"),
+             _bucket_case([MB // 4] * 9, 0.5, "nine quarter-MB parameters, half-MB cap")]
     for _ in range(8):
         sizes = [rng.choice([4, 1024, MB // 4, MB // 2, MB, 3 * MB]) for _ in range(rng.randrange(1, 12))]
         cases.append(_bucket_case(sizes, rng.choice([0.5, 1.0, 2.0, 4.0])))
@@ -174,7 +218,194 @@ def _bucket_hidden() -> list[Case]:
 
 
 BUCKETS = Exercise(
-    "01.3", "DDP's gradient buckets", "assign_buckets", 2, _bucket_cases, _bucket_hidden,
-    forbidden=("gpipe_ref.distributed.data_parallel.assign_buckets",), category="formula")
+    "01.3", "Find the bug: DDP's gradient buckets", "assign_buckets", 2, _bucket_cases, _bucket_hidden,
+    forbidden=("gpipe_ref.distributed.data_parallel.assign_buckets",), category="debug")
 
-EXERCISES = [AVERAGE_GRADIENTS, RING_CHUNK, BUCKETS]
+# -- 01.4 predict, then check: bytes each rank sends to average one gradient ----------------------------------
+# Measured: the library's own code (section 2's master step, section 4's ring_all_reduce) runs on threads that
+# stand for the ranks, over a link that counts the bytes each rank hands to a send.
+
+DTYPES = {2: torch.float16, 4: torch.float32, 8: torch.float64}
+LINK_WAIT = 10.0  # seconds a rank waits for a message before the measurement is declared stuck
+
+
+class _Sent:
+    def wait(self) -> None:
+        return None
+
+
+class _Received:
+    def __init__(self, inbox: queue.Queue, tensor: torch.Tensor) -> None:
+        self.inbox, self.tensor = inbox, tensor
+
+    def wait(self) -> None:
+        self.tensor.copy_(self.inbox.get(timeout=LINK_WAIT))
+
+
+class _ThreadLink:
+    """The few ``torch.distributed`` calls the measured code makes, as seen by one rank of ``world`` threads:
+    a send puts a copy in the receiver's inbox and counts its bytes in ``sent[rank]``."""
+
+    def __init__(self, rank: int, world: int, inboxes: dict, sent: list[int]) -> None:
+        self.rank, self.world, self.inboxes, self.sent = rank, world, inboxes, sent
+
+    def get_rank(self, group=None) -> int:
+        return self.rank
+
+    def get_world_size(self, group=None) -> int:
+        return self.world
+
+    def get_global_rank(self, group, rank: int) -> int:
+        return rank
+
+    def isend(self, tensor: torch.Tensor, dst: int, group=None) -> _Sent:
+        self.sent[self.rank] += tensor.numel() * tensor.element_size()
+        self.inboxes[self.rank, dst].put(tensor.detach().clone())
+        return _Sent()
+
+    def irecv(self, tensor: torch.Tensor, src: int, group=None) -> _Received:
+        return _Received(self.inboxes[src, self.rank], tensor)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, group=None) -> None:  # the master's way: all to dst
+        if self.rank != dst:
+            self.isend(tensor, dst)
+            return
+        for src in range(self.world):
+            if src != dst:
+                tensor += self.inboxes[src, dst].get(timeout=LINK_WAIT)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:  # src sends to every other rank
+        if self.rank == src:
+            for dst in range(self.world):
+                if dst != src:
+                    self.isend(tensor, dst)
+        else:
+            self.irecv(tensor, src).wait()
+
+
+def _over_link(function, link: _ThreadLink, **more):
+    """``function``'s own code with ``dist`` (and the names in ``more``) replaced by ``link``."""
+    namespace = {**function.__globals__, "dist": link, **more}
+    return types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__,
+                              function.__closure__)
+
+
+def _master_rank(link: _ThreadLink, numel: int, dtype: torch.dtype) -> int:
+    from ..distributed.data_parallel import _reduce_grads_and_step
+
+    weight = nn.Parameter(torch.zeros(numel, dtype=dtype))
+    weight.grad = torch.full_like(weight, float(link.rank + 1))
+    traffic = {"sent": 0, "received": 0}
+    _over_link(_reduce_grads_and_step, link)(nn.ParameterList([weight]), torch.optim.SGD([weight], lr=0.1), traffic)
+    return traffic["sent"]
+
+
+def _ring_rank(link: _ThreadLink, numel: int, dtype: torch.dtype) -> int:
+    from ..distributed.collectives import ring_all_reduce
+
+    tensor = torch.full((numel,), float(link.rank + 1), dtype=dtype)
+    return _over_link(ring_all_reduce, link, check_same_shape=lambda tensor, group=None: None)(tensor)
+
+
+def measure_traffic(world: int, numel: int, element_size: int) -> dict[str, dict[str, list[int]]]:
+    """Run the master method's gradient step and ``ring_all_reduce`` on ``world`` threads; for each, the bytes
+    each rank handed to a send (``"measured"``) and what the library's own counter says (``"counted"``)."""
+    out = {}
+    for method, rank_main in (("master", _master_rank), ("ring", _ring_rank)):
+        inboxes = {(s, d): queue.Queue() for s in range(world) for d in range(world)}
+        sent, counted, errors = [0] * world, [0] * world, []
+
+        def run(rank: int) -> None:
+            try:
+                counted[rank] = rank_main(_ThreadLink(rank, world, inboxes, sent), numel, DTYPES[element_size])
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        out[method] = {"measured": sent, "counted": counted}
+    return out
+
+
+def _traffic_problem(actual, world: int, numel: int, element_size: int, expected: dict) -> str | None:
+    if not isinstance(actual, dict) or set(actual) != {"master", "ring"}:
+        return f'expected a dict with the keys "master" and "ring", got {short_repr(actual)}'
+    tensor = numel * element_size
+    for method in ("master", "ring"):
+        values = actual[method]
+        if not isinstance(values, (list, tuple)) or len(values) != world:
+            return f'"{method}" must be a list of {world} numbers, the bytes each rank sends, rank 0 first; ' \
+                   f"got {short_repr(values)}"
+        for rank, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                return f'"{method}"[{rank}] is {short_repr(value)}: expected a number of bytes'
+            if value != int(value):
+                return (f'"{method}"[{rank}] is {short_repr(value)}: not a whole number of bytes (a rank sends whole '
+                        f"elements; the chunks are whole numbers of elements)")
+    if world == 1 and any(list(actual["master"]) + list(actual["ring"])):
+        return "with one rank there is nobody to send to"
+    for method in ("master", "ring"):
+        for rank, (value, right) in enumerate(zip(actual[method], expected[method])):
+            if value == right:
+                continue
+            said = f'{"the master method" if method == "master" else "the ring"}: rank {rank} sends {int(value)} B, ' \
+                   f"too {'many' if value > right else 'few'}"
+            if method == "master" and rank == 0 and value == 0:
+                return said + ": rank 0 also sends: the result goes back to every other rank"
+            if method == "master" and rank > 0 and value == 0:
+                return said + ": a worker sends its gradient to rank 0"
+            if method == "master" and rank == 0 and value == tensor:
+                return said + f": rank 0 sends the result to each of the {world - 1} others"
+            if method == "ring" and len(set(actual["ring"])) == 1 and numel % world:
+                return said + (f": every rank sends the same in your answer, but {world} does not divide {numel}, "
+                               f"so the chunks differ in size (torch.tensor_split): which chunks does rank {rank} "
+                               f"send?")
+            return said
+    return None
+
+
+def _traffic_case(world: int, numel: int, element_size: int, label: str | None = None) -> Case:
+    def expected():
+        measured = measure_traffic(world, numel, element_size)
+        return {method: measured[method]["measured"] for method in ("master", "ring")}
+
+    def compare(actual, expected):
+        try:
+            return _traffic_problem(actual, world, numel, element_size, expected)
+        except Exception as error:  # noqa: BLE001 - whatever came back, a reason, never a crash
+            return f"could not read {short_repr(actual)}: {type(error).__name__}"
+
+    return Case(label or f"world_size={world}, numel={numel}, element_size={element_size}",
+                lambda answer: answer(world, numel, element_size), expected, compare=compare,
+                hint="count the chunks a rank sends in each phase of the ring, and how big each of those chunks "
+                     "is; with the master method, who sends to whom?")
+
+
+def _traffic_cases() -> list[Case]:
+    return [_traffic_case(4, 4096, 4), _traffic_case(3, 10, 2), _traffic_case(1, 1000, 8)]
+
+
+def _traffic_hidden() -> list[Case]:
+    rng = random.Random(14)
+    cases = [_traffic_case(2, 7, 8, "two ranks, an odd numel"), _traffic_case(2, 1, 4, "two ranks, one element"),
+             _traffic_case(1, 1, 2, "one rank, one element"), _traffic_case(5, 3, 8, "fewer elements than ranks"),
+             _traffic_case(6, 6, 4), _traffic_case(8, 1001, 4), _traffic_case(16, 1003, 2),
+             _traffic_case(7, 100, 2)]
+    for _ in range(4):
+        cases.append(_traffic_case(rng.randrange(2, 17), rng.randrange(1, 5000), rng.choice([2, 4, 8])))
+    return cases
+
+
+TRAFFIC = Exercise(
+    "01.4", "Predict, then check: bytes through each rank", "predict_traffic", 3, _traffic_cases, _traffic_hidden,
+    forbidden=("gpipe_ref.sharding.ring_bytes_per_rank", "gpipe_ref.distributed.collectives.ring_all_reduce",
+               "gpipe_ref.distributed.data_parallel.naive_data_parallel_step",
+               "gpipe_ref.distributed.launch.launch", "gpipe_ref.grading.ex01_data_parallel.measure_traffic"),
+    category="predict")
+
+EXERCISES = [AVERAGE_GRADIENTS, RING_CHUNK, BUCKETS, TRAFFIC]
