@@ -1,4 +1,5 @@
-"""Exercises for notebook 03: naive model parallelism's idle time, balancing, cutting a model."""
+"""Exercises for notebook 03: naive model parallelism's idle time, balancing, cutting a model, the backward
+across stage boundaries."""
 
 from __future__ import annotations
 
@@ -252,4 +253,98 @@ FIT_BALANCE = Exercise(
     forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
                "gpipe_ref.partition.balance_by_time", "gpipe_ref.partition.balance_report"), category="design")
 
-EXERCISES = [NAIVE_IDLE, BEST_BALANCE, SPLIT, FIT_BALANCE]
+# -- 03.5 find the bug: a hand-run backward across stage boundaries ---------------------------------------------
+
+
+def _boundary_inputs(balance: list[int], seed: int):
+    """The seeded model, its stages and the data a case runs on, built alike in the kernel and in the grader."""
+    import torch
+
+    from ..models import mlp
+    from ..partition import split
+
+    model = mlp(width=5, depth=(sum(balance) + 1) // 2, seed=seed)[:sum(balance)]
+    generator = torch.Generator().manual_seed(seed + 1)
+    x, y = torch.randn(6, 5, generator=generator), torch.randn(6, 5, generator=generator)
+    return model, split(model, balance), x, y
+
+
+def _boundary_case(balance: list[int], seed: int = 0) -> Case:
+    def run(answer):
+        from torch import nn
+
+        model, stages, x, y = _boundary_inputs(balance, seed)
+        arrived = []  # per stage call: (stage, its input carries no earlier stage's graph, it needs a gradient)
+        for k, stage in enumerate(stages):
+            stage.register_forward_pre_hook(
+                lambda module, args, k=k: arrived.append((k, args[0].grad_fn is None, args[0].requires_grad)))
+        loss = answer(stages, x, y, nn.MSELoss())
+        return {"arrived": arrived, "loss": loss if isinstance(loss, float) else repr(type(loss).__name__),
+                "grads": [[None if q.grad is None else q.grad.clone() for q in stage.parameters()] for stage in stages],
+                "x_grad": x.grad is not None}
+
+    def expected():
+        from torch import nn
+
+        model, stages, x, y = _boundary_inputs(balance, seed)
+        loss = nn.MSELoss()(model(x), y)
+        loss.backward()
+        return {"loss": loss.item(),
+                "grads": [[q.grad.clone() for q in stage.parameters()] for stage in stages]}
+
+    def compare(actual, expected):
+        import math
+
+        import torch
+
+        if not isinstance(actual, dict) or not isinstance(actual.get("arrived"), list):
+            return f"expected the step to run, got {short_repr(actual)}"
+        calls = [k for k, *_ in actual["arrived"]]
+        if calls != list(range(len(balance))):
+            return (f"the stages ran in the order {calls}: one forward per stage, in order, is what one device "
+                    f"after another does")
+        for k, leaf, needs_grad in actual["arrived"][1:]:
+            if not leaf:
+                return (f"stage {k}'s input is still attached to stage {k - 1}'s graph: between two devices (two "
+                        f"processes) only the tensor's values travel, so keep the boundary")
+            if not needs_grad:
+                return (f"stage {k}'s input does not require a gradient, so the backward never computes the "
+                        f"gradient stage {k - 1} needs from it")
+        loss = actual["loss"]
+        if not isinstance(loss, float) or not math.isclose(loss, expected["loss"], rel_tol=1e-5, abs_tol=1e-7):
+            return f"returned {short_repr(loss)} as the loss, expected the float the loss function gave"
+        if actual["x_grad"]:
+            return "the input batch x gained a .grad: only the stages' weights need gradients"
+        grads = actual["grads"]
+        if not isinstance(grads, list) or len(grads) != len(expected["grads"]):
+            return f"expected the gradients of {len(balance)} stages, got {short_repr(grads)}"
+        for k in reversed(range(len(balance))):  # the backward's order: the first stage to go wrong
+            for yours, one_device in zip(grads[k], expected["grads"][k]):
+                if yours is None:
+                    return (f"stage {k}'s weights got no gradient (stages after it did): the gradient never crossed "
+                            f"the boundary into stage {k}")
+                if not isinstance(yours, torch.Tensor) or yours.shape != one_device.shape:
+                    return f"stage {k}: a gradient of the wrong shape, {short_repr(yours)}"
+                if not torch.allclose(yours, one_device, rtol=1e-4, atol=1e-7):
+                    ratio = (yours.norm() / one_device.norm()).item() if one_device.norm() > 0 else float("nan")
+                    return (f"stage {k}'s gradients differ from one device's (norm {ratio:.3f} x one device's): "
+                            f"it got the gradient of its output more than once, or not the right one")
+        return None
+
+    return Case(f"balance={balance}, seed={seed}", run, expected, compare=compare,
+                hint="print each boundary tensor's .grad just before you use it: which are None, and why? Which "
+                     "stage's backward must have run before a boundary's gradient exists?")
+
+
+def _boundary_hidden() -> list[Case]:
+    return [_boundary_case([2]), _boundary_case([1, 1], seed=1), _boundary_case([2, 2, 2, 2], seed=2),
+            _boundary_case([1, 3, 2, 1, 1], seed=3), _boundary_case([3, 1, 4, 2, 2, 2], seed=4)]
+
+
+BOUNDARY = Exercise(
+    "03.5", "Find the bug: a backward across stage boundaries", "train_step", 3,
+    lambda: [_boundary_case([2, 2]), _boundary_case([2, 4, 2])],
+    _boundary_hidden,
+    forbidden=("gpipe_ref.pipeline.GPipe",), category="debug")
+
+EXERCISES = [NAIVE_IDLE, BEST_BALANCE, SPLIT, FIT_BALANCE, BOUNDARY]
