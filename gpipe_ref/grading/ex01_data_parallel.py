@@ -3,6 +3,7 @@ simplified), the bytes each rank sends (predicted, then measured)."""
 
 from __future__ import annotations
 
+import math
 import queue
 import random
 import threading
@@ -195,8 +196,9 @@ def _bucket_case(sizes: list[int], cap_mb: float, label: str | None = None) -> C
     return Case(label or f"sizes_in_bytes={sizes}, bucket_cap_mb={cap_mb}",
                 lambda answer: answer(list(sizes), cap_mb), lambda: assign_buckets(sizes, cap_mb),
                 compare=compare if sizes else None,  # no parameters: only [] is right, which `same` judges
-                hint="which gradients does the backward produce first, and which bucket goes out first? Then "
-                     "follow the loop by hand on a parameter bigger than the cap")
+                hint="which gradients does the backward produce first, and which bucket goes out first?"
+                     + (" Follow the loop by hand on this case's parameter bigger than the cap"
+                        if any(size > cap_mb * MB for size in sizes) else ""))
 
 
 def _bucket_cases() -> list[Case]:
@@ -342,7 +344,7 @@ def _traffic_problem(actual, world: int, numel: int, element_size: int, expected
             return f'"{method}" must be a list of {world} numbers, the bytes each rank sends, rank 0 first; ' \
                    f"got {short_repr(values)}"
         for rank, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 return f'"{method}"[{rank}] is {short_repr(value)}: expected a number of bytes'
             if value != int(value):
                 return (f'"{method}"[{rank}] is {short_repr(value)}: not a whole number of bytes (a rank sends whole '
@@ -353,7 +355,7 @@ def _traffic_problem(actual, world: int, numel: int, element_size: int, expected
         for rank, (value, right) in enumerate(zip(actual[method], expected[method])):
             if value == right:
                 continue
-            said = f'{"the master method" if method == "master" else "the ring"}: rank {rank} sends {int(value)} B, ' \
+            said = f'{"the master method" if method == "master" else "the ring"}: rank {rank} sends {short_repr(int(value), 40)} B, ' \
                    f"too {'many' if value > right else 'few'}"
             if method == "master" and rank == 0 and value == 0:
                 return said + ": rank 0 also sends: the result goes back to every other rank"
