@@ -438,7 +438,7 @@ def test_staleness_skips_2bw_when_a_batch_cannot_fill_the_pipeline(monkeypatch, 
 
 
 def test_exercises_list_counts_every_exercise_by_category(capsys):
-    from gpipe_ref.grading import EXERCISES
+    from gpipe_ref.grading import EXERCISES, NOTEBOOKS
     from gpipe_ref.grading.core import CATEGORIES, THINKING
 
     assert main(["exercises", "list"]) == 0
@@ -451,6 +451,9 @@ def test_exercises_list_counts_every_exercise_by_category(capsys):
         assert re.search(rf"^{name} +{count} ", out, re.M)
     thinking = sum(e.category in THINKING for e in EXERCISES.values())
     assert f"{thinking} of {len(EXERCISES)} " in out
+    # issue 17: at least 30 exercises, 3 per notebook from 01, two thirds of them making the learner think
+    assert len(EXERCISES) >= 30 and 3 * thinking >= 2 * len(EXERCISES), (len(EXERCISES), thinking)
+    assert all(len(exercises) >= 3 for exercises in NOTEBOOKS.values())
 
 
 def test_exercises_list_takes_no_folder(capsys):
