@@ -85,6 +85,12 @@ def choose_design(global_batch, stages, cost, budget, target):
     ("04.5", "tries every b, not only those dividing B", "divides B = 64", search(skip="False")),
     ("04.5", "the schedule named as the paper writes it", "schedule must be one of",
      search(schedules='("1F1B", "GPipe")', held='(m if schedule == "GPipe" else min(m, stages)) * b')),
+    ("04.5", "eq. 1's best b from the library", "which does what this exercise asks", """
+from gpipe_ref.microbatch_size import best_choice, microbatch_choices
+
+def choose_design(global_batch, stages, cost, budget, target):
+    return "1f1b", best_choice(microbatch_choices(global_batch, stages, cost)).micro_batch
+"""),
     ("04.5", "returns a dict", "expected a pair", search().replace("return schedule, b",
                                                                     'return {"schedule": schedule, "b": b}')),
 ]
@@ -155,15 +161,19 @@ def test_the_judge_is_the_simulator_and_the_librarys_memory_rule():
 
 
 def test_feedback_never_names_a_hidden_cases_design():
-    """A wrong answer's feedback says what its own design misses, never the design the grader found."""
-    namespace = run_answer(PRELUDE, search(held="m * b"))  # returns None where only 1F1B fits
+    """Feedback says what the returned design misses, never the design the grader found."""
     for case in EXERCISES["04.5"].hidden():
         expected = case.expected()
-        reason = case.compare(None, expected)
         if expected is not None:
-            assert reason == "returned None, but a design exists that meets both the step-time target and the " \
-                             "memory budget", reason
-    assert grade("04.5", namespace).points == 0
+            assert case.compare(None, expected) == "returned None, but a design exists that meets both the " \
+                                                   "step-time target and the memory budget"
+        batch = int(case.label.rsplit("B=", 1)[1].split(",")[0])
+        for schedule in ("gpipe", "1f1b"):
+            for b in (b for b in range(1, batch + 1) if batch % b == 0):
+                reason = case.compare((schedule, b), expected)
+                assert reason is None or reason.startswith(f"{(schedule, b)!r}: its "), reason
+                assert reason is None or expected is None or repr(tuple(expected)) not in reason, reason
+                assert reason is None or "target" in reason or "budget" in reason, reason
 
 
 def test_hidden_cases_cover_the_edges_and_the_shown_ones_the_common_mistakes():
