@@ -167,7 +167,7 @@ def judge_design(design, global_batch: int, stages: int, cost, budget: int, targ
     problems = []
     step = design_step_time(schedule, global_batch, stages, cost, b)
     if step > target * (1 + TIME_TOLERANCE):
-        problems.append(f"its simulated step takes {step:.6g} ms, over the target of {target:g} ms")
+        problems.append(f"its simulated step takes {step:.6g} ms, over the target of {target:.10g} ms")
     held = design_held(schedule, global_batch, stages, b)
     if held > budget:
         problems.append(f"its fullest device holds {held // b} micro-batches of {b} = {held} samples of "
@@ -196,7 +196,7 @@ def _design_case(label: str, global_batch: int, stages: int, overhead: float, pe
         return judge_design(actual, global_batch, stages, cost, budget, target)
 
     inputs = (f"B={global_batch}, p={stages}, LinearCost({overhead:g}, {per_sample:g}, {backward_ratio:g}), "
-              f"budget {budget} samples, target {target:g} ms")
+              f"budget {budget} samples, target {target:.10g} ms")
     return Case(f"{label}: {inputs}" if label else inputs,
                 lambda answer: answer(global_batch, stages, LinearCost(overhead, per_sample, backward_ratio),
                                       budget, target),
