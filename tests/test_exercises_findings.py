@@ -88,6 +88,23 @@ def pick_layout(model, cluster):
                 best = (e.step_time, (e.dp, tp, pp))
     return best and best[1]
 """),
+    ("07.3", "tensor parallelism across nodes: tp only divides the GPU count (review, round 2)", None, """
+def pick_layout(model, cluster):
+    best = None
+    for tp in range(1, cluster.gpus + 1):
+        if cluster.gpus % tp:
+            continue
+        for pp in range(1, cluster.gpus // tp + 1):
+            if (cluster.gpus // tp) % pp:
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if e.fits and (best is None or e.step_time < best[0]):
+                best = (e.step_time, (e.dp, tp, pp))
+    return best and best[1]
+"""),
 ]
 
 

@@ -42,6 +42,8 @@ def test_solutions_score_full_marks_and_untouched_exercises_zero(tmp_path):
     for nb in exercises:  # every course cell runs in the student copy, and nothing is attempted
         assert [e["status"] for e in nb["exercises"]] == ["not attempted"] * len(NOTEBOOKS[nb["notebook"]])
     assert all(not nb["warnings"] for nb in data["notebooks"]), data["notebooks"]
+    # issue 17: a whole notebook grades in under 2 minutes (measured: well under; bench --only grading)
+    assert all(nb["seconds"] < 120 for nb in solutions), [(nb["notebook"], nb["seconds"]) for nb in solutions]
     assert f"total: {data['points']}/{data['max_points']} points over {2 * len(NOTEBOOKS)} notebook(s)" in result.stdout
 
 
@@ -211,6 +213,8 @@ def test_a_class_gets_a_gradebook_feedback_files_a_summary_and_resumes(tmp_path)
     assert cat_verdict["feedback"].startswith("case batch=1, m=1: expected")  # the instructor sees the values
     assert "hidden case batch=1, m=1: failed; hint:" in cat_feedback  # the learner sees the label only
     assert "expected" not in cat_feedback.split("Exercise 04.3")[1]
+    assert "04.3" in first.stdout and "hidden case batch=1, m=1: failed; hint:" in first.stdout  # the table too:
+    assert "case batch=1, m=1: expected" not in first.stdout  # learners grade themselves with it
     summary = data["exercises"]["04.3"]
     assert (summary["notebooks"], summary["full_marks"], summary["mean_points"]) == (3, 1, 0.67)
     assert data["exercises"]["04.1"]["most_common_failure"] == "not attempted"

@@ -46,7 +46,7 @@ def _idle_hidden() -> list[Case]:
 
 NAIVE_IDLE = Exercise(
     "03.1", "Idle time of naive model parallelism", "naive_idle_fraction", 2,
-    lambda: [_idle_case([1.0] * 4, [2.0] * 4, 0.0), _idle_case([1.0, 3.0], [2.0, 6.0], 0.0),
+    lambda: [_idle_case([1.0] * 4, [2.0] * 4, 0.25), _idle_case([1.0, 3.0], [2.0, 6.0], 1.0),
              _idle_case([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 0.5)],
     _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"), category="derive")
 
@@ -70,8 +70,8 @@ def _balance_case(costs: list[float], stages: int) -> Case:
 
     return Case(f"costs={costs}, stages={stages}", lambda answer: answer(list(costs), stages),
                 lambda: max(_stage_sums(costs, partition_costs(costs, stages))), compare=compare,
-                hint="the slowest stage sets the pace; try every place to cut (or binary-search the slowest "
-                     "stage's cost and check it greedily)")
+                hint="if you fixed a limit on the slowest stage's cost, could you tell quickly whether `stages` "
+                     "stages are enough to stay under it? And does every stage get at least one layer?")
 
 
 def _stage_sums(costs, balance) -> list[float]:
@@ -96,7 +96,7 @@ def _balance_hidden() -> list[Case]:
 BEST_BALANCE = Exercise(
     "03.2", "A balance that minimises the slowest stage", "best_balance", 3,
     lambda: [_balance_case([1.0, 1.0, 1.0, 1.0], 2), _balance_case([4.0, 1.0, 1.0, 2.0], 2),
-             _balance_case([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3)],
+             _balance_case([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3), _balance_case([1.0, 1.0, 1.0, 9.0], 3)],
     _balance_hidden,
     forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
                "gpipe_ref.partition.balance_by_time"), category="design")
@@ -146,8 +146,8 @@ def _split_case(layers: int, balance: list[int]) -> Case:
         return same(actual, expected, "stage")
 
     return Case(f"{layers} layers, balance={balance}", run, expected, compare=compare,
-                hint="stage k holds the next balance[k] layers, in order, as its own children; use the model's own "
-                     "layer objects (not copies) so the stages train the model's weights")
+                hint="what does list(stage) give for each of your stages, and are those the very objects in "
+                     "list(model)?")
 
 
 SPLIT = Exercise(

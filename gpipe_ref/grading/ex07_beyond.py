@@ -20,14 +20,15 @@ def _interleaved_case(p: int, m: int, v: int) -> Case:
         return simulate(make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v), cost).bubble_fraction
 
     return Case(f"p={p}, m={m}, v={v}", lambda answer: answer(p, m, v), expected,
-                hint="each device still computes m micro-batches of a whole stage's work, but the fill and the drain "
-                     "take p - 1 THIN stages, each 1/v of a stage: the bubble's share of the whole step")
+                hint="draw the step for v = 1 and v = 2 on the same devices: which part of it shrinks as v grows, "
+                     "and which stays the same? The check wants the idle share of the whole step")
 
 
 INTERLEAVED = Exercise(
     "07.1", "The interleaved bubble", "interleaved_bubble", 2,
-    lambda: [_interleaved_case(4, 8, 2), _interleaved_case(4, 8, 1), _interleaved_case(2, 4, 4)],
-    lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2))],
+    lambda: [_interleaved_case(3, 6, 2), _interleaved_case(5, 10, 1), _interleaved_case(2, 4, 4)],
+    lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2),
+                                                         (4, 8, 2))],
     forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula")
 
 # -- 07.2 a schedule of your own that beats GPipe's bubble ---------------------------------------------------------
@@ -57,8 +58,8 @@ def _own_schedule_case(p: int, m: int) -> Case:
     return Case(f"p={p}, m={m}", lambda answer: answer(p, m),
                 lambda: round(simulate(make_schedule("gpipe", p, m), PLAYGROUND_COST).bubble_fraction, 12),
                 compare=compare,
-                hint="with F = 1 and B = 2 every fill-drain or 1F1B order has GPipe's bubble; split each B into B "
-                     "and W (1 each) and delay the W's: the backward wave crosses the devices twice as fast")
+                hint="with F = 1 and B = 2 every fill-drain or 1F1B order has GPipe's bubble. Which part of a "
+                     "backward does the device before actually wait for, and which part could wait?")
 
 
 OWN_SCHEDULE = Exercise(
@@ -139,6 +140,8 @@ def _layout_hidden() -> list[Case]:
             _layout_case("GPT 7.5B, 512 GPUs of 16 GB", gpt_7b, ClusterConfig(gpus=512, memory_bytes=16e9)),
             _layout_case("GPT 18.4B, 64 GPUs of 16 GB", gpt_18b, ClusterConfig(gpus=64, memory_bytes=16e9)),
             _layout_case("GPT 145.6B, 8 GPUs of 80 GB (nothing fits)", gpt_146b, ClusterConfig(gpus=8)),
+            _layout_case("GPT 7.5B, 16 GPUs of 16 GB, 2 per node", gpt_7b,
+                         ClusterConfig(gpus=16, gpus_per_node=2, memory_bytes=16e9)),
             _layout_case("GPT 18.4B, 32 GPUs of 16 GB, 4 per node", gpt_18b,
                          ClusterConfig(gpus=32, gpus_per_node=4, memory_bytes=16e9)),
             # where the usable-memory fraction decides: nothing fits in 90 % of 40 GB, and a smaller fraction

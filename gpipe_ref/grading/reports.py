@@ -15,14 +15,17 @@ from .grader import NotebookResult
 
 
 def format_table(result: NotebookResult) -> str:
-    """A table per notebook: exercise, points, max, feedback."""
+    """A table per notebook: exercise, points, max, feedback. Learners grade themselves with it, so a failing
+    hidden case is named by its label only (the JSON keeps the full feedback for instructors)."""
     if result.error:
         return f"{result.path}\n  cannot grade: {result.error}"
     lines = [f"{result.path} ({result.notebook}): {result.points}/{result.max_points} points "
              f"in {result.seconds:.1f} s",
              f"  {'exercise':8} {'points':>6} {'max':>4}  feedback"]
     for v in result.verdicts:
-        feedback = v.feedback if v.status in ("passed", "not attempted") else f"{v.status}: {v.feedback}"
+        shown = v.public or v.feedback
+        plain = v.status in ("passed", "not attempted") or shown.startswith("hidden case")  # it names its status
+        feedback = shown if plain else f"{v.status}: {shown}"
         lines.append(f"  {v.exercise:8} {v.points:>6} {v.max_points:>4}  {v.title}: {feedback}")
     lines += [f"  warning: {w}" for w in result.warnings]
     return "\n".join(lines)
