@@ -1,16 +1,23 @@
 """Exercises for notebook 05: activation memory per checkpoint mode, a checkpointed forward,
-how many micro-batches a device holds."""
+how many micro-batches a device holds, a design under a memory budget and a step-time target."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..memory import ActivationMeter
+import dataclasses
+import functools
+import math
+import random
+
+from ..memory import (PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch,
+                      state_bytes)
+from ..microbatch_size import LinearCost
 from ..models import mlp, regression_data
 from ..schedule import make_schedule
-from ..simulator import simulate
-from .core import Case, Exercise
+from ..simulator import place, simulate
+from .core import Case, Exercise, short_repr
 
 # -- 05.1 peak activations of each checkpoint mode (checked against a measurement) ---------------------
 
@@ -147,4 +154,203 @@ HELD = Exercise(
              for d in range(p)],
     forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula")
 
-EXERCISES = [PEAK, CHECKPOINTED, HELD]
+# -- 05.4 a design under a memory budget and a step-time target ---------------------------------------------------
+
+DESIGN_SCHEDULES = ("gpipe", "1f1b")
+DESIGN_CHECKPOINTS = ("never", "except_last", "always")
+TIME_TOLERANCE = 1e-9  # relative: a step time within it of the target meets the target
+
+
+@functools.lru_cache(maxsize=None)
+def _held(schedule: str, p: int, m: int) -> tuple[int, ...]:
+    timeline = simulate(make_schedule(schedule, p, m))
+    return tuple(timeline.peak_in_flight(stage) for stage in range(p))
+
+
+def design_memory(setup: MemorySetup, schedule: str, m: int, checkpoint: str) -> list[int]:
+    """Bytes one device of each stage holds at its peak: ``memory_anatomy``'s total (its weights, gradients and
+    optimizer state, and ``activation_bytes``), with the activations of "except_last" counted as notebook 05
+    (section 2) and exercise 05.1 count them."""
+    trial = dataclasses.replace(setup, schedule=schedule, microbatches=m,
+                                recompute="never" if checkpoint == "never" else "always")
+    states, held = sum(state_bytes(trial).values()), _held(schedule, setup.pp, m)
+    totals = []
+    for stage in range(setup.pp):
+        if checkpoint == "except_last":
+            stage_input, everything = saved_per_microbatch(trial, stage)
+            elements = everything if held[stage] == 1 else (held[stage] - 2) * stage_input + 2 * everything
+            activations = elements * PRECISIONS[setup.precision].activation
+        else:
+            activations = activation_bytes(trial, stage, held[stage])
+        totals.append(states + activations)
+    return totals
+
+
+def design_time(setup: MemorySetup, cost: LinearCost, schedule: str, m: int, checkpoint: str) -> float:
+    """The step's makespan placed by the simulator: F and B are 1/p of ``cost`` on one micro-batch's rows; a
+    recomputed micro-batch's backward also runs its forward again."""
+    p = setup.pp
+    forward, backward = (t / p for t in cost(setup.batch // (setup.dp * m)))
+    plan = make_schedule(schedule, p, m)
+    durations = {}
+    for row in plan.per_device:
+        for action in row:
+            recomputed = checkpoint == "always" or (checkpoint == "except_last" and action.microbatch < m - 1)
+            durations[action] = forward if action.op == "F" else backward + (forward if recomputed else 0.0)
+    return place(plan, durations, unit="s").makespan
+
+
+def _designs(setup: MemorySetup) -> list[tuple[str, int, str]]:
+    rows = setup.batch // setup.dp
+    return [(schedule, m, checkpoint) for schedule in DESIGN_SCHEDULES for m in range(1, rows + 1) if rows % m == 0
+            for checkpoint in DESIGN_CHECKPOINTS]
+
+
+def _meets(setup: MemorySetup, cost: LinearCost, budget: int, target: float, design: tuple[str, int, str]) -> bool:
+    return (max(design_memory(setup, *design)) <= budget
+            and design_time(setup, cost, *design) <= target * (1 + TIME_TOLERANCE))
+
+
+def feasible_designs(setup: MemorySetup, cost: LinearCost, budget: int, target: float) -> list[tuple[str, int, str]]:
+    """Every design that fits ``budget`` on every device and meets ``target``."""
+    return [design for design in _designs(setup) if _meets(setup, cost, budget, target, design)]
+
+
+def first_design(setup: MemorySetup, cost: LinearCost, budget: int, target: float) -> tuple[str, int, str] | None:
+    """One design that meets both targets (the fewest micro-batches first), or None when none does."""
+    designs = sorted(_designs(setup), key=lambda design: design[1])
+    return next((design for design in designs if _meets(setup, cost, budget, target, design)), None)
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes ({n / 2 ** 20:.2f} MiB)"
+
+
+def _design_problem(design, setup: MemorySetup, cost: LinearCost, budget: int, target: float) -> str | None:
+    """Why ``design`` (whatever the learner returned) is not a valid design that meets both targets, or None."""
+    if not isinstance(design, (tuple, list)) or len(design) != 3:
+        return f"expected None or a tuple (schedule, m, checkpoint), got {short_repr(design)}"
+    schedule, m, checkpoint = design
+    if not isinstance(schedule, str) or schedule not in DESIGN_SCHEDULES:
+        return f"schedule must be one of {DESIGN_SCHEDULES}, got {short_repr(schedule)}"
+    if not isinstance(checkpoint, str) or checkpoint not in DESIGN_CHECKPOINTS:
+        return f"checkpoint must be one of {DESIGN_CHECKPOINTS}, got {short_repr(checkpoint)}"
+    rows = setup.batch // setup.dp
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= rows:
+        return f"m must be an int from 1 to the {rows} rows of a replica (batch / dp), got {short_repr(m)}"
+    if rows % m:
+        return f"m = {m} does not divide the {rows} rows of a replica (batch / dp): micro-batches must be equal"
+    design = (schedule, m, checkpoint)
+    totals = design_memory(setup, schedule, m, checkpoint)
+    fullest = max(range(setup.pp), key=totals.__getitem__)
+    if totals[fullest] > budget:
+        return (f"your design {design} needs {_bytes(totals[fullest])} on a device of stage {fullest}, over the "
+                f"budget of {_bytes(budget)}")
+    took = design_time(setup, cost, schedule, m, checkpoint)
+    if took > target * (1 + TIME_TOLERANCE):
+        return f"your design {design} fits, but its step time {took:.6g} s exceeds the target of {target:.6g} s"
+    return None
+
+
+def _design_case(label: str, setup: MemorySetup, cost: LinearCost, budget: int, target: float) -> Case:
+    def compare(actual, expected):
+        if actual is None:
+            return None if expected is None else "a design that meets both targets exists, you returned None"
+        return _design_problem(actual, setup, cost, budget, target)
+
+    return Case(label, lambda answer: answer(setup, cost, budget, target),
+                lambda: first_design(setup, cost, budget, target), compare=compare,
+                hint="for each design, which device is fullest, and is it the same stage under GPipe and 1F1B? "
+                     "What does a recomputed micro-batch's backward cost, and what do many small micro-batches "
+                     "cost under this LinearCost?")
+
+
+MiB = 2 ** 20
+
+
+def _setup(**fields) -> MemorySetup:
+    """A problem's MemorySetup: the learner chooses its schedule, micro-batches and recompute (left at gpipe, 1,
+    never)."""
+    return MemorySetup(microbatches=1, **fields)
+
+
+# The shown cases' pipeline: 8 MLP blocks of width 128 on 4 stages, 512 rows, fp32; a micro-batch of b rows takes
+# the whole model 1 ms + 0.02 ms per row forward, twice that backward.
+SETUP = _setup(hidden=128, layers=8, batch=512, pp=4)
+COST = LinearCost(overhead=1e-3, per_sample=2e-5)
+# A wider one on 3 stages, 2 data-parallel replicas of 2 tensor-parallel ranks, mixed precision.
+WIDE = _setup(hidden=256, layers=12, batch=384, dp=2, tp=2, pp=3, precision="mixed")
+WIDE_COST = LinearCost(overhead=2e-3, per_sample=5e-5)
+ONE_STAGE = _setup(hidden=128, layers=4, batch=256, pp=1)
+
+
+def _describe(setup: MemorySetup, cost: LinearCost, budget: int, target: float) -> str:
+    model = f"{setup.layers} blocks of width {setup.hidden}, pp={setup.pp}"
+    if setup.dp > 1 or setup.tp > 1:
+        model += f", dp={setup.dp}, tp={setup.tp}"
+    ratio = "" if cost.backward_ratio == 2.0 else f", backward_ratio={cost.backward_ratio:g}"
+    return (f"{model}, batch {setup.batch}, {setup.precision}; LinearCost({cost.overhead:g}, {cost.per_sample:g}{ratio}); "
+            f"budget {budget:,} bytes, target {target * 1e3:.6g} ms")
+
+
+def _design(what: str, setup: MemorySetup, cost: LinearCost, budget: int, target: float) -> Case:
+    return _design_case(f"{what}: {_describe(setup, cost, budget, target)}", setup, cost, budget, target)
+
+
+def _design_shown() -> list[Case]:
+    return [_design("room to spare", SETUP, COST, 10 * MiB, 0.030),
+            _design("a tight budget, little time", SETUP, COST, int(5.5 * MiB), 0.0234),
+            _design("a tighter budget, more time", SETUP, COST, int(4.7 * MiB), 0.034),
+            _design("wide, a tight budget", WIDE, WIDE_COST, 17_400_000, 0.036),
+            _design("one stage, a tight budget", ONE_STAGE, COST, 9 * MiB, 0.030)]
+
+
+def _seeded(seed: int) -> Case:
+    rng = random.Random(seed)
+    pp = rng.choice((1, 2, 3, 4))
+    dp = rng.choice((1, 2))
+    setup = _setup(hidden=rng.choice((64, 128)), layers=pp * rng.choice((1, 2, 3)),
+                   batch=dp * rng.choice((8, 12, 18, 30, 48, 64)), dp=dp, pp=pp, precision=rng.choice(("fp32", "mixed")))
+    cost = LinearCost(overhead=rng.choice((0.0, 1e-4, 1e-3)), per_sample=rng.choice((1e-5, 1e-4)),
+                      backward_ratio=rng.choice((1.5, 2.0, 3.0)))
+    designs = _designs(setup)
+    memories = sorted(max(design_memory(setup, *d)) for d in designs)
+    times = sorted(design_time(setup, cost, *d) for d in designs)
+    budget = rng.randint(memories[0] - memories[0] // 50, memories[-1])
+    target = rng.uniform(times[0] * 0.98, times[len(times) // 2])
+    return _design(f"seeded {seed}", setup, cost, budget, round(target, 9))
+
+
+def _design_hidden() -> list[Case]:
+    one_row = _setup(hidden=128, layers=8, batch=4, dp=4, pp=4)  # a replica of one row: m = 1
+    prime = _setup(hidden=128, layers=4, batch=7, pp=2)  # m = 1 or 7
+    uneven = _setup(hidden=64, layers=6, batch=24, dp=2, pp=3)  # 12 rows a replica
+    deep = _setup(hidden=128, layers=16, batch=1024, pp=8)
+    return [_design("one stage", ONE_STAGE, COST, 10 * MiB, 0.030),
+            _design("a tight budget and little time", SETUP, COST, int(4.5 * MiB), 0.030),
+            _design("one row a replica", one_row, COST, 10 * MiB, 0.004),
+            _design("7 rows", prime, COST, 4_235_000, 0.016),
+            _design("12 rows a replica", uneven, COST, 1_080_000, 0.0075),
+            _design("a budget met to the byte, little time", SETUP, COST, 4_837_376, 0.0305),
+            _design("a tight budget, a little more time", SETUP, COST, 5_459_967, 0.026),
+            _design("the least memory a design needs, to the byte", SETUP, COST, 4_225_536, 0.6),
+            _design("a byte less than any design needs", SETUP, COST, 4_225_535, 0.6),
+            _design("the fastest step, to the last digit", SETUP, COST, 10 * MiB, 0.01869),
+            _design("wide, no time to recompute", WIDE, WIDE_COST, 18_400_000, 0.0265),
+            _design("wide, a tighter budget", WIDE, WIDE_COST, 17_250_000, 0.045),
+            _design("wide, a budget under the model states", WIDE, WIDE_COST, 16_000_000, 1.0),
+            _design("8 stages", deep, COST, 5_000_000, 0.032)] + [_seeded(seed) for seed in range(3)]
+
+
+DESIGN = Exercise(
+    "05.4", "Design under a memory budget: schedule, micro-batches, checkpointing", "design_pipeline", 3,
+    _design_shown, _design_hidden,
+    forbidden=("gpipe_ref.grading.ex05_rematerialization.feasible_designs",
+               "gpipe_ref.grading.ex05_rematerialization.first_design",
+               "gpipe_ref.grading.ex05_rematerialization.design_memory",
+               "gpipe_ref.grading.ex05_rematerialization.design_time",
+               "gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
+               "gpipe_ref.microbatch_size.best_choice", "gpipe_ref.microbatch_size.microbatch_choices"),
+    timeout=20.0, category="design")
+
+EXERCISES = [PEAK, CHECKPOINTED, HELD, DESIGN]

@@ -1,0 +1,138 @@
+"""Exercise 05.4 (a design under a memory budget and a step-time target): planted wrong answers fail check() with
+the mistake named and score 0; another valid design than the solution's passes; small mutations of the solution
+fail some case; the memory the grader judges with is what a real step holds, "except_last" included."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from planted import assert_caught, run_answer
+from gpipe_ref.grading import EXERCISES, check, grade
+from gpipe_ref.grading.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
+from gpipe_ref.memory import MemorySetup, _measure_stages, memory_anatomy
+
+ROOT = Path(__file__).resolve().parent.parent
+CELLS = [cell.source for cell in nbformat.read(ROOT / "solutions" / "05_rematerialization.ipynb", as_version=4).cells
+         if cell.cell_type == "code"]
+PRELUDE = CELLS[0] + "\n"  # the notebook's imports
+# The solution notebook's answer to 05.4, its markers removed.
+SOLUTION = "\n".join(line for line in next(source for source in CELLS if source.startswith("# Exercise 05.4"))
+                     .splitlines() if "### " not in line) + "\n"
+
+
+def planted(*changes: tuple[str, str]) -> str:
+    code = SOLUTION
+    for old, new in changes:
+        assert old in code, old
+        code = code.replace(old, new)
+    return code
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("05.4", "ignores the recomputation's time: a checkpointed step looks as fast as a plain one",
+     "exceeds the target", planted(("backward + forward * recomputed", "backward"))),
+    ("05.4", "thinks 1F1B holds all m micro-batches, as GPipe does", "a design that meets both targets exists",
+     planted(("replace(setup, schedule=schedule,", 'replace(setup, schedule="gpipe",'),
+             ("microbatches_in_flight(schedule,", 'microbatches_in_flight("gpipe",'))),
+    ("05.4", "always picks the most micro-batches (the least memory)", "a design that meets both targets exists",
+     planted(("for m in [m for m in range(1, rows + 1) if rows % m == 0]:", "for m in [rows]:"))),
+    ("05.4", "never returns None: falls back on the design that needs the least memory", "exceeds the target",
+     planted(("    return None", '    return "1f1b", rows, "always"'))),
+    ("05.4", "counts the activations only, not the weights, gradients and optimizer state", "over the budget",
+     planted(("totals = [device.total for device in anatomy]", "totals = [device.activations for device in anatomy]"))),
+    ("05.4", "counts 'except_last' like 'always' (the last micro-batch kept whole is forgotten)", "over the budget",
+     planted(('if mode == "except_last":', "if False:"))),
+    ("05.4", "forgets the data-parallel split: m divides the whole batch", "wide",
+     planted(("rows = setup.batch // setup.dp", "rows = setup.batch"))),
+    ("05.4", "gives every stage the whole model's time", "a design that meets both targets exists",
+     planted(("t / setup.pp", "t"))),
+]
+
+# Another right answer: GPipe first and "always" first, so it returns other designs than the solution's.
+OTHER = planted(('for schedule in ("1f1b", "gpipe"):', 'for schedule in ("gpipe", "1f1b"):'),
+                ('for mode in ("never", "except_last", "always"):', 'for mode in ("always", "except_last", "never"):'))
+
+# Small mutations of the solution: each must fail some case. (`<= target` to `< target` is left out: with the
+# tolerance the two differ only for a step time of exactly target * (1 + 1e-9).)
+MUTANTS = [("range(1, rows + 1)", "range(1, rows)"), ("range(1, rows + 1)", "range(2, rows + 1)"),
+           ("<= budget", "< budget"), ("(1 + 1e-9)", "(1 - 1e-9)"),
+           ("backward + forward * recomputed", "backward - forward * recomputed"),
+           ("held[stage] == 1", "held[stage] == 2"), ("(held[stage] - 1)", "(held[stage] - 2)"),
+           ("(held[stage] - 1)", "held[stage]"), ("action.microbatch < m - 1", "action.microbatch < m"),
+           ("action.microbatch < m - 1", "action.microbatch < m - 2"),
+           ("everything - stage_input)", "everything + stage_input)"), ("t / setup.pp", "t * setup.pp"),
+           ("cost(rows // m)", "cost(rows // m + 1)"), ('mode == "always" or', 'mode == "never" or'),
+           ("- device.activations", "+ device.activations")]
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
+def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    assert_caught(exercise_id, run_answer(PRELUDE, code), phrase, capsys)
+
+
+def test_the_solution_passes_quickly(capsys):
+    namespace = run_answer(PRELUDE, SOLUTION)
+    start = time.perf_counter()
+    check("05.4", namespace["design_pipeline"])
+    assert time.perf_counter() - start < 5
+    assert capsys.readouterr().out.startswith("✅")
+    start = time.perf_counter()
+    assert grade("05.4", namespace).passed
+    assert time.perf_counter() - start < 20
+
+
+def test_another_valid_design_passes():
+    other, solution = run_answer(PRELUDE, OTHER), run_answer(PRELUDE, SOLUTION)
+    assert grade("05.4", other).passed
+    cases = EXERCISES["05.4"].cases()
+    differ = [case.label for case in cases
+              if case.run(other["design_pipeline"]) != case.run(solution["design_pipeline"])]
+    assert differ, "the other answer returns the solution's designs: it shows nothing"
+
+
+@pytest.mark.parametrize("old,new", MUTANTS, ids=[f"{old}->{new}" for old, new in MUTANTS])
+def test_a_mutant_of_the_solution_fails(old, new):
+    assert not grade("05.4", run_answer(PRELUDE, planted((old, new)))).passed
+
+
+def test_memory_is_memory_anatomy_and_except_last_is_what_a_real_step_holds():
+    for schedule, m, mode in (("gpipe", 8, "never"), ("1f1b", 16, "always"), ("1f1b", 1, "never")):
+        trial = dataclasses.replace(SETUP, schedule=schedule, microbatches=m, recompute=mode)
+        assert design_memory(SETUP, schedule, m, mode) == [device.total for device in memory_anatomy(trial)]
+    for schedule, pp, m, precision in (("gpipe", 4, 4, "fp32"), ("1f1b", 4, 8, "fp32"), ("1f1b", 3, 2, "mixed"),
+                                       ("gpipe", 2, 1, "fp32"), ("1f1b", 1, 4, "fp32")):
+        setup = MemorySetup(hidden=32, layers=2 * pp, batch=8 * m, pp=pp, microbatches=m, schedule=schedule,
+                            precision=precision)
+        object.__setattr__(setup, "recompute", "except_last")  # MemorySetup models "never" and "always" only
+        measured = [device.total for device in _measure_stages(setup, seed=0)]
+        assert design_memory(setup, schedule, m, "except_last") == measured
+
+
+def test_recomputation_costs_one_forward_per_recomputed_micro_batch():
+    forward, backward = (t / SETUP.pp for t in COST(SETUP.batch // 8))
+    plain = design_time(SETUP, COST, "gpipe", 8, "never")
+    assert plain == pytest.approx((8 + SETUP.pp - 1) * (forward + backward))
+    assert design_time(SETUP, COST, "gpipe", 8, "always") == pytest.approx((8 + SETUP.pp - 1) * (2 * forward + backward))
+    assert plain < design_time(SETUP, COST, "gpipe", 8, "except_last") < design_time(SETUP, COST, "gpipe", 8, "always")
+
+
+def test_hidden_cases_cover_the_edges():
+    ex = EXERCISES["05.4"]
+    assert ex.category == "design"
+    hidden = {case.label.split(":")[0]: case for case in ex.hidden()}
+    only = {label: feasible_designs(*case.run(lambda *problem: problem)) for label, case in hidden.items()}
+    assert sum(not designs for designs in only.values()) >= 3  # nothing fits
+    assert {d[1] for d in only["one row a replica"]} == {1}  # m = 1 forced
+    assert only["one stage"] and all(d[0] == "1f1b" for d in only["one stage"])  # p = 1
+    assert only["wide, no time to recompute"] == [("1f1b", 4, "never")]  # only 1F1B meets the budget
+    assert only["wide, a tight budget"] if "wide, a tight budget" in only else True
+    assert only["a budget met to the byte, little time"] == [("1f1b", 16, "except_last")]  # time rules out always
+    assert only["the least memory a design needs, to the byte"] == [("1f1b", 512, "always")]  # both needed, a tie
+    assert len(only["the fastest step, to the last digit"]) == 2  # a tie in time, two schedules
+    assert all(label in only for label in ("12 rows a replica", "7 rows", "8 stages", "seeded 0"))
