@@ -212,7 +212,8 @@ def _bucket_hidden() -> list[Case]:
              _bucket_case([MB // 2, MB // 2, MB // 2], 1.0, "halves that fill a bucket exactly"),
              _bucket_case([MB + 1, MB // 2, MB // 2 - 1, 5 * MB], 1.0, "the last parameter and another over the cap"),
              _bucket_case([], 1.0, "no parameters"), _bucket_case([5 * MB], 1.0, "one parameter over the cap"),
-             _bucket_case([MB // 4] * 9, 0.5, "nine quarter-MB parameters, half-MB cap")]
+             _bucket_case([MB // 4] * 9, 0.5, "nine quarter-MB parameters, half-MB cap"),
+             _bucket_case([MB // 2, MB // 2 + 1] * 2, 1.0, "pairs of parameters one byte over the cap")]
     for _ in range(8):
         sizes = [rng.choice([4, 1024, MB // 4, MB // 2, MB, 3 * MB]) for _ in range(rng.randrange(1, 12))]
         cases.append(_bucket_case(sizes, rng.choice([0.5, 1.0, 2.0, 4.0])))
