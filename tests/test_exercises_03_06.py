@@ -52,6 +52,16 @@ def forwards_before_first_backward(p, m, device):
 def forwards_before_first_backward(p, m, device):
     return min(p - device - 1, m)
 """),
+    ("06.3", "stage 0's staleness on every stage (p - 1)", "the version 3 is too low", """
+def stashed_version(p, stage, microbatch):
+    version = max(0, microbatch - (p - 1))
+    return version, microbatch - version
+"""),
+    ("06.3", "the staleness is the version itself", "the staleness 0 is too low", """
+def stashed_version(p, stage, microbatch):
+    version = max(0, microbatch - (p - 1 - stage))
+    return version, version
+"""),
     ("06.2", "warm-up of p - d - 1 forwards without the min with m", "unexpected", """
 def one_f_one_b_actions(p, m):
     out = []
@@ -133,7 +143,23 @@ def test_the_1f1b_prompt_does_not_answer_06_1_and_introduces_action():
 
 
 def test_shown_cases_include_fewer_micro_batches_than_stages():
-    for exercise_id in ("06.1", "06.2"):
+    for exercise_id in ("06.1", "06.2", "06.4"):
         labels = [case.label for case in EXERCISES[exercise_id].cases()]
         assert any(int(label.split("m=")[1].split(",")[0]) < int(label.split("p=")[1].split(",")[0])
                    for label in labels), labels
+
+
+@pytest.mark.parametrize("exercise_id,wrong", [("06.1", -1), ("06.3", (99, 99))])
+def test_feedback_on_a_hidden_case_keeps_its_expected_value(exercise_id, wrong):
+    for case in EXERCISES[exercise_id].hidden():
+        expected = case.expected()
+        reason = case.compare(wrong, expected)
+        assert reason and "too" in reason and "expected" not in reason and "schedule's is" not in reason, reason
+
+
+def test_feedback_on_a_hidden_prediction_says_more_or_less_not_the_measured_number():
+    case = EXERCISES["06.4"].hidden()[-1]  # p=8, m=20: stage 0 holds 8 versions with stashing
+    expected = case.expected()
+    wrong = {name: {key: [99] * len(values) for key, values in entry.items()} for name, entry in expected.items()}
+    reason = case.compare(wrong, expected)
+    assert reason.endswith("the run measured less") and str(expected["stashing"]["held"][0]) not in reason, reason

@@ -25,10 +25,35 @@ def accumulate_gradients(model, loss_fn, x, y, m):
     return [q.grad for q in model.parameters()]
 """,
     "06.4": """
-def predict_pipedream(p):
+def predict_pipedream(p, m):
     stages = range(p)
-    return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
-            "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 for _ in stages]}}
+
+    def held_with_stashing(s):  # replay stage s's 1F1B order
+        warmup = min(p - 1 - s, m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("F", k), ("B", k - warmup)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        current, stashed, held = 0, {}, []
+        for op, k in order:
+            if op == "F":
+                stashed[k] = max(0, k - warmup)  # the backwards already run on this stage
+            else:
+                del stashed[k]
+                current = k + 1
+            held.append(len({current, *stashed.values()}))
+        return max(held)
+
+    def held_with_vertical_sync(s):
+        if m == 1 or p == 1:  # no update while another micro-batch is still to come
+            return 1
+        handed_out = m - p + 1  # stage 0 uses versions 0 .. m - p
+        return max(2, min(handed_out + (s < p - 1), p))  # + the current one, unless the last stage is at it
+
+    return {"stashing": {"held": [held_with_stashing(s) for s in stages],
+                         "staleness": [min(m - 1, p - 1 - s) for s in stages]},
+            "vertical_sync": {"held": [held_with_vertical_sync(s) for s in stages],
+                              "staleness": [min(m - 1, p - 1) for _ in stages]}}
 """,
     "06.5": """
 def two_bw_versions(per_device, batch):
@@ -79,29 +104,93 @@ def accumulate_gradients(model, loss_fn, x, y, m):
     loss_fn(model(x), y).backward()
     return [q.grad for q in model.parameters()]
 """),
-    ("06.4", "vertical sync keeps as few versions as stashing (p - s)", "vertical_sync, stage 1", """
-def predict_pipedream(p):
+    ("06.4", "steady-state rules that ignore m < p (p - s, p - 1 - s, p, p - 1)", "stashing, stage 0", """
+def predict_pipedream(p, m):
     stages = range(p)
     return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
-            "vertical_sync": {"held": [p - s for s in stages], "staleness": [p - 1 for _ in stages]}}
-"""),
-    ("06.4", "vertical sync's staleness falls with the stage, as stashing's does", "largest staleness 0", """
-def predict_pipedream(p):
-    stages = range(p)
-    return {"stashing": {"held": [p - s for s in stages], "staleness": [p - 1 - s for s in stages]},
-            "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 - s for s in stages]}}
-"""),
-    ("06.4", "versions held counted without the current weights (one short)", "stashing, stage 0", """
-def predict_pipedream(p):
-    stages = range(p)
-    return {"stashing": {"held": [p - 1 - s for s in stages], "staleness": [p - 1 - s for s in stages]},
-            "vertical_sync": {"held": [p - 1 for _ in stages], "staleness": [p - 1 for _ in stages]}}
-"""),
-    ("06.4", "stashing's staleness counted from the last stage (s instead of p - 1 - s)", "largest staleness 0", """
-def predict_pipedream(p):
-    stages = range(p)
-    return {"stashing": {"held": [p - s for s in stages], "staleness": [s for s in stages]},
             "vertical_sync": {"held": [p for _ in stages], "staleness": [p - 1 for _ in stages]}}
+"""),
+    ("06.4", "versions held = micro-batches in flight, clamped by m (min(m, p - s)), staleness right", "versions held at once 3", """
+def predict_pipedream(p, m):
+    stages = range(p)
+    return {"stashing": {"held": [min(m, p - s) for s in stages], "staleness": [min(m - 1, p - 1 - s) for s in stages]},
+            "vertical_sync": {"held": [min(m, p) for _ in stages], "staleness": [min(m - 1, p - 1) for _ in stages]}}
+"""),
+    ("06.4", "vertical sync keeps as few versions as stashing", "vertical_sync, stage 3", """
+def predict_pipedream(p, m):
+    stages = range(p)
+    def held_with_stashing(s):
+        warmup = min(p - 1 - s, m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("F", k), ("B", k - warmup)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        current, stashed, held = 0, {}, []
+        for op, k in order:
+            if op == "F":
+                stashed[k] = max(0, k - warmup)
+            else:
+                del stashed[k]
+                current = k + 1
+            held.append(len({current, *stashed.values()}))
+        return max(held)
+    held = [held_with_stashing(s) for s in stages]
+    return {"stashing": {"held": held, "staleness": [min(m - 1, p - 1 - s) for s in stages]},
+            "vertical_sync": {"held": held, "staleness": [min(m - 1, p - 1) for _ in stages]}}
+"""),
+    ("06.4", "vertical sync's staleness falls with the stage, as stashing's does", "largest staleness 1", """
+def predict_pipedream(p, m):
+    stages = range(p)
+    def held_with_stashing(s):
+        warmup = min(p - 1 - s, m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("F", k), ("B", k - warmup)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        current, stashed, held = 0, {}, []
+        for op, k in order:
+            if op == "F":
+                stashed[k] = max(0, k - warmup)
+            else:
+                del stashed[k]
+                current = k + 1
+            held.append(len({current, *stashed.values()}))
+        return max(held)
+    def held_with_vertical_sync(s):
+        if m == 1 or p == 1:
+            return 1
+        return max(2, min(m - p + 1 + (s < p - 1), p))
+    return {"stashing": {"held": [held_with_stashing(s) for s in stages],
+                         "staleness": [min(m - 1, p - 1 - s) for s in stages]},
+            "vertical_sync": {"held": [held_with_vertical_sync(s) for s in stages],
+                              "staleness": [min(m - 1, p - 1 - s) for s in stages]}}
+"""),
+    ("06.4", "staleness of the steady state even when the run is shorter (no min with m - 1)", "largest staleness 3", """
+def predict_pipedream(p, m):
+    stages = range(p)
+    def held_with_stashing(s):
+        warmup = min(p - 1 - s, m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("F", k), ("B", k - warmup)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        current, stashed, held = 0, {}, []
+        for op, k in order:
+            if op == "F":
+                stashed[k] = max(0, k - warmup)
+            else:
+                del stashed[k]
+                current = k + 1
+            held.append(len({current, *stashed.values()}))
+        return max(held)
+    def held_with_vertical_sync(s):
+        if m == 1 or p == 1:
+            return 1
+        return max(2, min(m - p + 1 + (s < p - 1), p))
+    return {"stashing": {"held": [held_with_stashing(s) for s in stages],
+                         "staleness": [p - 1 - s for s in stages]},
+            "vertical_sync": {"held": [held_with_vertical_sync(s) for s in stages],
+                              "staleness": [p - 1 for _ in stages]}}
 """),
     ("06.5", "the batch's own version t instead of the one before it", "2BW uses 0", """
 def two_bw_versions(per_device, batch):
@@ -207,7 +296,8 @@ def test_check_answers_in_under_10_seconds(exercise_id, capsys):
 
 
 def test_predictions_are_judged_against_a_run_and_a_wrong_shape_is_named(capsys):
-    check("06.4", lambda p: {"stashing": [p - s for s in range(p)]})
+    check("06.4", lambda p, m: {"stashing": [p - s for s in range(p)]})
     assert "expected a dict with the keys ['stashing', 'vertical_sync']" in capsys.readouterr().out
-    check("06.4", lambda p: {"stashing": {"held": [p], "staleness": [0]}, "vertical_sync": {"held": [], "staleness": []}})
-    assert "expected a list of p = 2 numbers" in capsys.readouterr().out
+    check("06.4", lambda p, m: {"stashing": {"held": [p], "staleness": [0]},
+                                "vertical_sync": {"held": [], "staleness": []}})
+    assert "expected a list of p = 4 numbers" in capsys.readouterr().out

@@ -5,16 +5,19 @@ from __future__ import annotations
 from ..schedule import Action, one_f_one_b, pipedream_async, weight_versions
 from ..simulator import simulate
 from .common import judge_fill_drain, schedule_generators
-from .core import Case, Exercise, same
+from .core import Case, Exercise, same, short_repr
 
 # -- 06.1 forwards before the first backward ---------------------------------------------------------------
 
 
-def _warmup_case(p: int, m: int, device: int) -> Case:
+def _warmup_case(p: int, m: int, device: int, shown: bool = True) -> Case:
     def compare(actual, expected):
         if isinstance(actual, int) and not isinstance(actual, bool) and actual > m:
             return f"device {device} cannot run {actual} forwards: there are only m = {m} micro-batches"
-        return same(actual, expected, f"device {device}")
+        if shown or not isinstance(actual, int) or isinstance(actual, bool) or actual == expected:
+            return same(actual, expected, f"device {device}")
+        return (f"device {device}: {actual} forwards is too {'many' if actual > expected else 'few'}: its first "
+                f"backward can run {'earlier' if actual > expected else 'only later'}")
 
     return Case(f"p={p}, m={m}, device={device}", lambda answer: answer(p, m, device),
                 lambda: next(i for i, a in enumerate(one_f_one_b(p, m).per_device[device]) if a.op == "B"),
@@ -27,8 +30,9 @@ def _warmup_case(p: int, m: int, device: int) -> Case:
 WARMUP = Exercise(
     "06.1", "1F1B: forwards before the first backward", "forwards_before_first_backward", 2,
     lambda: [_warmup_case(4, 8, d) for d in range(4)] + [_warmup_case(4, 2, d) for d in range(4)],
-    lambda: [_warmup_case(p, m, d) for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
-    forbidden=schedule_generators, category="derive")
+    lambda: [_warmup_case(p, m, d, shown=False)
+             for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
+    forbidden=schedule_generators, category="formula")
 
 # -- 06.2 the 1F1B schedule ---------------------------------------------------------------------------------------
 
@@ -45,20 +49,20 @@ def _one_f_one_b_case(p: int, m: int) -> Case:
         held = [timeline.peak_in_flight(d) for d in range(p)]
         for d, (yours, theirs) in enumerate(zip(held, expected["held"])):
             if yours > theirs:
-                return (f"device {d}'s peak is {_microbatches(yours)} in flight, 1F1B's {theirs}: it runs more "
-                        f"forwards before a backward than it needs to")
+                return (f"device {d}'s peak is {_microbatches(yours)} in flight, too many: it runs more forwards "
+                        f"before a backward than it needs to")
             if yours < theirs:
-                return (f"device {d}'s peak is {_microbatches(yours)} in flight, 1F1B's {theirs}: it waits for a "
-                        f"backward before it has run the forwards that keep the later stages busy")
+                return (f"device {d}'s peak is {_microbatches(yours)} in flight, too few: it waits for a backward "
+                        f"before it has run the forwards that keep the later stages busy")
         bubble = round(timeline.bubble_fraction, 12)
         if bubble != expected["bubble"]:
-            return f"simulated bubble {bubble:.4f}, 1F1B's is {expected['bubble']:.4f}"
+            return (f"simulated bubble {bubble:.4f}, {'more' if bubble > expected['bubble'] else 'less'} than "
+                    f"1F1B's with the same micro-batches in flight")
         return None
 
     return Case(f"p={p}, m={m}", lambda answer: answer(p, m), expected, compare=compare,
-                hint="1F1B holds as few micro-batches as it can without adding bubble: how many forwards must a "
-                     "device run before its first backward can arrive (exercise 06.1)? From then on, one forward, "
-                     "one backward")
+                hint="which device can start a backward first, and how long until the others can? What does "
+                     "each device do while it waits, and once its first backward has run?")
 
 
 def _microbatches(n: int) -> str:
@@ -74,7 +78,7 @@ ONE_F_ONE_B = Exercise(
 # -- 06.3 PipeDream's stashed weight version and its staleness ---------------------------------------------------
 
 
-def _version_case(p: int, stage: int, microbatch: int) -> Case:
+def _version_case(p: int, stage: int, microbatch: int, shown: bool = True) -> Case:
     def expected():
         schedule = pipedream_async(p, microbatch + p)
         version = weight_versions(schedule)[Action("F", stage, microbatch)]
@@ -83,8 +87,19 @@ def _version_case(p: int, stage: int, microbatch: int) -> Case:
                                       if a.op == "B" and a.stage == stage)
         return version, updates_before_backward - version
 
+    def compare(actual, expected):
+        if not isinstance(actual, (tuple, list)) or len(actual) != 2:
+            return f"expected a pair (version, staleness), got {short_repr(actual)}"
+        for what, yours, theirs in zip(("version", "staleness"), actual, expected):
+            if isinstance(yours, bool) or not isinstance(yours, int):
+                return f"the {what} must be an int, got {short_repr(yours)}"
+            if yours != theirs:
+                told = f" (the schedule's is {theirs})" if shown else ""
+                return f"the {what} {yours} is too {'high' if yours > theirs else 'low'}{told}"
+        return None
+
     return Case(f"p={p}, stage={stage}, microbatch={microbatch}", lambda answer: answer(p, stage, microbatch),
-                expected,
+                expected, compare=compare,
                 hint="on stage s's device, how many of that stage's backwards (each one an update) run before "
                      "micro-batch k's forward, and how does that change from the first stage to the last? Staleness "
                      "counts the updates between the forward and the update that applies k's gradient")
@@ -92,22 +107,23 @@ def _version_case(p: int, stage: int, microbatch: int) -> Case:
 
 STASHED = Exercise(
     "06.3", "PipeDream: the stashed weight version and its staleness", "stashed_version", 3,
-    lambda: [_version_case(4, s, k) for s, k in ((0, 0), (0, 5), (2, 5), (3, 5))],
-    lambda: [_version_case(p, s, k) for p in (1, 2, 4, 6) for s in range(p) for k in (0, 1, p - 1, p, 3 * p + 1)],
-    forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.staleness.version_table",
-               "gpipe_ref.staleness.StagedTrainer"), category="derive")
+    lambda: [_version_case(5, s, k) for s, k in ((0, 0), (0, 2), (0, 7), (2, 7), (4, 7))],
+    lambda: [_version_case(p, s, k, shown=False)
+             for p in (1, 2, 3, 6, 8) for s in range(p) for k in (0, 1, p - 1, p, 3 * p + 1)],
+    forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.schedule.weight_versions",
+               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer"), category="formula")
 
 # -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
 
 VARIANTS = {"stashing": {}, "vertical_sync": {"vertical_sync": True}}
 
 
-def _measured(p: int) -> dict:
-    """What a real run of PipeDream's schedule (3p micro-batches, past its start-up) records, per variant: each
-    stage's peak versions held and the largest staleness of any micro-batch on it."""
+def _measured(p: int, m: int) -> dict:
+    """What a real run of PipeDream's schedule with m micro-batches records, per variant: each stage's peak
+    versions held and the largest staleness of any micro-batch on it."""
     from ..staleness import version_table
 
-    out, m = {}, 3 * p
+    out = {}
     for name, options in VARIANTS.items():
         record = version_table(pipedream_async(p, m), **options)
         out[name] = {"held": list(record.stash_peak),
@@ -115,7 +131,7 @@ def _measured(p: int) -> dict:
     return out
 
 
-def _prediction_case(p: int) -> Case:
+def _prediction_case(p: int, m: int, shown: bool = True) -> Case:
     def compare(actual, expected):
         if not isinstance(actual, dict) or set(actual) != set(VARIANTS):
             return f"expected a dict with the keys {sorted(VARIANTS)}, got {_describe(actual)}"
@@ -126,17 +142,23 @@ def _prediction_case(p: int) -> Case:
             for key in ("held", "staleness"):
                 values = entry[key]
                 if not isinstance(values, list) or len(values) != p:
-                    return f"{name}[{key!r}]: expected a list of p = {p} numbers (one per stage), got {values!r}"
+                    return (f"{name}[{key!r}]: expected a list of p = {p} numbers (one per stage), "
+                            f"got {short_repr(values)}")
                 for stage, (yours, run) in enumerate(zip(values, expected[name][key])):
                     if yours != run:
                         what = "versions held at once" if key == "held" else "largest staleness"
-                        return f"{name}, stage {stage}: you predicted {what} {yours!r}, the run measured {run}"
+                        if shown or isinstance(yours, bool) or not isinstance(yours, (int, float)):
+                            return (f"{name}, stage {stage}: you predicted {what} {short_repr(yours)}, the run "
+                                    f"measured {run}")
+                        return (f"{name}, stage {stage}: you predicted {what} {yours}, the run measured "
+                                f"{'less' if yours > run else 'more'}")
         return None
 
-    return Case(f"p={p}", lambda answer: answer(p), lambda: _measured(p), compare=compare,
-                hint="replay the start of the run on one stage: which versions are stashed while its micro-batches "
-                     "are in flight, and how many updates pass before each one's gradient is applied? Under vertical "
-                     "sync, whose choice of version does a later stage follow, and how long must it keep it?")
+    return Case(f"p={p}, m={m}", lambda answer: answer(p, m), lambda: _measured(p, m), compare=compare,
+                hint="replay the run on one stage, from its first forward to its last backward: which versions "
+                     "are stashed while its micro-batches are in flight, and how many updates pass before each "
+                     "one's gradient is applied? With few micro-batches, which versions are ever made? Under "
+                     "vertical sync, whose choice of version does a later stage follow, and how long must it keep it?")
 
 
 def _describe(value) -> str:
@@ -145,8 +167,10 @@ def _describe(value) -> str:
 
 PREDICT_VERSIONS = Exercise(
     "06.4", "Predict, then check: versions held and staleness", "predict_pipedream", 3,
-    lambda: [_prediction_case(2)],
-    lambda: [_prediction_case(p) for p in (1, 4, 8)],
+    lambda: [_prediction_case(4, 3), _prediction_case(2, 5)],
+    lambda: [_prediction_case(p, m, shown=False) for p, m in ((1, 1), (1, 4), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4),
+                                                               (4, 5), (4, 6), (8, 3), (8, 7), (8, 8), (8, 9),
+                                                               (8, 20))],
     forbidden=("gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
                "gpipe_ref.staleness.versions_held_bound", "gpipe_ref.schedule.weight_versions",
                "gpipe_ref.schedule.pipedream_async", "gpipe_ref.simulator.simulate"),
