@@ -131,8 +131,25 @@ def test_hidden_cases_cover_the_edges():
     assert {d[1] for d in only["one row a replica"]} == {1}  # m = 1 forced
     assert only["one stage"] and all(d[0] == "1f1b" for d in only["one stage"])  # p = 1
     assert only["wide, no time to recompute"] == [("1f1b", 4, "never")]  # only 1F1B meets the budget
-    assert only["wide, a tight budget"] if "wide, a tight budget" in only else True
+    assert only["wide, a tighter budget"] and all(d[2] != "never" for d in only["wide, a tighter budget"])
     assert only["a budget met to the byte, little time"] == [("1f1b", 16, "except_last")]  # time rules out always
     assert only["the least memory a design needs, to the byte"] == [("1f1b", 512, "always")]  # both needed, a tie
     assert len(only["the fastest step, to the last digit"]) == 2  # a tie in time, two schedules
     assert all(label in only for label in ("12 rows a replica", "7 rows", "8 stages", "seeded 0"))
+
+
+def test_compare_names_what_is_wrong_without_the_answer():
+    cases = {case.label.split(":")[0]: case for case in EXERCISES["05.4"].cases() + EXERCISES["05.4"].hidden()}
+    tight = cases["a tight budget, little time"]
+    expected = tight.expected()
+    assert tight.compare(("1f1b", 16, "never"), expected) is None
+    assert "over the budget" in tight.compare(("gpipe", 16, "never"), expected)  # GPipe holds all 16
+    assert "exceeds the target" in tight.compare(("1f1b", 4, "always"), expected)
+    assert tight.compare(None, expected) == "a design that meets both targets exists, you returned None"
+    assert "does not divide" in tight.compare(("1f1b", 3, "never"), expected)  # 512 rows
+    assert "does not divide" in cases["12 rows a replica"].compare(("1f1b", 8, "never"), None)  # 24 rows, dp = 2
+    assert "schedule must be" in tight.compare(("pipedream", 16, "never"), expected)
+    assert "checkpoint must be" in tight.compare(("1f1b", 16, True), expected)
+    nothing = cases["a byte less than any design needs"]
+    assert nothing.compare(None, nothing.expected()) is None
+    assert "over the budget" in nothing.compare(("1f1b", 512, "always"), nothing.expected())
