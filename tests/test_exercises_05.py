@@ -48,7 +48,7 @@ WRONG = [
      planted(("totals = [device.total for device in anatomy]", "totals = [device.activations for device in anatomy]"))),
     ("05.4", "counts 'except_last' like 'always' (the last micro-batch kept whole is forgotten)", "over the budget",
      planted(('if mode == "except_last":', "if False:"))),
-    ("05.4", "forgets the data-parallel split: m divides the whole batch", "wide",
+    ("05.4", "forgets the data-parallel split: m divides the whole batch", "must divide into dp x microbatches",
      planted(("rows = setup.batch // setup.dp", "rows = setup.batch"))),
     ("05.4", "gives every stage the whole model's time", "a design that meets both targets exists",
      planted(("t / setup.pp", "t"))),
