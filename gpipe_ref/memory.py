@@ -15,6 +15,7 @@ sec. 2.3: O(N x L) activations without it, O(N + L/K x N/M) with it).
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -265,12 +266,18 @@ def saved_per_microbatch(setup: MemorySetup, stage: int) -> tuple[int, int]:
 def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> list[int]:
     """The most micro-batches each stage holds at once (forward done, backward not), as the simulator counts them:
     all ``m`` under GPipe, ``min(m, p - stage)`` under 1F1B (notebook 05, section 3)."""
+    one_of("schedule", schedule, MEMORY_SCHEDULES)
+    return list(_peaks_in_flight(schedule, positive_int("pp", pp), positive_int("microbatches", microbatches)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peaks_in_flight(schedule: str, pp: int, microbatches: int) -> tuple[int, ...]:
+    """:func:`microbatches_in_flight`, simulated once per (schedule, pp, microbatches): searches ask often."""
     from .schedule import make_schedule
     from .simulator import simulate
 
-    one_of("schedule", schedule, MEMORY_SCHEDULES)
     timeline = simulate(make_schedule(schedule, pp, microbatches))
-    return [timeline.peak_in_flight(stage) for stage in range(pp)]
+    return tuple(timeline.peak_in_flight(stage) for stage in range(pp))
 
 
 def activation_bytes(setup: MemorySetup, stage: int, held: int | None = None) -> int:

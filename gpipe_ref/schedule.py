@@ -44,6 +44,9 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
+        if type(self.stage) is int and type(self.microbatch) is int and self.stage >= 0 and self.microbatch >= 0 \
+                and self.op in OPS:
+            return  # the common case, checked fast: schedules make many actions
         if self.op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
         integer("stage", self.stage, 0)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import nbformat
 
+from .core import Case
 from .notebooks import BEGIN, END, exercise_of
 
 # Each slip and what it becomes: a flipped comparison, a swapped operator.
@@ -139,7 +141,7 @@ def run_mutants(path: str | Path, only: set[str] | None = None, timeout: float =
     copy of the namespace the notebook's own cells build; ``timeout``: seconds per case at most."""
     import matplotlib.pyplot as plt
 
-    from . import EXERCISES, grade
+    from . import EXERCISES, _in_process
 
     setup, cells = solution_notebook(path)
     namespace: dict = {"__name__": "__main__"}
@@ -150,7 +152,9 @@ def run_mutants(path: str | Path, only: set[str] | None = None, timeout: float =
     for exercise_id, source in cells.items():
         if only is not None and exercise_id not in only:
             continue
-        limit = min(timeout, EXERCISES[exercise_id].timeout)
+        exercise = EXERCISES[exercise_id]
+        limit = min(timeout, exercise.timeout)
+        cases = [_remembering(case) for case in exercise.cases() + exercise.hidden()]  # shown, then hidden
         for mutant in mutants(exercise_id, source):
             mutated = dict(namespace)
             try:
@@ -158,6 +162,18 @@ def run_mutants(path: str | Path, only: set[str] | None = None, timeout: float =
             except Exception as error:  # noqa: BLE001 - a mutant that cannot even be defined is caught
                 outcomes.append(Outcome(mutant, False, f"error: {type(error).__name__}"))
                 continue
-            verdict = grade(exercise_id, mutated, timeout=limit)
+            verdict = _in_process(exercise, cases, mutated, limit)
             outcomes.append(Outcome(mutant, verdict.passed, verdict.status))
     return outcomes
+
+
+def _remembering(case: Case) -> Case:
+    """``case`` computing its expected value once for all the mutants it judges."""
+    remembered: list = []
+
+    def expected():
+        if not remembered:
+            remembered.append(case.expected())
+        return remembered[0]
+
+    return dataclasses.replace(case, expected=expected)
