@@ -3,12 +3,13 @@ grader, and fail the shown check() too, naming the mistake (so check() and the g
 
 from __future__ import annotations
 
-from gpipe_ref.grading import EXERCISES, check, grade
+from gpipe_ref.grading import EXERCISES, FAILED_CHECKS, check, grade
 
 
 def assert_caught(exercise_id: str, namespace: dict, phrase: str, capsys) -> None:
     verdict = grade(exercise_id, namespace)
     assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    FAILED_CHECKS.pop(exercise_id, None)  # a first failure: check() names the mistake, its hint comes later
     check(exercise_id, namespace[EXERCISES[exercise_id].answer])  # the shown cases alone catch it
     out = capsys.readouterr().out
     assert out.startswith(f"❌ Exercise {exercise_id}"), out

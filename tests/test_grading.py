@@ -397,12 +397,22 @@ def test_wrong_answer_loses_the_points(exercise_id, what, code):
 
 
 def test_check_prints_a_short_verdict(capsys):
-    check("04.2", lambda p, m: (p - 1) / m)
+    from gpipe_ref.grading import FAILED_CHECKS
+
+    right = _namespace("def bubble_fraction(p, m):\n    return (p - 1) / (m + p - 1)\n")["bubble_fraction"]
+    check("04.2", right)
+    assert capsys.readouterr().out.startswith("✅ Exercise 04.2") and FAILED_CHECKS["04.2"] == 0
+    check("04.2", lambda p, m: (p - 1) / m)  # a first failure says what is wrong, no hint yet
     out = capsys.readouterr().out
-    assert out.startswith("❌ Exercise 04.2") and "expected" in out and "got" in out and "hint" in out
-    assert "Traceback" not in out and len(out) < 600
-    check("04.2", _namespace("def bubble_fraction(p, m):\n    return (p - 1) / (m + p - 1)\n")["bubble_fraction"])
-    assert capsys.readouterr().out.startswith("✅ Exercise 04.2")
+    assert out.startswith("❌ Exercise 04.2") and "expected" in out and "got" in out and "hint:" not in out
+    assert "Traceback" not in out and len(out) < 600 and "the next failed check adds a hint" in out
+    check("04.2", lambda p, m: (p - 1) / m)  # the second failure in a row adds the hint
+    assert "hint: the bubble is the idle share" in capsys.readouterr().out
+    check("04.2", right)
+    check("04.2", lambda p, m: (p - 1) / m, hint=True)  # at once when asked
+    assert "hint: the bubble is the idle share" in capsys.readouterr().out
+    check("04.2", lambda p, m: (p - 1) / m, hint=False)
+    assert "hint:" not in capsys.readouterr().out
 
     def stub(p, m):
         raise NotImplementedError("Exercise 04.2: write bubble_fraction")

@@ -48,18 +48,30 @@ def _in_process(ex: Exercise, cases: list[Case], namespace: dict[str, Any], time
     return run_cases(ex, cases, lambda index: loads(dumps(run_one(ex, cases[index], namespace, limit))))
 
 
-def check(exercise_id: str, answer: Any) -> None:
+FAILED_CHECKS: dict[str, int] = {}  # failed check() calls in a row, per exercise: the hint comes from the second
+
+
+def check(exercise_id: str, answer: Any, hint: bool | None = None) -> None:
     """Run the cases shown for ``exercise_id`` on ``answer`` and print a short verdict (feedback only: the
-    grader never reads it)."""
+    grader never reads it). A failure says what is wrong; its hint comes with the next failure in a row, or at
+    once with ``hint=True``."""
     ex = exercise(exercise_id)
-    verdict = _in_process(ex, list(ex.cases()), {ex.answer: answer}, None)
+    cases = list(ex.cases())
+    verdict = _in_process(ex, cases, {ex.answer: answer}, None)
     name = f"Exercise {ex.id} · {ex.title}"
+    failures = FAILED_CHECKS[ex.id] = 0 if verdict.status in ("passed", "not attempted") else \
+        FAILED_CHECKS.get(ex.id, 0) + 1
     if verdict.passed:
         print(f"✅ {name}: {verdict.feedback}. The grader also runs hidden cases.")
     elif verdict.status == "not attempted":
         print(f"⏳ {name}: not attempted yet. Replace `raise NotImplementedError(...)` with your code.")
     else:
-        print(f"❌ {name}: not yet.\n   {verdict.feedback}")
+        feedback, case_hint = verdict.feedback, cases[verdict.cases_run - 1].hint if verdict.cases_run else ""
+        held_back = case_hint and feedback.endswith(f"; hint: {case_hint}") and not (hint or failures > 1 and
+                                                                                      hint is None)
+        if held_back:
+            feedback = feedback[:-len(f"; hint: {case_hint}")] + "\n   (stuck? the next failed check adds a hint)"
+        print(f"❌ {name}: not yet.\n   {feedback}")
 
 
 def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None) -> Verdict:

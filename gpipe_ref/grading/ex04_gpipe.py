@@ -40,8 +40,8 @@ def _bubble_case(p: int, m: int) -> Case:
     from ..schedule import gpipe
 
     return Case(f"p={p}, m={m}", lambda answer: answer(p, m), lambda: simulate(gpipe(p, m)).bubble_fraction,
-                hint="the step lasts m + p - 1 slots of (F + B) on every device, and a device computes in m of "
-                     "them: the bubble is the idle share of the whole step, not idle relative to busy time")
+                hint="the bubble is the idle share of the WHOLE step, not idle time relative to busy time: how many "
+                     "slots of (F + B) does the step last, and in how many of them does one device compute?")
 
 
 BUBBLE = Exercise(
