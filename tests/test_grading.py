@@ -382,11 +382,17 @@ def test_every_exercise_has_a_planted_wrong_answer():
 
 
 @pytest.mark.parametrize("name", list(NOTEBOOKS))
-def test_solutions_pass_every_case(name):
+def test_solutions_pass_every_case(name, capsys):
+    import time
+
     namespace = _solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
     for ex in NOTEBOOKS[name]:
         verdict = grade(ex.id, namespace)
         assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
 
 
 @pytest.mark.parametrize("exercise_id,what,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _ in WRONG])
