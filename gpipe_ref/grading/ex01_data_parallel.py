@@ -62,8 +62,8 @@ def _average_gradients_case(world: int, seed: int, per_rank: int = 4, frozen: bo
 
     label = f"{world} ranks, {per_rank} samples each" + (", a frozen bias" if frozen else "")
     return Case(label, run, expected,
-                hint="after the all-reduce every rank holds the SUM of the gradients; the loss is a mean "
-                     "over the whole batch, so divide by the world size")
+                hint="what does dist.all_reduce leave in .grad on each rank, and what would one process that "
+                     "saw the whole batch hold?")
 
 
 def _average_cases() -> list[Case]:
@@ -137,9 +137,8 @@ def _ring_case(world: int, seed: int) -> Case:
 
     return Case(f"world_size={world}, one integer per chunk", lambda answer: _chunk_table(answer, world), expected,
                 compare=compare,
-                hint="at step 0 of the reduce-scatter rank r sends its own chunk r; at every later step it "
-                     "forwards the chunk it has just added to; the all-gather starts from the chunk r + 1 "
-                     "that rank r completed")
+                hint="trace world_size = 3 by hand: after each step of the reduce-scatter, which chunk has a "
+                     "rank just added to, and which chunk does it hold complete at the end?")
 
 
 RING_CHUNK = Exercise(
@@ -179,10 +178,10 @@ def _bucket_problem(actual, sizes: list[int], cap_mb: float) -> str | None:
                    f"parameter it meets is bigger than the cap?)"
         filled = sum(sizes[i] for i in bucket)
         if len(bucket) > 1 and filled > cap:
-            return f"bucket {b} {list(bucket)} holds {filled} B, over the cap of {cap:g} B"
+            return f"bucket {b} {list(bucket)} holds {filled} B, over the cap of {cap:,.0f} B"
         if b + 1 < len(actual) and filled + sizes[actual[b + 1][0]] <= cap:
             return (f"bucket {b} {list(bucket)} was closed too early: parameter {actual[b + 1][0]} still fits "
-                    f"({filled + sizes[actual[b + 1][0]]} B, the cap is {cap:g} B; exactly the cap is allowed)")
+                    f"({filled + sizes[actual[b + 1][0]]} B, the cap is {cap:,.0f} B; exactly the cap is allowed)")
     return None
 
 
@@ -203,7 +202,8 @@ def _bucket_case(sizes: list[int], cap_mb: float, label: str | None = None) -> C
 
 def _bucket_cases() -> list[Case]:
     return [_bucket_case([MB, MB, MB, MB], 2.0), _bucket_case([4 * MB, MB, MB], 2.0),
-            _bucket_case([MB, MB, 3 * MB], 2.0), _bucket_case([100, 200, 300], 25.0)]
+            _bucket_case([MB, MB, 3 * MB], 2.0), _bucket_case([100, 200, 300], 25.0),
+            _bucket_case([MB, MB, MB], 1.5, "three 1 MB parameters, a 1.5 MB cap (real DDP would differ)")]
 
 
 def _bucket_hidden() -> list[Case]:

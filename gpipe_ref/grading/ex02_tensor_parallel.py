@@ -38,8 +38,8 @@ def _column_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, w
 
     return Case(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, world_size={world}",
                 lambda answer: answer(x.clone(), weight.clone(), bias.clone(), world), expected, compare=compare,
-                hint="nn.Linear stores weight as (out_features, in_features): a column split of the matrix "
-                     "multiplication cuts weight's ROWS (dim 0), and the bias with them")
+                hint="which dimension of weight indexes the output features in nn.Linear? What does each output "
+                     "feature need from the bias?")
 
 
 COLUMN = Exercise(
@@ -68,8 +68,8 @@ def _row_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, worl
 
     return Case(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, world_size={world}",
                 lambda answer: answer(x.clone(), weight.clone(), bias.clone(), world), expected, compare=compare,
-                hint="rank r gets the r-th slice of x's LAST dim and of weight's COLUMNS (dim 1); the partial "
-                     "products are summed by the all-reduce, and the bias is added once, after the sum")
+                hint="which slices of x and of weight make one rank's share of x @ weight.T? If every rank added "
+                     "the bias, how many times would it be in the sum?")
 
 
 ROW = Exercise(
@@ -115,9 +115,8 @@ def _f_case(world: int, seed: int, width: int = 4, hidden: int = 8) -> Case:
 
     return Case(f"{world} ranks, MLP {width} -> {hidden} -> {width} (f before the column layer)",
                 lambda answer: launch(_f_rank, world, answer, seed, width, hidden, timeout=20), expected,
-                hint="every rank uses the whole input x, so x's gradient is the SUM of the ranks' gradients: "
-                     "all-reduce in the backward (and do not touch the value in the forward); the grad autograd "
-                     "hands you may be used elsewhere: all-reduce a copy of it, not grad itself")
+                hint="each rank sees only its part of x's gradient: what makes it whole, and in which pass? And who "
+                     "else might still read the tensor autograd hands you?")
 
 
 COPY = Exercise(
