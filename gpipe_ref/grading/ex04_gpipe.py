@@ -46,7 +46,7 @@ def _bubble_case(p: int, m: int) -> Case:
 
 BUBBLE = Exercise(
     "04.2", "The bubble fraction", "bubble_fraction", 2,
-    lambda: [_bubble_case(4, 8), _bubble_case(2, 1), _bubble_case(4, 32)],
+    lambda: [_bubble_case(3, 6), _bubble_case(5, 2), _bubble_case(6, 100)],  # none in the lesson's table
     lambda: [_bubble_case(1, 1), _bubble_case(1, 7), _bubble_case(8, 1), _bubble_case(3, 5),
              _bubble_case(16, 64), _bubble_case(64, 1024)],
     forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula")
@@ -207,13 +207,12 @@ def _design_case(label: str, global_batch: int, stages: int, overhead: float, pe
 
 def _design_shown() -> list[Case]:
     return [_design_case("overhead dominates small micro-batches", 64, 4, 8, 1, 64, 170, backward_ratio=3.0,
-                         hint="the bubble shrinks as m grows, but what does each micro-batch cost when b is small? "
-                              "Compute the step for every b that divides B before choosing one"),
+                         hint="The bubble shrinks as m grows, but what does each micro-batch cost when b is small?"),
             _design_case("a tight memory budget", 64, 4, 8, 1, 32, 140,
                          hint="how many micro-batches does each schedule keep in flight on device 0, and how many "
                               "samples is that? Do the two schedules take different times?"),
             _design_case("a tighter budget", 64, 4, 8, 1, 24, 140,
-                         hint="list what each b gives: does any b meet both? If none does, say so")]
+                         hint="List the step time and the fullest device's samples for each b and schedule.")]
 
 
 def _seeded_designs(count: int, seed: int) -> list[tuple]:
