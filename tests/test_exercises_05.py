@@ -19,10 +19,16 @@ from gpipe_ref.memory import MemorySetup, _measure_stages, memory_anatomy
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = [cell.source for cell in nbformat.read(ROOT / "solutions" / "05_rematerialization.ipynb", as_version=4).cells
          if cell.cell_type == "code"]
-PRELUDE = CELLS[0] + "\n"  # the notebook's imports
-# The solution notebook's answer to 05.4, its markers removed.
-SOLUTION = "\n".join(line for line in next(source for source in CELLS if source.startswith("# Exercise 05.4"))
-                     .splitlines() if "### " not in line) + "\n"
+
+def _solution_of(exercise_id: str) -> str:
+    """The solution notebook's answer to ``exercise_id``, its markers removed."""
+    source = next(source for source in CELLS if source.startswith(f"# Exercise {exercise_id}"))
+    return "\n".join(line for line in source.splitlines() if "### " not in line) + "\n"
+
+
+# The notebook's imports and the learner's 05.1 peak_activations, which 05.4 counts activations with.
+PRELUDE = CELLS[0] + "\n" + _solution_of("05.1")
+SOLUTION = _solution_of("05.4")
 
 
 def planted(*changes: tuple[str, str]) -> str:
@@ -33,7 +39,12 @@ def planted(*changes: tuple[str, str]) -> str:
     return code
 
 
-# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+# A 05.1 answer that forgets k = 1 in except_last (recomputes the only micro-batch), run before a 05.4 answer.
+NO_K1 = _solution_of("05.1").replace("    if held == 1:", "    if False:")
+assert NO_K1 != _solution_of("05.1")
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain (None: only the hidden cases catch
+# it), code)
 WRONG = [
     ("05.4", "ignores the recomputation's time: a checkpointed step looks as fast as a plain one",
      "exceeds the target", planted(("backward + forward * recomputed", "backward"))),
@@ -45,9 +56,18 @@ WRONG = [
     ("05.4", "never returns None: falls back on the design that needs the least memory", "exceeds the target",
      planted(("    return None", '    return "1f1b", rows, "always"'))),
     ("05.4", "counts the activations only, not the weights, gradients and optimizer state", "over the budget",
-     planted(("totals = [device.total for device in anatomy]", "totals = [device.activations for device in anatomy]"))),
+     planted(("device.total - device.activations + kept", "kept"))),
     ("05.4", "counts 'except_last' like 'always' (the last micro-batch kept whole is forgotten)", "over the budget",
-     planted(('if mode == "except_last":', "if False:"))),
+     planted(("peak_activations(mode,", 'peak_activations("always" if mode == "except_last" else mode,'))),
+    ("05.4", "except_last without the k = 1 special case (recomputes a stage's only micro-batch)",
+     "a design that meets both targets exists", NO_K1 + SOLUTION),
+    ("05.4", "times except_last as if it recomputed every micro-batch", "a design that meets both targets exists",
+     planted(('(mode == "except_last" and action.microbatch < m - 1)', 'mode == "except_last"'))),
+    ("05.4", "except_last recomputes micro-batches 1..m-1 instead of 0..m-2",
+     "a design that meets both targets exists",
+     planted(("action.microbatch < m - 1", "action.microbatch > 0"))),
+    ("05.4", "checks only stage 0's memory (the last stage, which keeps the loss's tensors, is fuller)", None,
+     planted(("        return totals\n", "        return totals[:1]\n"))),
     ("05.4", "forgets the data-parallel split: m divides the whole batch", "must divide into dp x microbatches",
      planted(("rows = setup.batch // setup.dp", "rows = setup.batch"))),
     ("05.4", "gives every stage the whole model's time", "a design that meets both targets exists",
@@ -63,17 +83,22 @@ OTHER = planted(('for schedule in ("1f1b", "gpipe"):', 'for schedule in ("gpipe"
 MUTANTS = [("range(1, rows + 1)", "range(1, rows)"), ("range(1, rows + 1)", "range(2, rows + 1)"),
            ("<= budget", "< budget"), ("(1 + 1e-9)", "(1 - 1e-9)"),
            ("backward + forward * recomputed", "backward - forward * recomputed"),
-           ("held[stage] == 1", "held[stage] == 2"), ("(held[stage] - 1)", "(held[stage] - 2)"),
-           ("(held[stage] - 1)", "held[stage]"), ("action.microbatch < m - 1", "action.microbatch < m"),
-           ("action.microbatch < m - 1", "action.microbatch < m - 2"),
-           ("everything - stage_input)", "everything + stage_input)"), ("t / setup.pp", "t * setup.pp"),
+           ("held[stage], everything", "held[stage] + 1, everything"),
+           ("held[stage], everything", "held[stage] - 1, everything"),
+           ("everything / stage_input)", "everything / stage_input + 1)"),
+           ("action.microbatch < m - 1", "action.microbatch < m"),
+           ("action.microbatch < m - 1", "action.microbatch < m - 2"), ("t / setup.pp", "t * setup.pp"),
            ("cost(rows // m)", "cost(rows // m + 1)"), ('mode == "always" or', 'mode == "never" or'),
            ("- device.activations", "+ device.activations")]
 
 
 @pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
 def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    assert_caught(exercise_id, run_answer(PRELUDE, code), phrase, capsys)
+    namespace = run_answer(PRELUDE, code)
+    if phrase is None:  # only a hidden case catches it
+        assert grade(exercise_id, namespace).points == 0
+        return
+    assert_caught(exercise_id, namespace, phrase, capsys)
 
 
 def test_the_solution_passes_quickly(capsys):
@@ -125,7 +150,7 @@ def test_recomputation_costs_one_forward_per_recomputed_micro_batch():
 def test_hidden_cases_cover_the_edges():
     ex = EXERCISES["05.4"]
     assert ex.category == "design"
-    hidden = {case.label.split(":")[0]: case for case in ex.hidden()}
+    hidden = {case.label.split(":")[0]: case for case in ex.cases() + ex.hidden()}
     only = {label: feasible_designs(*case.run(lambda *problem: problem)) for label, case in hidden.items()}
     assert sum(not designs for designs in only.values()) >= 3  # nothing fits
     assert {d[1] for d in only["one row a replica"]} == {1}  # m = 1 forced
@@ -133,6 +158,7 @@ def test_hidden_cases_cover_the_edges():
     assert only["wide, no time to recompute"] == [("1f1b", 4, "never")]  # only 1F1B meets the budget
     assert only["wide, a tighter budget"] and all(d[2] != "never" for d in only["wide, a tighter budget"])
     assert only["a budget met to the byte, little time"] == [("1f1b", 16, "except_last")]  # time rules out always
+    assert not only["the last stage is the fullest"]
     assert only["the least memory a design needs, to the byte"] == [("1f1b", 512, "always")]  # both needed, a tie
     assert len(only["the fastest step, to the last digit"]) == 2  # a tie in time, two schedules
     assert all(label in only for label in ("12 rows a replica", "7 rows", "8 stages", "seeded 0"))

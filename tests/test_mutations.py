@@ -21,8 +21,8 @@ EQUIVALENT = {
     "03.2 14:48 2 -> 3": "the same: one more candidate cut, with an empty stage, never strictly better",
     "03.2 17:15 < -> <=": "ties: the exercise accepts any balance whose slowest stage is the smallest",
     "03.4 20:11 <= -> <": "the comparison already allows 1e-9 of rounding; no step lands between",
-    "05.4 34:41 1 -> 2": "m = rows + 1 never divides the rows, so the longer search adds nothing",
-    "05.4 38:28 <= -> <": "the comparison already allows 1e-9 of rounding; no step lands between",
+    "05.4 28:41 1 -> 2": "m = rows + 1 never divides the rows, so the longer search adds nothing",
+    "05.4 32:28 <= -> <": "the comparison already allows 1e-9 of rounding; no step lands between",
     "06.5 12:15 == -> !=": "counting a batch as updated at its last forward or at its last backward gives the same "
                            "count, because each device runs its micro-batches in order",
     "07.3 5:47 1 -> 2": "tp = gpus_per_node + 1 never divides the node, so the longer loop adds nothing",
