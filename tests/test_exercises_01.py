@@ -169,12 +169,12 @@ def _gloo_rank(rank, world, numel):
     from torch import nn
 
     from gpipe_ref.distributed.collectives import ring_all_reduce
-    from gpipe_ref.distributed.data_parallel import _reduce_grads_and_step
+    from gpipe_ref.distributed.data_parallel import reduce_grads_on_master_and_step
 
     weight = nn.Parameter(torch.zeros(numel))
     weight.grad = torch.ones_like(weight)
     traffic = {"sent": 0, "received": 0}
-    _reduce_grads_and_step(nn.ParameterList([weight]), torch.optim.SGD([weight], lr=0.1), traffic)
+    reduce_grads_on_master_and_step(nn.ParameterList([weight]), torch.optim.SGD([weight], lr=0.1), traffic)
     return traffic["sent"], ring_all_reduce(torch.arange(numel, dtype=torch.float32))
 
 

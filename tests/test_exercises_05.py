@@ -14,7 +14,7 @@ import pytest
 from planted import assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 from gpipe_ref.grading.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
-from gpipe_ref.memory import MemorySetup, _measure_stages, memory_anatomy
+from gpipe_ref.memory import MemorySetup, measure_anatomy, memory_anatomy
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = [cell.source for cell in nbformat.read(ROOT / "solutions" / "05_rematerialization.ipynb", as_version=4).cells
@@ -135,7 +135,7 @@ def test_memory_is_memory_anatomy_and_except_last_is_what_a_real_step_holds():
         setup = MemorySetup(hidden=32, layers=2 * pp, batch=8 * m, pp=pp, microbatches=m, schedule=schedule,
                             precision=precision)
         object.__setattr__(setup, "recompute", "except_last")  # MemorySetup models "never" and "always" only
-        measured = [device.total for device in _measure_stages(setup, seed=0)]
+        measured = [device.total for device in measure_anatomy(setup, seed=0)[0]]
         assert design_memory(setup, schedule, m, "except_last") == measured
 
 

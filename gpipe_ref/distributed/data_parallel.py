@@ -92,7 +92,7 @@ def _scatter_output_grads(gathered: list[torch.Tensor] | None, targets: torch.Te
     return grad_output, loss
 
 
-def _reduce_grads_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, traffic: dict) -> None:
+def reduce_grads_on_master_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, traffic: dict) -> None:
     """Steps 4-5 after the backward: sum the weight gradients on rank 0, which steps;
     everyone receives the new weights."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -124,7 +124,7 @@ def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targ
     # 4. backward on each rank; 5. sum the weight gradients on rank 0, step, broadcast the new weights
     optimizer.zero_grad(set_to_none=False)
     output.backward(grad_output)
-    _reduce_grads_and_step(model, optimizer, traffic)
+    reduce_grads_on_master_and_step(model, optimizer, traffic)
     result = dict(traffic)
     if loss is not None:
         result["loss"] = loss.item()

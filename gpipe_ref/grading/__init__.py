@@ -42,7 +42,7 @@ def exercise(exercise_id: str) -> Exercise:
     return EXERCISES[exercise_id]
 
 
-def _in_process(ex: Exercise, cases: list[Case], namespace: dict[str, Any], timeout: float | None) -> Verdict:
+def judge_in_process(ex: Exercise, cases: list[Case], namespace: dict[str, Any], timeout: float | None) -> Verdict:
     """Run and judge in this process; each reply makes the round trip through data, as in the grader."""
     limit = ex.timeout if timeout is None else timeout
     return run_cases(ex, cases, lambda index: loads(dumps(run_one(ex, cases[index], namespace, limit))))
@@ -57,7 +57,7 @@ def check(exercise_id: str, answer: Any, hint: bool | None = None) -> None:
     once with ``hint=True``."""
     ex = exercise(exercise_id)
     cases = list(ex.cases())
-    verdict = _in_process(ex, cases, {ex.answer: answer}, None)
+    verdict = judge_in_process(ex, cases, {ex.answer: answer}, None)
     name = f"Exercise {ex.id} · {ex.title}"
     failures = FAILED_CHECKS[ex.id] = 0 if verdict.status in ("passed", "not attempted") else \
         FAILED_CHECKS.get(ex.id, 0) + 1
@@ -79,4 +79,4 @@ def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = N
     (for tests and instructors; ``python -m gpipe_ref grade`` judges outside the learner's kernel).
     ``timeout``: seconds per case, default the exercise's own."""
     ex = exercise(exercise_id)
-    return _in_process(ex, ex.all_cases(), namespace, timeout)
+    return judge_in_process(ex, ex.all_cases(), namespace, timeout)

@@ -294,12 +294,13 @@ def _over_link(function, link: _ThreadLink, **more):
 
 
 def _master_rank(link: _ThreadLink, numel: int, dtype: torch.dtype) -> int:
-    from ..distributed.data_parallel import _reduce_grads_and_step
+    from ..distributed.data_parallel import reduce_grads_on_master_and_step
 
     weight = nn.Parameter(torch.zeros(numel, dtype=dtype))
     weight.grad = torch.full_like(weight, float(link.rank + 1))
     traffic = {"sent": 0, "received": 0}
-    _over_link(_reduce_grads_and_step, link)(nn.ParameterList([weight]), torch.optim.SGD([weight], lr=0.1), traffic)
+    step = _over_link(reduce_grads_on_master_and_step, link)
+    step(nn.ParameterList([weight]), torch.optim.SGD([weight], lr=0.1), traffic)
     return traffic["sent"]
 
 
@@ -408,7 +409,8 @@ TRAFFIC = Exercise(
     "01.4", "Predict, then check: bytes through each rank", "predict_traffic", 3, _traffic_cases, _traffic_hidden,
     forbidden=("gpipe_ref.sharding.ring_bytes_per_rank", "gpipe_ref.distributed.collectives.ring_all_reduce",
                "gpipe_ref.distributed.data_parallel.naive_data_parallel_step",
-               "gpipe_ref.distributed.data_parallel._reduce_grads_and_step", "gpipe_ref.distributed.launch.launch", "gpipe_ref.grading.ex01_data_parallel.measure_traffic"),
+               "gpipe_ref.distributed.data_parallel.reduce_grads_on_master_and_step",
+               "gpipe_ref.distributed.launch.launch", "gpipe_ref.grading.ex01_data_parallel.measure_traffic"),
     category="predict")
 
 EXERCISES = [AVERAGE_GRADIENTS, RING_CHUNK, BUCKETS, TRAFFIC]

@@ -141,7 +141,7 @@ def run_mutants(path: str | Path, only: set[str] | None = None, timeout: float =
     copy of the namespace the notebook's own cells build; ``timeout``: seconds per case at most."""
     import matplotlib.pyplot as plt
 
-    from . import EXERCISES, _in_process
+    from . import EXERCISES, judge_in_process
 
     setup, cells = solution_notebook(path)
     namespace: dict = {"__name__": "__main__"}
@@ -162,7 +162,7 @@ def run_mutants(path: str | Path, only: set[str] | None = None, timeout: float =
             except Exception as error:  # noqa: BLE001 - a mutant that cannot even be defined is caught
                 outcomes.append(Outcome(mutant, False, f"error: {type(error).__name__}"))
                 continue
-            verdict = _in_process(exercise, cases, mutated, limit)
+            verdict = judge_in_process(exercise, cases, mutated, limit)
             outcomes.append(Outcome(mutant, verdict.passed, verdict.status))
     return outcomes
 
