@@ -14,6 +14,9 @@ import time
 from collections import abc
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
+from operator import attrgetter
 from typing import Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int
@@ -162,14 +165,19 @@ def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: st
            peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None) -> Timeline:
     schedule = encoded.schedule
     ran = walk(encoded, per_key, comm)
-    owner, start, end = schedule.stage_to_device, ran.start, ran.end
-    actions = [encoded.action_of[key] for key in ran.order]
-    events = list(map(Event._make, (
-        (owner[a.stage], a.stage, a.op, a.microbatch, start[key], end[key],
-         0 if versions is None else versions[a])
-        for a, key in zip(actions, ran.order)
-    )))
+    # One column per Event field, then the records: every loop here runs in C (map, zip), as this builds one
+    # record per action (10^5 of them at 64 devices x 1024 micro-batches).
+    actions = list(map(encoded.action_of.__getitem__, ran.order))
+    stages = list(map(_STAGE, actions))
+    columns = (map(schedule.stage_to_device.__getitem__, stages), stages, map(_OP, actions),
+               map(_MICROBATCH, actions), map(ran.start.__getitem__, ran.order), map(ran.end.__getitem__, ran.order),
+               repeat(0) if versions is None else map(versions.__getitem__, actions))
+    events = list(map(_new_event, zip(*columns)))
     return Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
+
+
+_STAGE, _OP, _MICROBATCH = attrgetter("stage"), attrgetter("op"), attrgetter("microbatch")
+_new_event = partial(tuple.__new__, Event)  # Event._make without its per-record Python call
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:
