@@ -15,6 +15,43 @@ PRELUDE = """
 from gpipe_ref import Action
 """
 
+# 06.4's solution (a replay of one stage's 1F1B order for stashing, a closed form for vertical sync); the planted
+# answers below replace one part of it with a plausible mistake.
+PREDICT = """
+def predict_pipedream(p, m):
+    stages = range(p)
+    def held_with_stashing(s):  # replay stage s's 1F1B order
+        warmup = min(p - 1 - s, m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("F", k), ("B", k - warmup)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        current, stashed, held = 0, {{}}, []
+        for op, k in order:
+            if op == "F":
+                stashed[k] = max(0, k - warmup)  # the backwards already run on this stage
+            else:
+                del stashed[k]
+                current = k + 1
+            held.append(len({{current, *stashed.values()}}))
+        return max(held)
+    def held_with_vertical_sync(s):
+        if m == 1 or p == 1:  # no update while another micro-batch is still to come
+            return 1
+        handed_out = m - p + 1  # stage 0 uses versions 0 .. m - p
+        return max(2, min(handed_out + (s < p - 1), p))  # + the current one, unless the last stage is at it
+    return {{"stashing": {{"held": [held_with_stashing(s) for s in stages], "staleness": {stashing_staleness}}},
+            "vertical_sync": {{"held": {vertical_held}, "staleness": {vertical_staleness}}}}}
+"""
+
+
+def predict_pipedream(stashing_staleness="[min(m - 1, p - 1 - s) for s in stages]",
+                      vertical_held="[held_with_vertical_sync(s) for s in stages]",
+                      vertical_staleness="[min(m - 1, p - 1) for _ in stages]") -> str:
+    return PREDICT.format(stashing_staleness=stashing_staleness, vertical_held=vertical_held,
+                          vertical_staleness=vertical_staleness)
+
+
 SOLUTIONS = {
     "04.4": """
 def accumulate_gradients(model, loss_fn, x, y, m):
@@ -24,37 +61,7 @@ def accumulate_gradients(model, loss_fn, x, y, m):
         loss.backward()
     return [q.grad for q in model.parameters()]
 """,
-    "06.4": """
-def predict_pipedream(p, m):
-    stages = range(p)
-
-    def held_with_stashing(s):  # replay stage s's 1F1B order
-        warmup = min(p - 1 - s, m)
-        order = [("F", k) for k in range(warmup)]
-        for k in range(warmup, m):
-            order += [("F", k), ("B", k - warmup)]
-        order += [("B", k) for k in range(m - warmup, m)]
-        current, stashed, held = 0, {}, []
-        for op, k in order:
-            if op == "F":
-                stashed[k] = max(0, k - warmup)  # the backwards already run on this stage
-            else:
-                del stashed[k]
-                current = k + 1
-            held.append(len({current, *stashed.values()}))
-        return max(held)
-
-    def held_with_vertical_sync(s):
-        if m == 1 or p == 1:  # no update while another micro-batch is still to come
-            return 1
-        handed_out = m - p + 1  # stage 0 uses versions 0 .. m - p
-        return max(2, min(handed_out + (s < p - 1), p))  # + the current one, unless the last stage is at it
-
-    return {"stashing": {"held": [held_with_stashing(s) for s in stages],
-                         "staleness": [min(m - 1, p - 1 - s) for s in stages]},
-            "vertical_sync": {"held": [held_with_vertical_sync(s) for s in stages],
-                              "staleness": [min(m - 1, p - 1) for _ in stages]}}
-""",
+    "06.4": predict_pipedream(),
     "06.5": """
 def two_bw_versions(per_device, batch):
     if batch < len(per_device):
@@ -117,81 +124,12 @@ def predict_pipedream(p, m):
             "vertical_sync": {"held": [min(m, p) for _ in stages], "staleness": [min(m - 1, p - 1) for _ in stages]}}
 """),
     ("06.4", "vertical sync keeps as few versions as stashing", "vertical_sync, stage 3", """
-def predict_pipedream(p, m):
-    stages = range(p)
-    def held_with_stashing(s):
-        warmup = min(p - 1 - s, m)
-        order = [("F", k) for k in range(warmup)]
-        for k in range(warmup, m):
-            order += [("F", k), ("B", k - warmup)]
-        order += [("B", k) for k in range(m - warmup, m)]
-        current, stashed, held = 0, {}, []
-        for op, k in order:
-            if op == "F":
-                stashed[k] = max(0, k - warmup)
-            else:
-                del stashed[k]
-                current = k + 1
-            held.append(len({current, *stashed.values()}))
-        return max(held)
-    held = [held_with_stashing(s) for s in stages]
-    return {"stashing": {"held": held, "staleness": [min(m - 1, p - 1 - s) for s in stages]},
-            "vertical_sync": {"held": held, "staleness": [min(m - 1, p - 1) for _ in stages]}}
-"""),
+""" + predict_pipedream(vertical_held="[held_with_stashing(s) for s in stages]")),
     ("06.4", "vertical sync's staleness falls with the stage, as stashing's does", "largest staleness 1", """
-def predict_pipedream(p, m):
-    stages = range(p)
-    def held_with_stashing(s):
-        warmup = min(p - 1 - s, m)
-        order = [("F", k) for k in range(warmup)]
-        for k in range(warmup, m):
-            order += [("F", k), ("B", k - warmup)]
-        order += [("B", k) for k in range(m - warmup, m)]
-        current, stashed, held = 0, {}, []
-        for op, k in order:
-            if op == "F":
-                stashed[k] = max(0, k - warmup)
-            else:
-                del stashed[k]
-                current = k + 1
-            held.append(len({current, *stashed.values()}))
-        return max(held)
-    def held_with_vertical_sync(s):
-        if m == 1 or p == 1:
-            return 1
-        return max(2, min(m - p + 1 + (s < p - 1), p))
-    return {"stashing": {"held": [held_with_stashing(s) for s in stages],
-                         "staleness": [min(m - 1, p - 1 - s) for s in stages]},
-            "vertical_sync": {"held": [held_with_vertical_sync(s) for s in stages],
-                              "staleness": [min(m - 1, p - 1 - s) for s in stages]}}
-"""),
+""" + predict_pipedream(vertical_staleness="[min(m - 1, p - 1 - s) for s in stages]")),
     ("06.4", "staleness of the steady state even when the run is shorter (no min with m - 1)", "largest staleness 3", """
-def predict_pipedream(p, m):
-    stages = range(p)
-    def held_with_stashing(s):
-        warmup = min(p - 1 - s, m)
-        order = [("F", k) for k in range(warmup)]
-        for k in range(warmup, m):
-            order += [("F", k), ("B", k - warmup)]
-        order += [("B", k) for k in range(m - warmup, m)]
-        current, stashed, held = 0, {}, []
-        for op, k in order:
-            if op == "F":
-                stashed[k] = max(0, k - warmup)
-            else:
-                del stashed[k]
-                current = k + 1
-            held.append(len({current, *stashed.values()}))
-        return max(held)
-    def held_with_vertical_sync(s):
-        if m == 1 or p == 1:
-            return 1
-        return max(2, min(m - p + 1 + (s < p - 1), p))
-    return {"stashing": {"held": [held_with_stashing(s) for s in stages],
-                         "staleness": [p - 1 - s for s in stages]},
-            "vertical_sync": {"held": [held_with_vertical_sync(s) for s in stages],
-                              "staleness": [p - 1 for _ in stages]}}
-"""),
+""" + predict_pipedream(stashing_staleness="[p - 1 - s for s in stages]",
+                                   vertical_staleness="[p - 1 for _ in stages]")),
     ("06.5", "the batch's own version t instead of the one before it", "2BW uses 0", """
 def two_bw_versions(per_device, batch):
     if batch < len(per_device):
