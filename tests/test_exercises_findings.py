@@ -20,6 +20,31 @@ from torch.utils.checkpoint import checkpoint
 from gpipe_ref.planner import estimate
 """
 
+# 07.3: the solution's search with one rule changed (which tp to try, which layouts fit).
+LAYOUT = """
+def pick_layout(model, cluster):
+    best = None
+    for tp in range(1, {tp_limit} + 1):
+        if {tp_skip}:
+            continue
+        for pp in range(1, cluster.gpus // tp + 1):
+            if (cluster.gpus // tp) % pp:
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if {fits} and (best is None or e.step_time < best[0]):
+                best = (e.step_time, (e.dp, tp, pp))
+    return best and best[1]
+"""
+
+
+def pick_layout(tp_limit="cluster.gpus_per_node", tp_skip="cluster.gpus_per_node % tp or cluster.gpus % tp",
+                fits="e.fits") -> str:
+    return LAYOUT.format(tp_limit=tp_limit, tp_skip=tp_skip, fits=fits)
+
+
 # (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
 WRONG = [
     ("05.1", "forgets held = 1 in except_last (recomputes the only micro-batch)", "held=1", """
@@ -54,57 +79,12 @@ def checkpointed_forward(stage, x):
 def checkpointed_forward(stage, x):
     return checkpoint(stage, x)
 """),
-    ("07.3", "fit test against the whole GPU memory, ignoring usable_memory", "usable_memory=0.9", """
-def pick_layout(model, cluster):
-    best = None
-    for tp in range(1, cluster.gpus_per_node + 1):
-        if cluster.gpus_per_node % tp or cluster.gpus % tp:
-            continue
-        for pp in range(1, cluster.gpus // tp + 1):
-            if (cluster.gpus // tp) % pp:
-                continue
-            try:
-                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
-            except ValueError:
-                continue
-            if e.memory["total"] <= cluster.memory_bytes and (best is None or e.step_time < best[0]):
-                best = (e.step_time, (e.dp, tp, pp))
-    return best and best[1]
-"""),
-    ("07.3", "usable fraction hard-coded to 0.9 instead of cluster.usable_bytes", None, """
-def pick_layout(model, cluster):
-    best = None
-    for tp in range(1, cluster.gpus_per_node + 1):
-        if cluster.gpus_per_node % tp or cluster.gpus % tp:
-            continue
-        for pp in range(1, cluster.gpus // tp + 1):
-            if (cluster.gpus // tp) % pp:
-                continue
-            try:
-                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
-            except ValueError:
-                continue
-            if e.memory["total"] <= 0.9 * cluster.memory_bytes and (best is None or e.step_time < best[0]):
-                best = (e.step_time, (e.dp, tp, pp))
-    return best and best[1]
-"""),
-    ("07.3", "tensor parallelism across nodes: tp only divides the GPU count (review, round 2)", None, """
-def pick_layout(model, cluster):
-    best = None
-    for tp in range(1, cluster.gpus + 1):
-        if cluster.gpus % tp:
-            continue
-        for pp in range(1, cluster.gpus // tp + 1):
-            if (cluster.gpus // tp) % pp:
-                continue
-            try:
-                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
-            except ValueError:
-                continue
-            if e.fits and (best is None or e.step_time < best[0]):
-                best = (e.step_time, (e.dp, tp, pp))
-    return best and best[1]
-"""),
+    ("07.3", "fit test against the whole GPU memory, ignoring usable_memory", "usable_memory=0.9",
+     pick_layout(fits='e.memory["total"] <= cluster.memory_bytes')),
+    ("07.3", "usable fraction hard-coded to 0.9 instead of cluster.usable_bytes", None,
+     pick_layout(fits='e.memory["total"] <= 0.9 * cluster.memory_bytes')),
+    ("07.3", "tensor parallelism across nodes: tp only divides the GPU count (review, round 2)", None,
+     pick_layout(tp_limit="cluster.gpus", tp_skip="cluster.gpus % tp")),
 ]
 
 
