@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ..schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
+from .core import short_repr
 
-__all__ = ["judge_fill_drain", "schedule_generators"]
+__all__ = ["gradient_gap", "judge_fill_drain", "schedule_generators"]
 
 
 def schedule_generators() -> tuple[str, ...]:
@@ -36,3 +37,16 @@ def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_firs
         return validate(schedule)
     except ScheduleError as error:
         return f"the schedule does not run: {' '.join(str(error).split())[:300]}"
+
+
+def gradient_gap(yours, one_device, atol: float = 1e-7) -> str | None:
+    """None when the gradient ``yours`` equals ``one_device``'s (within 1e-4 relative), else what differs: not a
+    tensor of its shape, or its norm as a multiple of one device's."""
+    import torch
+
+    if not isinstance(yours, torch.Tensor) or yours.shape != one_device.shape:
+        return f"expected a tensor of shape {tuple(one_device.shape)}, got {short_repr(yours)}"
+    if torch.allclose(yours, one_device, rtol=1e-4, atol=atol):
+        return None
+    ratio = (yours.norm() / one_device.norm()).item() if one_device.norm() > 0 else float("nan")
+    return f"differs from one device's: its norm is {ratio:.3f} x one device's"
