@@ -34,7 +34,7 @@ def _single_process_weights():
 
 def _ddp(rank, world_size, bucket_cap_mb, accumulate):
     model = mlp(32, 3, seed=1 if rank == 0 else 99)  # other ranks start elsewhere: the broadcast fixes it
-    replica = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    replica = DataParallel(model, bucket_cap_mb=bucket_cap_mb, record_timeline=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = regression_data(BATCH * STEPS, 32, seed=2)
     local = BATCH // world_size
@@ -66,7 +66,7 @@ def test_data_parallel_equals_single_process(world_size, bucket_cap_mb, accumula
 
 
 def _ddp_timeline(rank, world_size):
-    replica = DataParallel(mlp(32, 3, seed=1), bucket_cap_mb=0.002)
+    replica = DataParallel(mlp(32, 3, seed=1), bucket_cap_mb=0.002, record_timeline=True)
     x, y = regression_data(BATCH, 32, seed=rank)
     nn.MSELoss()(replica(x), y).backward()
     return replica.timeline

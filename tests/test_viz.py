@@ -263,7 +263,7 @@ def _bucketed_step(rank, world_size):
     from gpipe_ref.distributed.data_parallel import DataParallel
     from gpipe_ref.models import mlp, regression_data
 
-    replica = DataParallel(mlp(64, 4, seed=0), bucket_cap_mb=0.02)  # 0.02 MB: one 16 KiB weight per bucket
+    replica = DataParallel(mlp(64, 4, seed=0), bucket_cap_mb=0.02, record_timeline=True)  # one 16 KiB weight a bucket
     xs, ys = regression_data(32, 64, seed=rank)
     for _ in range(2):
         nn.MSELoss()(replica(xs), ys).backward()

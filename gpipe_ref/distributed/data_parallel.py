@@ -134,21 +134,25 @@ def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targ
 class DataParallel(nn.Module):
     """DDP-style data parallelism with bucketed, overlapped gradient all-reduce.
 
-    Wrap a model on every rank; call ``loss.backward()`` as usual. Each
-    parameter's gradient is ready once ``register_post_accumulate_grad_hook``
-    fires (the hook receives the parameter, not the gradient). Parameters are
-    put in buckets of about ``bucket_cap_mb`` in reverse order, the order their
-    gradients appear in the backward pass; a full bucket is flattened and
-    all-reduced asynchronously while the backward continues. At the end of the
-    backward every bucket is waited for and the average copied back.
+    Wrap a model on every rank; call ``loss.backward()`` as usual. Parameters
+    are put in buckets of about ``bucket_cap_mb`` in reverse order, the order
+    their gradients appear in the backward pass. Each bucket is one flat
+    buffer, and each parameter's ``.grad`` a view into it (torch's
+    ``gradient_as_bucket_view``): autograd accumulates straight into the
+    bucket, so nothing is flattened or copied back. When a parameter's
+    gradient is final (``register_post_accumulate_grad_hook`` fires; the hook
+    receives the parameter, not the gradient) its bucket counts it; a full
+    bucket is all-reduced asynchronously, in place, while the backward goes
+    on. At the end of the backward every bucket is waited for and divided by
+    the number of ranks: the average (Li et al. 2020, sec. 3.2.3).
 
     Every rank must issue the same all-reduces in the same order, so buckets go
     out strictly in bucket order (Li et al. 2020, sec. 3.2.3): a full bucket
     waits for the ones before it. A parameter without a gradient on some rank
     holds its bucket back there; at the end of the backward that rank sends the
     buckets still waiting, the missing gradients as zeros, and the ranks
-    exchange which parameters they used (one small all-gather, drawn in the
-    timeline). Then, as torch's ``DistributedDataParallel``:
+    exchange which parameters they used (one small all-gather). Then, as torch's
+    ``DistributedDataParallel``:
 
     * ``find_unused_parameters=False``: a parameter without a gradient on any
       rank is an error on every rank, naming it and the rank (torch raises at the
@@ -160,16 +164,21 @@ class DataParallel(nn.Module):
       ranks; one used on no rank ("globally unused") keeps its ``.grad`` as it
       was, None if it had none.
 
-    After each synchronised backward, ``timeline`` holds this rank's forward,
-    backward and all-reduces, and ``grad_ready`` the time (same clock) each
-    parameter's gradient was ready: ``viz.plot_bucket_overlap`` draws both.
+    Inside ``no_sync()`` gradients only accumulate in the buckets; the next
+    backward outside it all-reduces the sum (Li et al. 2020, sec. 3.2.4).
+
+    With ``record_timeline=True``, after each synchronised backward ``timeline``
+    holds this rank's forward, backward and all-reduces (the all-gather too), and
+    ``grad_ready`` the time (same clock) each parameter's gradient was ready:
+    ``viz.plot_bucket_overlap`` draws both. Off by default: a plain step keeps
+    no clock.
 
     As with torch's DDP, a rank whose loss uses no parameter at all never
     starts its all-reduces: the others wait (``launch``'s timeout reports it).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -178,12 +187,15 @@ class DataParallel(nn.Module):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
         if not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be True or False, got {find_unused_parameters!r}")
+        if not isinstance(record_timeline, bool):
+            raise TypeError(f"record_timeline must be True or False, got {record_timeline!r}")
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialised on every rank first: start the "
                                "ranks with gpipe_ref.distributed.launch or torchrun (init_from_env)")
         self.module = module
         self.group = group
         self.find_unused_parameters = find_unused_parameters
+        self.record_timeline = record_timeline
         self.world_size = dist.get_world_size(group)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         shapes = [tuple(p.shape) for p in module.parameters()]
@@ -200,6 +212,7 @@ class DataParallel(nn.Module):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self.buckets = assign_buckets([p.numel() * p.element_size() for p in self._params], bucket_cap_mb)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._flat, self._views = self._bucket_buffers()
         self._sync = True
         self.all_reduces = 0  # gradient buckets all-reduced since construction
         self.bytes_all_reduced = 0  # their bytes (this rank's buffer, not what the ring sends)
@@ -211,6 +224,23 @@ class DataParallel(nn.Module):
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
+    def _bucket_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One flat buffer per bucket, and each parameter's view into it (its ``.grad`` once it has one)."""
+        flats, views = [], [None] * len(self._params)
+        for bucket in self.buckets:
+            params = [self._params[i] for i in bucket]
+            kinds = {(p.dtype, p.device) for p in params}
+            if len(kinds) > 1:
+                raise ValueError(f"DataParallel: a bucket mixes dtypes or devices {sorted(map(str, kinds))}; "
+                                 "give every parameter the same dtype and device")
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            offset = 0
+            for i, p in zip(bucket, params):
+                views[i] = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            flats.append(flat)
+        return flats, views
+
     @property
     def bucket_names(self) -> list[list[str]]:
         """The buckets as parameter names (``buckets`` holds their indices), first bucket first."""
@@ -220,10 +250,13 @@ class DataParallel(nn.Module):
         """Fresh bookkeeping for the next backward pass."""
         self._pending = [len(bucket) for bucket in self.buckets]
         self._next_bucket = 0  # buckets are all-reduced in this order on every rank
-        self._works, self._started, self._done = [], False, {}
-        self._ready_at: dict[int, float] = {}  # parameter -> seconds since _t0 when its gradient was ready
-        self._t0 = time.perf_counter()
-        self._forward_end = 0.0
+        self._works, self._started = [], False
+        if self.record_timeline:
+            self._launched: dict[int, float] = {}  # bucket -> when its all-reduce started
+            self._done: dict[int, float] = {}  # bucket -> when its all-reduce finished
+            self._ready_at: dict[int, float] = {}  # parameter -> seconds since _t0 when its gradient was ready
+            self._t0 = time.perf_counter()
+            self._forward_end = 0.0
 
     def forward(self, *args, **kwargs):
         self._reset()
@@ -232,7 +265,8 @@ class DataParallel(nn.Module):
         if self.find_unused_parameters and self._sync and torch.is_grad_enabled():
             reached = parameters_reached([t for t in _tensors_in(output) if t.requires_grad])
             self._unused = {i for i, p in enumerate(self._params) if id(p) not in reached}
-        self._forward_end = time.perf_counter() - self._t0
+        if self.record_timeline:
+            self._forward_end = time.perf_counter() - self._t0
         return output
 
     @contextlib.contextmanager
@@ -247,9 +281,14 @@ class DataParallel(nn.Module):
     def _grad_ready(self, param: torch.Tensor) -> None:
         i = self._index[id(param)]
         self._used.add(i)
+        view = self._views[i]
+        if param.grad is not view:  # a fresh .grad (the first, or after zero_grad(set_to_none=True)): into the bucket
+            view.copy_(param.grad)
+            param.grad = view
         if not self._sync:
             return
-        self._ready_at[i] = time.perf_counter() - self._t0
+        if self.record_timeline:
+            self._ready_at[i] = time.perf_counter() - self._t0
         if not self._started:  # the first gradient of this backward: run _finish at its end
             self._started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -270,16 +309,26 @@ class DataParallel(nn.Module):
             self._launch(self._next_bucket)
 
     def _launch(self, b: int) -> None:
-        """Flatten bucket ``b`` (zeros for a parameter without gradient) and start its all-reduce."""
-        params = [self._params[i] for i in self.buckets[b]]
-        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params])
-        start = time.perf_counter() - self._t0
+        """Start bucket ``b``'s all-reduce, in place. A parameter with no gradient here since the last
+        all-reduce sends what its ``.grad`` holds (zeros if None), which keeps it until we know it was used."""
+        for i in self.buckets[b]:
+            p, view = self._params[i], self._views[i]
+            if p.grad is view and i not in self._used:
+                p.grad = view.clone()  # kept as it was should no rank use it
+            if p.grad is None:
+                view.zero_()
+            elif p.grad is not view:
+                view.copy_(p.grad)
+        flat = self._flat[b]
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.all_reduces += 1
         self.bytes_all_reduced += flat.numel() * flat.element_size()
-        work.get_future().add_done_callback(lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
-        self._works.append((b, flat, work, start))
+        self._works.append(work)
         self._next_bucket = b + 1
+        if self.record_timeline:
+            self._launched[b] = time.perf_counter() - self._t0
+            work.get_future().add_done_callback(
+                lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
 
     def _used_by_rank(self) -> torch.Tensor:
         """``used[r, i]``: did rank ``r`` get a gradient for parameter ``i`` since the last all-reduce?
@@ -292,45 +341,44 @@ class DataParallel(nn.Module):
         return torch.stack(everyone).bool().cpu()
 
     def _finish(self) -> None:
-        backward_end = time.perf_counter() - self._t0
+        if self.record_timeline:
+            backward_end = time.perf_counter() - self._t0
         while self._next_bucket < len(self.buckets):  # held back by a missing gradient: send it as zeros
             self._launch(self._next_bucket)
-        transfers = []
-        link_free = 0.0  # the process group runs its collectives one after another
-        for b, flat, work, ready in self._works:
+        for work, flat in zip(self._works, self._flat):
             work.wait()
-            done = self._done.get(b, time.perf_counter() - self._t0)
-            transfers.append(Transfer(0, f"all-reduce bucket {b}", min(max(ready, link_free), done), done,
-                                      bytes=flat.numel() * flat.element_size()))
-            link_free = done
-        start = time.perf_counter() - self._t0
+            flat /= self.world_size  # the sum over ranks, in place: the average
+        if self.record_timeline:
+            gathered = time.perf_counter() - self._t0
         used = self._used_by_rank()
-        transfers.append(Transfer(0, "all-gather used parameters", start, time.perf_counter() - self._t0,
-                                  bytes=used.numel()))
         self._used = set()
+        if self.record_timeline:
+            self._record(backward_end, gathered, used.numel())
         if not self.find_unused_parameters and not used.all():
             self._reset()
             raise RuntimeError(f"DataParallel: parameters got no gradient in this backward pass "
                                f"({self._missing(used)}), so the all-reduced gradients would be wrong. Pass "
                                "find_unused_parameters=True to DataParallel if some parameters do not take part "
                                "in every step's loss.")
-        somewhere = used.any(dim=0)  # a parameter used on no rank keeps its .grad as it was
-        for b, flat, _, _ in self._works:
-            flat /= self.world_size
-            offset = 0
-            for i in self.buckets[b]:
-                p, n = self._params[i], self._params[i].numel()
-                if somewhere[i]:
-                    average = flat[offset:offset + n].view_as(p)
-                    if p.grad is None:
-                        p.grad = average.clone()
-                    else:
-                        p.grad.copy_(average)
-                offset += n
+        for i, somewhere in enumerate(used.any(dim=0).tolist()):
+            if somewhere:  # the average; a parameter used on no rank keeps its .grad as it was
+                self._params[i].grad = self._views[i]
+        self._reset()
+
+    def _record(self, backward_end: float, gathered: float, used_bytes: int) -> None:
+        """``timeline`` and ``grad_ready`` of the step that just ended."""
+        transfers = []
+        link_free = 0.0  # the process group runs its collectives one after another
+        for b, flat in enumerate(self._flat):
+            ready, done = self._launched[b], self._done.get(b, gathered)
+            transfers.append(Transfer(0, f"all-reduce bucket {b}", min(max(ready, link_free), done), done,
+                                      bytes=flat.numel() * flat.element_size()))
+            link_free = done
+        transfers.append(Transfer(0, "all-gather used parameters", gathered, time.perf_counter() - self._t0,
+                                  bytes=used_bytes))
         events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
         self.timeline = Timeline(events, 1, unit="s", comm=transfers)
         self.grad_ready = {self._names[i]: t for i, t in sorted(self._ready_at.items(), key=lambda item: item[1])}
-        self._reset()
 
     def _missing(self, used: torch.Tensor, most: int = 10) -> str:
         """'rank 1: branch.weight, branch.bias; rank 3: ...': the parameters each rank has no gradient for."""
