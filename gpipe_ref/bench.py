@@ -83,7 +83,7 @@ def _pipeline_rank(rank: int, world: int, width: int, rows: int, ms: list[int], 
     for schedule in ("gpipe", "1f1b"):
         for m in ms:
             pipe = PipelineParallel(mlp(width=width, depth=4, seed=0), [4, 4], chunks=m, schedule=schedule,
-                                    checkpoint="never", track_memory=False)
+                                    checkpoint="never", track_memory=False, timeline=True)
 
             def single_process():  # rank 0 runs the whole model; rank 1 waits at the barrier
                 return _timed_ranks(lambda: _accumulate(single, x, y, m) if rank == 0 else None)

@@ -23,7 +23,7 @@ def _pipeline(rank, world_size, schedule, v, chunks, checkpoint):
     x, y = regression_data(13, 16, seed=4)
     stages = world_size * v
     pipe = PipelineParallel(model, [8 // stages] * stages, chunks=chunks, schedule=schedule,
-                            stages_per_device=v, checkpoint=checkpoint)
+                            stages_per_device=v, checkpoint=checkpoint, timeline=True, track_memory=True)
     loss = pipe.step(x, y, nn.MSELoss())
     grads = {i: p.grad for i, p in enumerate(model.parameters()) if p.grad is not None}
     timeline = pipe.timeline

@@ -8,11 +8,19 @@ runs its device's action list from the
 :class:`~gpipe_ref.schedule.Schedule` in order. The actions are the
 in-process executor's (``gpipe_ref.pipeline``); only the stage boundaries
 change: an activation or a gradient whose neighbour stage lives on another
-rank travels by ``isend``/``irecv`` (a small header with the shape, then the
-data). Sends are asynchronous and waited for at the end of the step, so a
-valid schedule cannot deadlock on them. Each rank times its actions from the
-moment their inputs have arrived; rank 0 gathers one Timeline with the
-clocks aligned at a barrier.
+rank travels by ``isend``/``irecv``: one message per hand-over, a small
+header (dtype and shape) and the data together. Shapes are not known in
+advance: the first step sends the header alone and the data after it, as
+torch.distributed.pipelining's shape inference does, and both ranks remember
+each hand-over's size, so later steps send one message of that size (a
+micro-batch larger than last step's sends two again, once). Receives are
+posted a few actions ahead, so transfers overlap the compute before them; at
+most ``receives_ahead`` are in flight, so 1F1B keeps its bound on held
+activations. Sends are asynchronous and waited for at the end of the step, so
+a valid schedule cannot deadlock on them. With ``timeline=True`` each rank
+times its actions from the moment their inputs have arrived, and every rank
+gets one Timeline (``pipe.timeline``) with the clocks aligned at a barrier; it
+costs a barrier and an ``all_gather_object`` per step, so it is off by default.
 
 Messages carry tags that name (kind, stage, micro-batch), so interleaved
 schedules, whose ranks exchange activations and gradients in both
@@ -35,6 +43,7 @@ refused at construction: each rank would update its own copy.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
@@ -49,8 +58,10 @@ from ..pipeline import GPipe, StepRun
 from ..schedule import Schedule
 from ..timeline import Event, Timeline
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-_HEADER = 10  # dtype code, ndim, up to 8 dimensions
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
+_HEADER_BYTES = 128  # 16 int64: dtype code, ndim, whether the tensor follows in a second message, the shape
+_MAX_DIMS = 13
 _NO_TENSOR = -1  # the dtype code of "no gradient"
 
 
@@ -83,12 +94,20 @@ class PipelineParallel(GPipe):
     ``d`` is the schedule's device ``d``. The schedule's device count must
     equal the group size. Parameters used by stages on several ranks are
     listed in ``tied`` and their gradients summed over those ranks by ``step``.
+
+    ``timeline=True`` records each step's actions on every rank in ``pipe.timeline`` (a barrier
+    and an ``all_gather_object`` per step; ``None`` when off). ``track_memory=True`` also counts
+    saved activations per rank (``timeline.peak_memory``; Python hooks, a few percent of a step).
+    Both are off by default, so a step does only what torch.distributed.pipelining's does
+    (plus the loss's broadcast).
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
                  checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int = 1,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 track_memory: bool = True) -> None:
+                 track_memory: bool = False, timeline: bool = False) -> None:
+        if not isinstance(timeline, bool):
+            raise TypeError(f"timeline must be True or False, got {timeline!r}")
         size = dist.get_world_size(group)
         wanted = (schedule.num_devices if isinstance(schedule, Schedule)
                   else len(balance) // max(1, stages_per_device) if hasattr(balance, "__len__") else size)
@@ -101,6 +120,8 @@ class PipelineParallel(GPipe):
         super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                          stages_per_device=stages_per_device, executor="auto", track_memory=track_memory)
         self.executor = "ranks"  # one process per pipeline device, no worker threads
+        self.records_timeline = timeline
+        self._message_bytes: dict[int, int] = {}  # tag -> size of its next message, the same on both ranks
         ties = _find_ties(module, self.balance, self.schedule.stage_to_device)
         self.tied: tuple[TiedParameter, ...] = tuple(tie for tie, _ in ties)
         self._tied_buckets = self._make_buckets(ties)
@@ -265,54 +286,93 @@ def _default_device() -> torch.device:
 
 
 class _RankStepRun(StepRun):
-    """One rank's share of a step: its actions, with stage boundaries over send/recv."""
+    """One rank's share of a step: its actions, with stage boundaries over send/recv.
+
+    A hand-over is one message of the size both ranks remember for its tag (``pipe``'s
+    ``_message_bytes``): a header, then the tensor, then padding up to that size. When the tensor
+    does not fit (the first step, or a larger micro-batch than last step's), the message holds the
+    header only and the tensor follows on the next tag. Both ranks then remember the new size, so
+    the next step's hand-over is one message again. Receives are posted ahead, up to
+    ``receives_ahead`` of them, in the order this rank's actions will take them.
+    """
+
+    receives_ahead = 2  # receives in flight at most: 1F1B keeps its bound on held activations
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.pending: list = []  # isend work handles, waited for at the end of the step
+        self.pending: list = []  # isend work handles and their buffers, waited for at the end of the step
+        self.posted: dict[tuple[int, int, int], tuple] = {}  # (kind, stage, micro-batch) -> irecv in flight
         self.waited = 0.0  # seconds the current action spent waiting for messages
+        self.sizes = self.pipe._message_bytes
 
     def _peer(self, stage: int) -> int:
-        device = self.schedule.stage_to_device[stage]
-        group = self.pipe.group
-        return dist.get_global_rank(group, device) if group is not None else device
+        return self.pipe._global_rank(self.schedule.stage_to_device[stage])
 
     def _tag(self, kind: int, stage: int, microbatch: int) -> int:
         return ((kind * self.schedule.num_stages + stage) * self.schedule.num_microbatches + microbatch) * 2
 
     def _send(self, tensor: torch.Tensor | None, stage_to: int, tag: int) -> None:
-        """Header, then the tensor. ``None`` (no gradient flows back: the stage ignored its
-        input) is a header with dtype code -1 and nothing after it."""
-        header = torch.zeros(_HEADER, dtype=torch.long)
+        """One message of the remembered size: header, tensor, padding; or the header alone
+        and the tensor on ``tag + 1`` when it does not fit. ``None`` (no gradient flows back:
+        the stage ignored its input) is a header with dtype code -1."""
         peer, group = self._peer(stage_to), self.pipe.group
+        size = self.sizes.get(tag, _HEADER_BYTES)
         if tensor is None:
-            header[0] = _NO_TENSOR
-            self.pending.append((dist.isend(header, peer, group=group, tag=tag), header))
-            return
-        tensor = tensor.detach().contiguous()
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.long)
-        self.pending.append((dist.isend(header, peer, group=group, tag=tag), header))
-        self.pending.append((dist.isend(tensor, peer, group=group, tag=tag + 1), tensor))
+            header, needed = [_NO_TENSOR, 0, 0], _HEADER_BYTES
+        else:
+            tensor = tensor.detach()
+            if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+                raise TypeError(f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between stages: at most "
+                                f"{_MAX_DIMS} dimensions of {[str(d) for d in _DTYPES]}")
+            needed = _HEADER_BYTES + tensor.numel() * tensor.element_size()
+            header = [_DTYPES.index(tensor.dtype), tensor.dim(), int(needed > size), *tensor.shape]
+        message = torch.empty(size, dtype=torch.uint8, device=tensor.device if tensor is not None else "cpu")
+        message[:_HEADER_BYTES].view(torch.long)[:len(header)] = torch.tensor(header, dtype=torch.long)
+        if tensor is not None and needed <= size:
+            message[_HEADER_BYTES:needed].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.pending.append((dist.isend(message, peer, group=group, tag=tag), message))
+        if tensor is not None and needed > size:
+            tensor = tensor.contiguous()
+            self.pending.append((dist.isend(tensor, peer, group=group, tag=tag + 1), tensor))
+        self.sizes[tag] = needed
 
-    def _recv(self, stage_from: int, tag: int, device: torch.device) -> torch.Tensor | None:
+    def _post(self, key: tuple[int, int, int]) -> None:
+        """Post the receive of ``key`` = (kind, stage, micro-batch) into a buffer of the remembered size."""
+        kind, stage, microbatch = key
+        sender = stage - 1 if kind == 0 else stage + 1
+        tag = self._tag(kind, stage, microbatch)
+        buffer = torch.empty(self.sizes.get(tag, _HEADER_BYTES), dtype=torch.uint8,
+                             device=self.pipe.stage_device(stage))
+        work = dist.irecv(buffer, self._peer(sender), group=self.pipe.group, tag=tag)
+        self.posted[key] = (work, buffer, tag, sender)
+
+    def _take(self, key: tuple[int, int, int]) -> torch.Tensor | None:
+        """Wait for the receive of ``key`` (posting it now if it was not) and return its tensor."""
         waiting_since = time.perf_counter()
-        header = torch.empty(_HEADER, dtype=torch.long)
-        peer, group = self._peer(stage_from), self.pipe.group
-        dist.irecv(header, peer, group=group, tag=tag).wait()
-        if int(header[0]) == _NO_TENSOR:
+        if key not in self.posted:
+            self._post(key)
+        work, buffer, tag, sender = self.posted.pop(key)
+        work.wait()
+        code, ndim, follows, *dims = buffer[:_HEADER_BYTES].view(torch.long).tolist()
+        if code == _NO_TENSOR:
+            self.sizes[tag] = _HEADER_BYTES
             self.waited += time.perf_counter() - waiting_since
             return None
-        shape = header[2:2 + int(header[1])].tolist()
-        tensor = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
-        dist.irecv(tensor, peer, group=group, tag=tag + 1).wait()
+        dtype, shape = _DTYPES[code], dims[:ndim]
+        if follows:
+            tensor = torch.empty(shape, dtype=dtype, device=buffer.device)
+            dist.irecv(tensor, self._peer(sender), group=self.pipe.group, tag=tag + 1).wait()
+        else:
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensor = buffer[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).view(shape)
+        self.sizes[tag] = _HEADER_BYTES + tensor.numel() * tensor.element_size()
         self.waited += time.perf_counter() - waiting_since
         return tensor
 
     def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
         if self.pipe.owns(stage - 1):
             return super().receive_activation(stage, microbatch)
-        return self._recv(stage - 1, self._tag(0, stage, microbatch), self.pipe.stage_device(stage))
+        return self._take((0, stage, microbatch))
 
     def send_activation(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
         if self.pipe.owns(stage + 1):
@@ -322,31 +382,59 @@ class _RankStepRun(StepRun):
     def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
         if self.pipe.owns(stage + 1):
             return super().receive_gradient(stage, microbatch)
-        return self._recv(stage + 1, self._tag(1, stage, microbatch), self.pipe.stage_device(stage))
+        return self._take((1, stage, microbatch))
 
     def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
         if self.pipe.owns(stage - 1):
             return super().send_gradient(stage, microbatch, grad)
         self._send(grad, stage - 1, self._tag(1, stage - 1, microbatch))
 
+    def _receives(self, actions) -> list[tuple[int, tuple[int, int, int]]]:
+        """(index of the action, receive key) of each receive from another rank, in action order."""
+        last, owns = self.schedule.num_stages - 1, self.pipe.owns
+        keys = []
+        for i, a in enumerate(actions):
+            if a.op == "F" and a.stage > 0 and not owns(a.stage - 1):
+                keys.append((i, (0, a.stage, a.microbatch)))
+            elif a.op == "B" and a.stage < last and not owns(a.stage + 1):
+                keys.append((i, (1, a.stage, a.microbatch)))
+        return keys
+
     def run_rank(self) -> None:
         rank, group = self.pipe.rank, self.pipe.group
-        dist.barrier(group=group)
+        actions = self.schedule.per_device[rank]
+        receives, next_receive = self._receives(actions), 0
+        timed = self.pipe.records_timeline
+        if timed:
+            dist.barrier(group=group)
         origin = time.perf_counter()  # clocks aligned at the barrier
         events = []
-        for action in self.schedule.per_device[rank]:
+        for i, action in enumerate(actions):
+            # receives taken by earlier actions are done: keep receives_ahead of the next ones in flight
+            while next_receive < len(receives) and receives[next_receive][0] < i:
+                next_receive += 1
+            ahead = next_receive
+            while ahead < len(receives) and len(self.posted) < self.receives_ahead:
+                key = receives[ahead][1]
+                if key not in self.posted:
+                    self._post(key)
+                ahead += 1
             began, self.waited = time.perf_counter(), 0.0
             self.run(action)
             self._sync(action)
-            ended = time.perf_counter()
-            # the bar covers the compute (recomputation included), not the wait for messages
-            events.append(Event(rank, action.stage, action.op, action.microbatch,
-                                began + self.waited - origin, ended - origin, 0))
+            if timed:
+                ended = time.perf_counter()
+                # the bar covers the compute (recomputation included), not the wait for messages
+                events.append(Event(rank, action.stage, action.op, action.microbatch,
+                                    began + self.waited - origin, ended - origin, 0))
         for work, _buffer in self.pending:
             work.wait()
         self.pending = []
+        if not timed:
+            return
         gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (events, self.meters[rank].peak), group=group)
+        peak = self.meters[rank].peak if self.pipe.track_memory else None
+        dist.all_gather_object(gathered, (events, peak), group=group)
         all_events = [e for part, _ in gathered for e in part]
-        self.timeline = Timeline(all_events, self.schedule.num_devices, unit="s",
-                                 peak_memory={d: peak for d, (_, peak) in enumerate(gathered)})
+        peaks = {d: p for d, (_, p) in enumerate(gathered) if p is not None}
+        self.timeline = Timeline(all_events, self.schedule.num_devices, unit="s", peak_memory=peaks)

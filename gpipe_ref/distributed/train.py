@@ -159,7 +159,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> tuple[list[
     stages = config.pp * config.stages_per_device
     pipe = PipelineParallel(model, [config.blocks // stages] * stages, chunks=config.microbatches,
                             schedule=config.schedule, stages_per_device=config.stages_per_device,
-                            checkpoint=config.checkpoint, group=grid.pp_group)
+                            checkpoint=config.checkpoint, group=grid.pp_group, timeline=True)
     params = pipe.local_parameters()
     optimizer = torch.optim.SGD(params, lr=config.lr)
     x, y = data(config)
