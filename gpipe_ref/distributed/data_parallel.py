@@ -150,8 +150,9 @@ class DataParallel(nn.Module):
     out strictly in bucket order (Li et al. 2020, sec. 3.2.3): a full bucket
     waits for the ones before it. A parameter without a gradient on some rank
     holds its bucket back there; at the end of the backward that rank sends the
-    buckets still waiting, the missing gradients as zeros, and the ranks
-    exchange which parameters they used (one small all-gather). Then, as torch's
+    buckets still waiting, the missing gradients as zeros. Right behind the last
+    bucket the ranks exchange which parameters they used (one small
+    all-gather, asynchronous too). Then, as torch's
     ``DistributedDataParallel``:
 
     * ``find_unused_parameters=False``: a parameter without a gradient on any
@@ -252,8 +253,8 @@ class DataParallel(nn.Module):
         self._next_bucket = 0  # buckets are all-reduced in this order on every rank
         self._works, self._started = [], False
         if self.record_timeline:
-            self._launched: dict[int, float] = {}  # bucket -> when its all-reduce started
-            self._done: dict[int, float] = {}  # bucket -> when its all-reduce finished
+            self._issued: list[tuple[str, float, int]] = []  # collective: name, when it was issued, bytes
+            self._done: dict[int, float] = {}  # collective -> when it finished (set on the backend's thread)
             self._ready_at: dict[int, float] = {}  # parameter -> seconds since _t0 when its gradient was ready
             self._t0 = time.perf_counter()
             self._forward_end = 0.0
@@ -320,40 +321,45 @@ class DataParallel(nn.Module):
             elif p.grad is not view:
                 view.copy_(p.grad)
         flat = self._flat[b]
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._issue(f"all-reduce bucket {b}", dist.all_reduce(flat, group=self.group, async_op=True),
+                    flat.numel() * flat.element_size())
         self.all_reduces += 1
         self.bytes_all_reduced += flat.numel() * flat.element_size()
-        self._works.append(work)
         self._next_bucket = b + 1
-        if self.record_timeline:
-            self._launched[b] = time.perf_counter() - self._t0
-            work.get_future().add_done_callback(
-                lambda _, b=b: self._done.__setitem__(b, time.perf_counter() - self._t0))
+        if self._next_bucket == len(self.buckets):  # every gradient is in: the used flags go right behind
+            self._share_used()
 
-    def _used_by_rank(self) -> torch.Tensor:
-        """``used[r, i]``: did rank ``r`` get a gradient for parameter ``i`` since the last all-reduce?
-        (torch all-reduces a bitmap; gathering it also says which rank.)"""
+    def _share_used(self) -> None:
+        """Start gathering ``used[r, i]``: did rank ``r`` get a gradient for parameter ``i`` since the last
+        all-reduce? (torch all-reduces a bitmap; gathering it also says which rank.)"""
         mine = torch.zeros(len(self._params), dtype=torch.uint8)
         mine[sorted(self._used)] = 1
         mine = mine.to(self._params[0].device)  # where the gradients are, so NCCL can carry it too
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.group)
-        return torch.stack(everyone).bool().cpu()
+        self._everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._issue("all-gather used parameters", dist.all_gather(self._everyone, mine, group=self.group,
+                                                                  async_op=True), self.world_size * len(mine))
+
+    def _issue(self, name: str, work: dist.Work, nbytes: int) -> None:
+        """Keep an asynchronous collective to wait for at the end of the backward (and, if asked, its times)."""
+        self._works.append(work)
+        if self.record_timeline:
+            k, done = len(self._works) - 1, self._done
+            self._issued.append((name, time.perf_counter() - self._t0, nbytes))
+            work.get_future().add_done_callback(lambda _: done.__setitem__(k, time.perf_counter() - self._t0))
 
     def _finish(self) -> None:
         if self.record_timeline:
             backward_end = time.perf_counter() - self._t0
         while self._next_bucket < len(self.buckets):  # held back by a missing gradient: send it as zeros
             self._launch(self._next_bucket)
-        for work, flat in zip(self._works, self._flat):
+        for work in self._works:
             work.wait()
+        for flat in self._flat:
             flat /= self.world_size  # the sum over ranks, in place: the average
-        if self.record_timeline:
-            gathered = time.perf_counter() - self._t0
-        used = self._used_by_rank()
+        used = torch.stack(self._everyone).bool().cpu()
         self._used = set()
         if self.record_timeline:
-            self._record(backward_end, gathered, used.numel())
+            self._record(backward_end)
         if not self.find_unused_parameters and not used.all():
             self._reset()
             raise RuntimeError(f"DataParallel: parameters got no gradient in this backward pass "
@@ -365,17 +371,14 @@ class DataParallel(nn.Module):
                 self._params[i].grad = self._views[i]
         self._reset()
 
-    def _record(self, backward_end: float, gathered: float, used_bytes: int) -> None:
+    def _record(self, backward_end: float) -> None:
         """``timeline`` and ``grad_ready`` of the step that just ended."""
-        transfers = []
+        transfers, now = [], time.perf_counter() - self._t0
         link_free = 0.0  # the process group runs its collectives one after another
-        for b, flat in enumerate(self._flat):
-            ready, done = self._launched[b], self._done.get(b, gathered)
-            transfers.append(Transfer(0, f"all-reduce bucket {b}", min(max(ready, link_free), done), done,
-                                      bytes=flat.numel() * flat.element_size()))
+        for k, (name, issued, nbytes) in enumerate(self._issued):
+            done = self._done.get(k, now)
+            transfers.append(Transfer(0, name, min(max(issued, link_free), done), done, bytes=nbytes))
             link_free = done
-        transfers.append(Transfer(0, "all-gather used parameters", gathered, time.perf_counter() - self._t0,
-                                  bytes=used_bytes))
         events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
         self.timeline = Timeline(events, 1, unit="s", comm=transfers)
         self.grad_ready = {self._names[i]: t for i, t in sorted(self._ready_at.items(), key=lambda item: item[1])}
