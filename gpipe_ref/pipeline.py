@@ -41,8 +41,9 @@ from .memory import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
 from .checks import one_of, positive_int
-from .schedule import Action, Schedule, dependencies, make_schedule, schedule_names, schedule_spec, validate
-from .simulator import time_one_at_a_time
+from .schedule import (Action, Schedule, dependencies, execution_order, make_schedule, schedule_names, schedule_spec,
+                       validate)
+from .simulator import place
 from .timeline import Event, Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -134,7 +135,8 @@ class GPipe(nn.Module):
                              for s, stage in enumerate(stages))
         self.module = module if None not in self._stages else _owned_layers(module, self._stages)
         self.track_memory = track_memory
-        self.timeline: Timeline | None = None
+        self._order: tuple[Schedule, list[Action]] | None = None  # execution_order's, for this schedule
+        self.timeline = None
 
     @staticmethod
     def _build_schedule(schedule, num_stages: int, chunks: int, stages_per_device: int) -> Schedule:
@@ -190,6 +192,26 @@ class GPipe(nn.Module):
     def cpu(self):
         raise TypeError("GPipe places its stages itself: pass devices=['cpu', ...] instead of .cpu()")
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The last step's :class:`Timeline` (``None`` before the first). The simulated executor
+        measures each action during the step and places them on the devices' clocks when this is
+        first read, so a step nobody plots pays nothing for it."""
+        if self._last_run is not None:
+            self._timeline, self._last_run = self._last_run.timeline, None
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: Timeline | None) -> None:
+        self._timeline, self._last_run = value, None
+
+    def execution_order(self) -> list[Action]:
+        """The actions in the order the simulated executor runs them one at a time
+        (:func:`~gpipe_ref.schedule.execution_order`, found once per schedule)."""
+        if self._order is None or self._order[0] is not self.schedule:
+            self._order = (self.schedule, [action for _, action in execution_order(self.schedule)])
+        return self._order[1]
+
     # -- forward only -----------------------------------------------------------------
     def forward(self, inputs: Batch) -> Batch:
         """The pipelined forward pass: micro-batched, differentiable end to end."""
@@ -215,9 +237,11 @@ class GPipe(nn.Module):
         run = StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
         if self.executor == "threads":
             run.run_threads()
+            self.timeline = run.timeline
         else:
             run.run_one_at_a_time()
-        self.timeline = run.timeline
+            self.timeline = None
+            self._last_run = _Placement(run)
         return run.total_loss()
 
     def _scatter_inputs(self, inputs: Batch) -> tuple[list, int]:
@@ -237,6 +261,17 @@ class GPipe(nn.Module):
             raise ValueError(f"targets must have the batch size of inputs ({size}), "
                              f"got {batch_size(targets, 'targets')}")
         return micro_inputs, scatter(targets, self.chunks), loss_fn, reduction, size
+
+
+class _Placement:
+    """A simulated step's measured durations, placed on the devices' clocks when first asked."""
+
+    def __init__(self, run: StepRun) -> None:
+        self.schedule, self.durations, self.peaks = run.schedule, run._durations, run._peaks()
+
+    @property
+    def timeline(self) -> Timeline:
+        return place(self.schedule, self.durations, unit="s", peak_memory=self.peaks)
 
 
 def _check_split_backward(stages: Sequence[nn.Sequential]) -> None:
@@ -360,27 +395,51 @@ class StepRun:
     and :meth:`send_gradient` are the stable seam. In one process they hand tensors
     over in memory; ``distributed.pipeline_parallel`` overrides them with
     ``isend``/``irecv`` and runs only the actions of its own rank.
+
+    Everything an action looks up (devices, layers, parameters, which micro-batches
+    re-materialize) is collected once here, so an action costs its tensor work and
+    its autograd call, little more.
     """
 
     def __init__(self, pipe: GPipe, inputs: list, targets: list, loss_fn, reduction: str, size: int) -> None:
         self.pipe = pipe
-        self.schedule = pipe.schedule
-        self.split_backward = self.schedule.has_weight_actions
+        self.schedule = schedule = pipe.schedule
+        self.split_backward = schedule.has_weight_actions
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.weights = [(batch_size(x) / size) if reduction == "mean" else 1.0 for x in inputs]
         self.state: dict[tuple[int, int], _MicroState] = {}
+        self.last_stage = schedule.num_stages - 1
+        self.stage_devices = [pipe.stage_device(s) for s in range(schedule.num_stages)]
+        self.layers = [tuple(stage) if stage is not None else () for stage in pipe.stages]
         self.params = [[p for p in stage.parameters() if p.requires_grad] if stage is not None else []
                        for stage in pipe.stages]
+        # for W: (index, trainable parameters) of each stage's layers that have some
+        self.weight_layers = [[(j, params) for j, params in
+                               ((j, [p for p in layer.parameters() if p.requires_grad]) for j, layer in enumerate(layers))
+                               if params] for layers in self.layers] if self.split_backward else []
+        mode, m = pipe.checkpoint, schedule.num_microbatches
+        self.checkpointed = [mode == "always" or (mode == "except_last" and i < m - 1) for i in range(m)]
         self.losses: dict[int, torch.Tensor] = {}
         self.meters = [ActivationMeter(p for s, stage in enumerate(pipe.stages)
-                                       if self.schedule.stage_to_device[s] == d and stage is not None
+                                       if schedule.stage_to_device[s] == d and stage is not None
                                        for p in stage.parameters())
-                       for d in range(self.schedule.num_devices)]
+                       for d in range(schedule.num_devices)]
         self.lock = threading.Lock()
-        self.timeline: Timeline | None = None
+        self._ops = {"F": self.forward, "B": self.backward, "W": self.weight}
+        self._cuda = [device.type == "cuda" for device in self.stage_devices]
+        self._durations: dict[Action, float] | None = None  # measured, placed on first read of timeline
+        self._timeline: Timeline | None = None
 
-    def _recording(self, meter: ActivationMeter):
-        return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
+    @property
+    def timeline(self) -> Timeline | None:
+        """The step's timeline; the simulated executor places its measured durations when first read."""
+        if self._timeline is None and self._durations is not None:
+            self._timeline = _Placement(self).timeline
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: Timeline | None) -> None:
+        self._timeline, self._durations = value, None
 
     # -- stage boundaries (the stable seam): in one process, activations and gradients are
     # handed over in memory; across processes (distributed.pipeline_parallel) these four
@@ -408,62 +467,67 @@ class StepRun:
 
     # -- the three actions ---------------------------------------------------------------
     def _checkpointed(self, microbatch: int) -> bool:
-        mode = self.pipe.checkpoint
-        return mode == "always" or (mode == "except_last" and microbatch < self.schedule.num_microbatches - 1)
+        return self.checkpointed[microbatch]
+
+    def _recording(self, meter: ActivationMeter):
+        return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
 
     def _run_stage(self, stage: int, microbatch: int, x, st: _MicroState) -> None:
         """Forward through the stage's layers, keeping each layer's output (and the loss)."""
         chain = []
-        for layer in self.pipe.stages[stage]:
+        for layer in self.layers[stage]:
             x = layer(x)
             chain.append(x)
-        if stage < self.schedule.num_stages - 1:
+        if stage != self.last_stage:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"stage {stage} must return a tensor (the activation sent to the next stage), got "
                                 f"{type(x).__name__}; tuples are accepted as pipeline inputs, not between stages")
         else:
-            target = _to(self.targets[microbatch], self.pipe.stage_device(stage))
+            target = _to(self.targets[microbatch], self.stage_devices[stage])
             loss = self.loss_fn(x, target)
             _check_loss(loss, x, stage)
             chain.append(loss * self.weights[microbatch])
         st.chain = chain
 
     def forward(self, stage: int, microbatch: int) -> None:
-        device = self.pipe.stage_device(stage)
-        meter = self.meters[self.schedule.stage_to_device[stage]]
+        device = self.stage_devices[stage]
         if stage == 0:
             x = _to(self.inputs[microbatch], device)
         else:
             x = _receive(self.receive_activation(stage, microbatch), device)
-        st = self.state.setdefault((stage, microbatch), _MicroState())
-        st.inputs = x
-        st.token = meter.hold(x) if self.pipe.track_memory and isinstance(x, torch.Tensor) else None
-        if self._checkpointed(microbatch):
+        st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
+        tracked = self.pipe.track_memory
+        meter = self.meters[self.schedule.stage_to_device[stage]] if tracked else None
+        if tracked and isinstance(x, torch.Tensor):
+            st.token = meter.hold(x)
+        checkpointed = self.checkpointed[microbatch]
+        if checkpointed:
             # The CPU generator is shared by every worker thread: hold the lock from capturing its
             # state to the end of the stage, so the recomputation can replay the same draws.
             with _RNG_LOCK, torch.no_grad():
                 st.rng_state = _rng_state(device)
                 st.buffers = _copy_buffers(self.pipe.stages[stage])
                 self._run_stage(stage, microbatch, x, st)
-        else:
-            with self._recording(meter):
+        elif tracked:
+            with meter.recording():
                 self._run_stage(stage, microbatch, x, st)
+        else:
+            self._run_stage(stage, microbatch, x, st)
         out = st.chain[-1]
-        if stage == self.schedule.num_stages - 1:
-            with self.lock:
-                self.losses[microbatch] = out.detach()
+        if stage == self.last_stage:
+            self.losses[microbatch] = out.detach()  # one dict store: atomic under the GIL, no lock needed
         else:
             self.send_activation(stage, microbatch, out.detach())
-        if self._checkpointed(microbatch):
+        if checkpointed:
             st.chain = []  # re-materialization: keep only the input
 
     def backward(self, stage: int, microbatch: int) -> None:
         """B: the full backward, or only the input gradients when W actions follow."""
         st = self.state[(stage, microbatch)]
-        meter = self.meters[self.schedule.stage_to_device[stage]]
-        last = stage == self.schedule.num_stages - 1
-        if self._checkpointed(microbatch):  # recompute the stage with autograd on, from the forward's state
-            device = self.pipe.stage_device(stage)
+        last = stage == self.last_stage
+        if self.checkpointed[microbatch]:  # recompute the stage with autograd on, from the forward's state
+            device = self.stage_devices[stage]
+            meter = self.meters[self.schedule.stage_to_device[stage]]
             with _RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                     self._recording(meter), _buffers_replaced(self.pipe.stages[stage], st.buffers):
                 _set_rng_state(device, st.rng_state)
@@ -477,22 +541,24 @@ class StepRun:
                 self.send_gradient(stage, microbatch, None)
             self._release(stage, microbatch)
             return
-        grad = None if last else grad.to(root.device)
-        wants_input = stage > 0 and st.inputs.requires_grad  # an integer activation has no gradient
+        if grad is not None and grad.device != root.device:
+            grad = grad.to(root.device)
         if not self.split_backward:
-            leaves = list(self.params[stage]) + ([st.inputs] if wants_input else [])
-            if leaves and root.requires_grad:
-                torch.autograd.backward(root, grad, inputs=leaves)
+            # One autograd call per stage and micro-batch. Its leaves are this stage's parameters and
+            # its input (a fresh leaf: the graph stops at the stage boundary), so naming them with
+            # inputs= would only cost the engine a pass over the graph to mark them.
+            if root.requires_grad:
+                torch.autograd.backward(root, grad)
             if stage > 0:
                 self.send_gradient(stage, microbatch, st.inputs.grad)
             self._release(stage, microbatch)
             return
         # Split backward (zero bubble): gradients of the stage input and of each
         # parameterised layer's output now; the weight gradients wait for W.
-        layers = list(self.pipe.stages[stage])
-        param_layers = [j for j, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
-        wanted = [j for j in param_layers if st.chain[j] is not root]
-        targets = ([st.inputs] if wants_input else []) + [st.chain[j] for j in wanted]
+        wants_input = stage > 0 and st.inputs.requires_grad  # an integer activation has no gradient
+        chain = st.chain
+        wanted = [j for j, _ in self.weight_layers[stage] if chain[j] is not root]
+        targets = ([st.inputs] if wants_input else []) + [chain[j] for j in wanted]
         grads = (torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)
                  if targets and root.requires_grad else [None] * len(targets))
         input_grad = None  # None: the stage's output does not depend on its input
@@ -501,17 +567,16 @@ class StepRun:
         if stage > 0:
             self.send_gradient(stage, microbatch, input_grad)
         st.chain_grads = dict(zip(wanted, grads))
-        for j in param_layers:  # layers whose output is the stage output itself (later layers may be
-            if st.chain[j] is root:  # identities): its gradient is the one that came from the next stage
+        for j, _ in self.weight_layers[stage]:  # layers whose output is the stage output itself (later layers
+            if chain[j] is root:  # may be identities): its gradient is the one that came from the next stage
                 st.chain_grads[j] = grad
 
     def weight(self, stage: int, microbatch: int) -> None:
         """W: each layer's weight gradients from its output's gradient (kept by B)."""
         st = self.state[(stage, microbatch)]
-        for j, layer in enumerate(self.pipe.stages[stage]):
-            params = [p for p in layer.parameters() if p.requires_grad]
+        for j, params in self.weight_layers[stage]:
             g = st.chain_grads.get(j)
-            if not params or g is None:
+            if g is None:
                 continue
             for p, pg in zip(params, torch.autograd.grad(st.chain[j], params, g, allow_unused=True)):
                 if pg is not None:
@@ -524,21 +589,28 @@ class StepRun:
         st.chain, st.chain_grads, st.token, st.rng_state, st.buffers, st.inputs = [], {}, None, None, [], None
 
     def run(self, action: Action) -> None:
-        {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action.stage, action.microbatch)
+        self._ops[action.op](action.stage, action.microbatch)
 
     def total_loss(self) -> torch.Tensor:
         return sum(self.losses[i].to(self.losses[0].device) for i in range(len(self.losses)))
 
     # -- executors ----------------------------------------------------------------------
     def _sync(self, action: Action) -> None:
-        device = self.pipe.stage_device(action.stage)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self._cuda[action.stage]:
+            torch.cuda.synchronize(self.stage_devices[action.stage])
 
     def run_one_at_a_time(self) -> None:
-        """Simulated devices: run in a valid global order, time each action, place on device clocks."""
-        self.timeline = time_one_at_a_time(self.schedule, self.run, sync=self._sync)
-        self.timeline.peak_memory = self._peaks()  # read after the run
+        """Simulated devices: run in a valid global order (the pipe finds it once per schedule), time
+        each action. The durations are placed on the devices' clocks (:func:`~gpipe_ref.simulator.place`,
+        what :func:`~gpipe_ref.simulator.time_one_at_a_time` does) when the timeline is first read."""
+        run, sync, clock = self.run, self._sync, time.perf_counter
+        durations = {}
+        for action in self.pipe.execution_order():
+            began = clock()
+            run(action)
+            sync(action)
+            durations[action] = clock() - began
+        self._timeline, self._durations = None, durations
 
     def run_threads(self, timeout: float = 600.0) -> None:
         """One worker thread per device, each running its list and waiting for dependencies."""
