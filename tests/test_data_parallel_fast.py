@@ -109,3 +109,33 @@ def _bad_flag(rank, world_size):
 
 def test_record_timeline_must_be_a_bool():
     assert launch(_bad_flag, 1) == ["record_timeline must be True or False, got 'yes'"]
+
+
+def _copies_per_step(rank, world_size):
+    replica = DataParallel(mlp(WIDTH, 2, seed=0), bucket_cap_mb=0.001)
+    optimizer = torch.optim.SGD(replica.parameters(), lr=0.1)
+    x, y = regression_data(ROWS, WIDTH, seed=rank)
+    copy, cat, counts = torch.Tensor.copy_, torch.cat, []
+    for step in range(4):
+        calls = [0]
+
+        def counted(original):
+            def call(*args, **kwargs):
+                calls[0] += 1
+                return original(*args, **kwargs)
+            return call
+
+        optimizer.zero_grad(set_to_none=step == 2)
+        torch.Tensor.copy_, torch.cat = counted(copy), counted(cat)
+        try:
+            nn.MSELoss()(replica(x), y).backward()
+        finally:
+            torch.Tensor.copy_, torch.cat = copy, cat
+        optimizer.step()
+        counts.append(calls[0])
+    return counts
+
+
+def test_a_step_copies_gradients_only_when_they_are_not_in_their_bucket_yet():
+    params = 4  # 2 layers: weight and bias each
+    assert launch(_copies_per_step, 2)[0] == [params, 0, params, 0]  # first step, after set_to_none: once each
