@@ -324,8 +324,21 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    param.grad = grad if param.grad is None else param.grad + grad
+# F, B and W make one autograd call per stage and micro-batch (two or more when W is split off), where the
+# plain model makes one per micro-batch: so they call the engine as torch.autograd.backward and .grad do,
+# without their argument checks (about 5 us a call, a few percent of a small model's step). The checks
+# cannot fail here: ``grad`` is the gradient of the next stage's input, a tensor of ``root``'s shape and
+# dtype, or None for the loss, checked to be a scalar (_check_loss).
+def _backward(root: torch.Tensor, grad: torch.Tensor | None, inputs: Sequence[torch.Tensor] = ()) -> None:
+    """``torch.autograd.backward(root, grad, inputs=inputs or None)``: accumulate into the leaves' ``.grad``."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (root,), (torch.ones_like(root) if grad is None else grad,), False, False, tuple(inputs), True, True)
+
+
+def _grad(root: torch.Tensor, targets: Sequence[torch.Tensor], grad: torch.Tensor | None) -> tuple:
+    """``torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)``."""
+    return torch.autograd.Variable._execution_engine.run_backward(
+        (root,), (torch.ones_like(root) if grad is None else grad,), True, False, tuple(targets), True, False)
 
 
 def _requires_grad(batch: Batch) -> bool:
@@ -548,7 +561,7 @@ class StepRun:
             # its input (a fresh leaf: the graph stops at the stage boundary), so naming them with
             # inputs= would only cost the engine a pass over the graph to mark them.
             if root.requires_grad:
-                torch.autograd.backward(root, grad)
+                _backward(root, grad)
             if stage > 0:
                 self.send_gradient(stage, microbatch, st.inputs.grad)
             self._release(stage, microbatch)
@@ -559,8 +572,7 @@ class StepRun:
         chain = st.chain
         wanted = [j for j, _ in self.weight_layers[stage] if chain[j] is not root]
         targets = ([st.inputs] if wants_input else []) + [chain[j] for j in wanted]
-        grads = (torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)
-                 if targets and root.requires_grad else [None] * len(targets))
+        grads = _grad(root, targets, grad) if targets and root.requires_grad else [None] * len(targets)
         input_grad = None  # None: the stage's output does not depend on its input
         if wants_input:
             input_grad, grads = grads[0], grads[1:]
@@ -576,11 +588,8 @@ class StepRun:
         st = self.state[(stage, microbatch)]
         for j, params in self.weight_layers[stage]:
             g = st.chain_grads.get(j)
-            if g is None:
-                continue
-            for p, pg in zip(params, torch.autograd.grad(st.chain[j], params, g, allow_unused=True)):
-                if pg is not None:
-                    _accumulate(p, pg)
+            if g is not None:  # into .grad as loss.backward() would: in place, post-accumulate hooks fire
+                _backward(st.chain[j], g, params)
         self._release(stage, microbatch)
 
     def _release(self, stage: int, microbatch: int) -> None:
