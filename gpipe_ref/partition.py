@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -113,18 +113,21 @@ def balance_by_params(module: nn.Sequential, partitions: int) -> list[int]:
     return partition_costs(costs, partitions)
 
 
-def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warmup: int) -> tuple[float, torch.Tensor]:
+def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warmup: int,
+                           loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, torch.Tensor]:
     """Median time of ``piece``'s forward + backward on ``x`` over ``repeats`` runs after
-    ``warmup`` untimed ones (the first call pays one-time costs), and its output.
-    Gradients are computed with ``torch.autograd.grad`` and dropped: ``.grad`` stays untouched."""
+    ``warmup`` untimed ones (the first call pays one-time costs), and its output; with ``loss``,
+    the time of ``loss(output)`` and its backward too. Gradients are computed with
+    ``torch.autograd.grad`` and dropped: ``.grad`` stays untouched."""
     times = []
     for run in range(warmup + repeats):
         inp = x.detach().requires_grad_(x.is_floating_point())
         began = time.perf_counter()
         out = piece(inp)
+        root = out if loss is None else loss(out)
         wrt = [t for t in (inp, *piece.parameters()) if t.requires_grad]
-        if out.requires_grad and wrt:
-            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+        if root.requires_grad and wrt:
+            torch.autograd.grad(root, wrt, torch.ones_like(root), allow_unused=True)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
         if run >= warmup:
@@ -139,14 +142,32 @@ def _check_timing(sample: object, repeats: object, warmup: object) -> None:
     integer("warmup", warmup, 0)
 
 
-def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3, warmup: int = 1) -> list[float]:
+def _check_loss_args(loss_fn: object, target: object) -> None:
+    if loss_fn is None:
+        if target is not None:
+            raise ValueError("target is what loss_fn compares the output with: pass loss_fn too, or neither")
+        return
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
+    if target is None:
+        raise ValueError("loss_fn needs the target to compare the output with: pass target=")
+
+
+def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3, warmup: int = 1, *,
+                loss_fn: Callable | None = None, target: object = None) -> list[float]:
     """Each layer's forward + backward time in seconds on ``sample``: the median of
-    ``repeats`` runs after ``warmup`` untimed ones. The model's ``.grad`` is left untouched."""
+    ``repeats`` runs after ``warmup`` untimed ones. The model's ``.grad`` is left untouched.
+
+    With ``loss_fn`` and ``target``, the last layer's time also covers ``loss_fn(output, target)``
+    and its backward: in a pipeline the last stage computes the loss, so that is its cost."""
     _check_sequential(module)
     _check_timing(sample, repeats, warmup)
+    _check_loss_args(loss_fn, target)
     costs, x = [], sample
-    for layer in module:
-        cost, x = _forward_backward_time(layer, x, repeats, warmup)
+    for j, layer in enumerate(module):
+        last = j == len(module) - 1
+        loss = (lambda out: loss_fn(out, target)) if loss_fn is not None and last else None
+        cost, x = _forward_backward_time(layer, x, repeats, warmup, loss)
         costs.append(cost)
     return costs
 
@@ -164,12 +185,24 @@ def stage_times(module: nn.Sequential, balance: Sequence[int], sample: torch.Ten
     return costs
 
 
-def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int, repeats: int = 3) -> list[int]:
+def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int, repeats: int = 3, *,
+                    loss_fn: Callable | None = None, target: object = None) -> list[int]:
     """Balance by measured forward + backward time per layer:
-    ``partition_costs(layer_times(module, sample, repeats), partitions)``."""
+    ``partition_costs(layer_times(module, sample, repeats), partitions)``, as torchgpipe's
+    ``balance_by_time`` does (Kim et al. 2020, sec. 3.3).
+
+    Those times leave out the loss, which the last stage computes after its layers (and
+    differentiates first): with an expensive loss (a large vocabulary's cross-entropy, say)
+    the last stage is the busiest by construction, and every device waits for it. Pass the
+    ``loss_fn`` and the ``target`` of ``sample`` (``loss_fn(module(sample), target)`` is the
+    loss) to count the loss in the last layer's time, so the cut moves layers off the last stage.
+    """
     _check_sequential(module)
     _check_partitions(partitions, len(module))  # before spending time measuring
-    return partition_costs(layer_times(module, sample, repeats), partitions)
+    _check_loss_args(loss_fn, target)
+    if loss_fn is None:
+        return partition_costs(layer_times(module, sample, repeats), partitions)
+    return partition_costs(layer_times(module, sample, repeats, loss_fn=loss_fn, target=target), partitions)
 
 
 # -- what a cut costs: per-stage sums, the slowest stage, the idle share --------------------------------

@@ -37,7 +37,7 @@ def test_partition_is_optimal_against_brute_force():
 def test_partition_is_exact_for_float_costs():
     assert partition_costs([1, 3, 0.0502156039938567], 2) == [1, 2]
     rng = random.Random(1)
-    for _ in range(300):
+    for _ in range(60):
         n = rng.randint(1, 8)
         k = rng.randint(1, n)
         costs = [rng.random() * rng.choice([0.01, 1, 10]) for _ in range(n)]
@@ -83,6 +83,66 @@ def test_balance_by_time_partitions_the_measured_times(monkeypatch):
         partition_costs([1.0, float("nan")], 2)
 
 
+def _expensive_loss(output, target):
+    """An MSE behind 60 products with a 256 x 256 matrix (tens of ms, or more under load): slower
+    than the small layers below by far more than a busy machine's timing noise (tens of ms)."""
+    h = output
+    weight = torch.eye(256) * 0.5
+    for _ in range(60):
+        h = h @ weight * 2
+    return ((h - target) ** 2).mean()
+
+
+def test_layer_times_with_a_loss_charge_it_to_the_last_layer_only():
+    model = nn.Sequential(*[nn.ReLU() for _ in range(4)])
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    plain = layer_times(model, x, repeats=5)
+    with_loss = layer_times(model, x, repeats=5, loss_fn=_expensive_loss, target=y)
+    assert with_loss[-1] > 3 * max(plain)  # the loss's forward and backward, on the last layer
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="loss_fn needs the target"):
+        layer_times(model, x, loss_fn=_expensive_loss)
+    with pytest.raises(ValueError, match="target is what loss_fn compares the output with"):
+        balance_by_time(model, x, 2, target=y)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        layer_times(model, x, loss_fn="mse", target=y)
+
+
+def test_balance_by_time_with_an_expensive_loss_moves_layers_off_the_last_stage():
+    """Measured: layers of equal cost cut evenly; counting a loss as costly as several
+    layers on the last one moves layers to the first stage (Kim et al. 2020, sec. 3.3)."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    # a busy machine can stall a layer's runs for tens of ms: three measurements, one must see it
+    cuts = []
+    while len(cuts) < 3 and not any(cut[-1] < 3 for cut in cuts):
+        cuts.append(balance_by_time(model, x, 2, repeats=5, loss_fn=_expensive_loss, target=y))
+    assert cuts[-1][-1] < 3, cuts
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_balance_by_time_counts_the_loss_in_the_last_layer(monkeypatch):
+    """The same plumbing with deterministic costs: each layer 1, the loss 2, measured on the
+    last layer's output against the given target."""
+    import gpipe_ref.partition as partition
+
+    seen = []
+
+    def fake_time(piece, x, repeats, warmup, loss=None):
+        out = piece(x)
+        if loss is not None:
+            seen.append(float(loss(out)))
+        return 1.0 + (2.0 if loss is not None else 0.0), out
+
+    monkeypatch.setattr(partition, "_forward_backward_time", fake_time)
+    model = nn.Sequential(*[nn.Identity() for _ in range(6)])
+    x = torch.ones(2, 3)
+    assert balance_by_time(model, x, 2) == [3, 3]
+    assert layer_times(model, x, loss_fn=nn.MSELoss(reduction="sum"), target=torch.zeros(2, 3)) == [1.0] * 5 + [3.0]
+    assert balance_by_time(model, x, 2, loss_fn=nn.MSELoss(reduction="sum"), target=torch.zeros(2, 3)) == [4, 2]
+    assert seen == [6.0, 6.0]  # the loss of the model's output against the target
+
+
 def test_stage_times_times_each_stage_and_agree_with_the_layer_times_they_sum():
     from gpipe_ref.partition import stage_sums, stage_times
 
@@ -109,7 +169,7 @@ def test_stage_times_use_the_timing_of_layer_times(monkeypatch):
 
     timed = []
 
-    def fake(piece, x, repeats, warmup):
+    def fake(piece, x, repeats, warmup, loss=None):
         timed.append((len(piece) if isinstance(piece, nn.Sequential) else 1, repeats, warmup))
         return 0.5, piece(x).detach()
 
