@@ -110,9 +110,10 @@ def test_a_shape_change_between_steps_is_agreed_again():
         assert [c["isend"] for c in counts] == [8, 8, 4, 4, 8]
 
 
-AHEAD_CASES = [(2, "interleaved_1f1b", 2, chunks, ahead) for chunks in (4, 8) for ahead in (0, 1, 2, 64)] + [
-    (4, "interleaved_1f1b", 2, 4, 0), (4, "interleaved_1f1b", 2, 4, 2), (2, "zero_bubble_h1", 1, 5, 1),
-    (2, "zero_bubble_h1", 1, 5, 64), (4, "1f1b", 1, 6, 2), (2, "gpipe", 1, 4, 64),
+AHEAD_CASES = [(2, "interleaved_1f1b", 2, chunks, ahead) for chunks in (4, 8) for ahead in (0, 1, 2, 64, None)] + [
+    (4, "interleaved_1f1b", 2, 4, 0), (4, "interleaved_1f1b", 2, 4, None), (2, "zero_bubble_h1", 1, 5, 1),
+    (2, "zero_bubble_h1", 1, 5, None), (4, "1f1b", 1, 6, None), (2, "1f1b", 1, 6, None), (2, "gpipe", 1, 4, 64),
+    (2, "gpipe", 1, 6, None),
 ]
 
 
@@ -121,26 +122,38 @@ def test_receives_posted_ahead_do_not_deadlock(world_size, schedule, v, chunks, 
     shapes = [(11, 2), (11, 2)]
     ranks = launch(_ahead, world_size, shapes, chunks, schedule, v, ahead, timeout=120)
     _check_grads([r[:3] for r in ranks], _single_process(shapes, chunks))
-    for *_, most in ranks:
-        assert most <= max(ahead, 1)  # receives in flight (one is posted when taken if none were ahead)
+    for rank, (*_, most, bound) in enumerate(ranks):
+        # receives in flight (one is posted when it is taken if none was posted ahead)
+        assert most <= max(bound, 1)
+        if ahead is not None:
+            assert bound == ahead
+        elif schedule == "gpipe":
+            assert bound == chunks  # GPipe keeps every micro-batch: its gradients may all be posted
+        elif schedule in ("1f1b", "zero_bubble_h1"):
+            assert bound == max(2, world_size - rank)  # 1F1B keeps p - s micro-batches on stage s
 
 
 def _ahead(rank, world_size, shapes, chunks, schedule, v, ahead):
     run = pipeline_parallel._RankStepRun
     default, run.receives_ahead = run.receives_ahead, ahead
-    most = 0
-    post = run._post
+    most, bound = 0, None
+    post, receive_bound = run._post, run.receive_bound
 
     def counted(self, key):
         nonlocal most
         post(self, key)
         most = max(most, len(self.posted))
 
-    run._post = counted
+    def bounded(self, actions):
+        nonlocal bound
+        bound = receive_bound(self, actions)
+        return bound
+
+    run._post, run.receive_bound = counted, bounded
     try:
-        return (*_steps(rank, world_size, shapes, chunks, schedule, v), most)
+        return (*_steps(rank, world_size, shapes, chunks, schedule, v), most, bound)
     finally:
-        run._post = post
+        run._post, run.receive_bound = post, receive_bound
         run.receives_ahead = default
 
 

@@ -14,9 +14,9 @@ advance: the first step sends the header alone and the data after it, as
 torch.distributed.pipelining's shape inference does, and both ranks remember
 each hand-over's size, so later steps send one message of that size (a
 micro-batch larger than last step's sends two again, once). Receives are
-posted a few actions ahead, so transfers overlap the compute before them; at
-most ``receives_ahead`` are in flight, so 1F1B keeps its bound on held
-activations. Sends are asynchronous and waited for at the end of the step, so
+posted ahead, so transfers overlap the compute before them; no more are in
+flight than the micro-batches the schedule keeps on the rank anyway (at least
+2), so 1F1B keeps its bound on held activations. Sends are asynchronous and waited for at the end of the step, so
 a valid schedule cannot deadlock on them. With ``timeline=True`` each rank
 times its actions from the moment their inputs have arrived, and every rank
 gets one Timeline (``pipe.timeline``) with the clocks aligned at a barrier; it
@@ -141,18 +141,17 @@ class PipelineParallel(GPipe):
 
     def step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str = "mean") -> torch.Tensor:
         """Run this rank's actions; returns the mini-batch loss on every rank (summed over micro-batches
-        on the last stage's rank and broadcast). ``inputs`` matter on the rank of stage 0,
+        on the last stage's rank and broadcast as soon as its last forward is done, so the other ranks
+        have it when they finish). ``inputs`` matter on the rank of stage 0,
         ``targets`` on the rank of the last stage; passing the full batch everywhere is simplest.
         A tied parameter's gradient is summed over the ranks that share it (see ``tied``)."""
         run = _RankStepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
         earlier = self._take_tied_grads()
         run.run_rank()
+        work, loss = run.loss_broadcast
+        work.wait()
         self._reduce_tied_grads(earlier)
         self.timeline = run.timeline
-        last_rank = self.schedule.stage_to_device[-1]
-        loss = run.total_loss() if self.rank == last_rank else torch.zeros(())
-        loss = loss.detach().reshape(()).to(torch.float32).cpu()
-        dist.broadcast(loss, self._global_rank(last_rank), group=self.group)
         return loss
 
     def extra_repr(self) -> str:
@@ -292,11 +291,11 @@ class _RankStepRun(StepRun):
     ``_message_bytes``): a header, then the tensor, then padding up to that size. When the tensor
     does not fit (the first step, or a larger micro-batch than last step's), the message holds the
     header only and the tensor follows on the next tag. Both ranks then remember the new size, so
-    the next step's hand-over is one message again. Receives are posted ahead, up to
-    ``receives_ahead`` of them, in the order this rank's actions will take them.
+    the next step's hand-over is one message again. Receives are posted ahead, in the order this
+    rank's actions will take them, at most :meth:`receive_bound` of them in flight.
     """
 
-    receives_ahead = 2  # receives in flight at most: 1F1B keeps its bound on held activations
+    receives_ahead: int | None = None  # receives in flight at most; None: see receive_bound
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -304,6 +303,16 @@ class _RankStepRun(StepRun):
         self.posted: dict[tuple[int, int, int], tuple] = {}  # (kind, stage, micro-batch) -> irecv in flight
         self.waited = 0.0  # seconds the current action spent waiting for messages
         self.sizes = self.pipe._message_bytes
+        self.loss_broadcast: tuple | None = None  # (work, loss tensor) once started
+
+    def _broadcast_loss(self) -> None:
+        """Start the loss's broadcast from the last stage's rank (once all its micro-batch losses
+        are in; every other rank as soon as its step starts, so the value waits for it)."""
+        last_rank = self.schedule.stage_to_device[-1]
+        loss = self.total_loss().detach().reshape(()).to(torch.float32).cpu() if self.pipe.rank == last_rank \
+            else torch.zeros(())
+        work = dist.broadcast(loss, self.pipe._global_rank(last_rank), group=self.pipe.group, async_op=True)
+        self.loss_broadcast = (work, loss)
 
     def _peer(self, stage: int) -> int:
         return self.pipe._global_rank(self.schedule.stage_to_device[stage])
@@ -400,21 +409,37 @@ class _RankStepRun(StepRun):
                 keys.append((i, (1, a.stage, a.microbatch)))
         return keys
 
+    def receive_bound(self, actions) -> int:
+        """Receives in flight at most: ``receives_ahead`` if set, else the most micro-batches the
+        schedule itself keeps on this rank at once (F run, not yet released by B or W), and at least 2.
+        A buffer received early holds no more than the schedule holds anyway: 1F1B's bound stays."""
+        if self.receives_ahead is not None:
+            return self.receives_ahead
+        held = peak = 0
+        release = "W" if self.split_backward else "B"
+        for a in actions:
+            held += (a.op == "F") - (a.op == release)
+            peak = max(peak, held)
+        return max(2, peak)
+
     def run_rank(self) -> None:
         rank, group = self.pipe.rank, self.pipe.group
         actions = self.schedule.per_device[rank]
-        receives, next_receive = self._receives(actions), 0
+        receives, next_receive, bound = self._receives(actions), 0, self.receive_bound(actions)
         timed = self.pipe.records_timeline
         if timed:
             dist.barrier(group=group)
         origin = time.perf_counter()  # clocks aligned at the barrier
         events = []
+        holds_losses = self.pipe.owns(self.schedule.num_stages - 1)
+        if not holds_losses:
+            self._broadcast_loss()
         for i, action in enumerate(actions):
             # receives taken by earlier actions are done: keep receives_ahead of the next ones in flight
             while next_receive < len(receives) and receives[next_receive][0] < i:
                 next_receive += 1
             ahead = next_receive
-            while ahead < len(receives) and len(self.posted) < self.receives_ahead:
+            while ahead < len(receives) and len(self.posted) < bound:
                 key = receives[ahead][1]
                 if key not in self.posted:
                     self._post(key)
@@ -422,6 +447,8 @@ class _RankStepRun(StepRun):
             began, self.waited = time.perf_counter(), 0.0
             self.run(action)
             self._sync(action)
+            if holds_losses and self.loss_broadcast is None and len(self.losses) == self.schedule.num_microbatches:
+                self._broadcast_loss()
             if timed:
                 ended = time.perf_counter()
                 # the bar covers the compute (recomputation included), not the wait for messages
