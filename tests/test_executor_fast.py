@@ -1,0 +1,128 @@
+"""The in-process executor does one step's work and little more (issue 18): one autograd call per
+stage and micro-batch (B and W for zero bubble), nothing recomputed per action or per step that a
+step does not need, and the same gradients as the plain model while doing so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe_ref.pipeline as pipeline
+from gpipe_ref.models import mlp, regression_data
+from gpipe_ref.pipeline import GPipe
+from gpipe_ref.timeline import Timeline
+
+torch.set_num_threads(1)
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble_h1")
+
+
+def pipe_and_data(schedule: str, chunks: int = 4, checkpoint: str = "never", **options):
+    x, y = regression_data(samples=8, width=6, seed=0)
+    pipe = GPipe(mlp(width=6, depth=4, seed=0), [2, 2, 2, 2], chunks=chunks, checkpoint=checkpoint,
+                 schedule=schedule, executor="simulated", **options)
+    return pipe, x, y
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_gradients_and_loss_equal_the_plain_model(schedule, checkpoint):
+    pipe, x, y = pipe_and_data(schedule, checkpoint=checkpoint, track_memory=False)
+    reference = mlp(width=6, depth=4, seed=0)
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    for _ in range(2):  # twice: the gradients of the second step add to the first, as with .backward()
+        torch.testing.assert_close(pipe.step(x, y, nn.MSELoss()), expected.detach())
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(2 * a.grad, b.grad)
+
+
+@pytest.mark.parametrize("schedule,calls", [("gpipe", {"backward": 16}), ("1f1b", {"backward": 16}),
+                                            ("zero_bubble_h1", {"grad": 16, "backward": 16})])
+def test_one_autograd_call_per_stage_and_micro_batch(monkeypatch, schedule, calls):
+    """4 stages x 4 micro-batches: one backward each; zero bubble's B takes the input and layer-output
+    gradients in one call, its W one call per layer with weights (one Linear per stage here)."""
+    counted = {"backward": 0, "grad": 0}
+    engine = torch.autograd.Variable._execution_engine
+
+    class CountingEngine:  # what torch.autograd.backward (accumulate_grad) and .grad (not) call
+        def run_backward(self, *args, **kwargs):
+            accumulate = args[6] if len(args) > 6 else kwargs["accumulate_grad"]
+            counted["backward" if accumulate else "grad"] += 1
+            return engine.run_backward(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", CountingEngine())
+    pipe, x, y = pipe_and_data(schedule, track_memory=False)
+    pipe.step(x, y, nn.MSELoss())
+    assert counted == {"backward": 0, "grad": 0} | calls
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_post_accumulate_grad_hooks_fire_once_per_micro_batch(schedule):
+    """W accumulates through autograd, as loss.backward() does, so hooks that wait for .grad fire."""
+    pipe, x, y = pipe_and_data(schedule, track_memory=False)
+    fired = []
+    for p in pipe.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    pipe.step(x, y, nn.MSELoss())
+    assert len(fired) == 4 * len(list(pipe.parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_input_that_requires_grad_gets_the_plain_models_gradient(schedule):
+    """B calls backward on the stage's whole graph, as loss.backward() does: stage 0's input
+    gets its gradient when it asks for one."""
+    pipe, x, y = pipe_and_data(schedule, track_memory=False)
+    reference = mlp(width=6, depth=4, seed=0)
+    x_ref, x_pipe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    nn.MSELoss()(reference(x_ref), y).backward()
+    pipe.step(x_pipe, y, nn.MSELoss())
+    torch.testing.assert_close(x_ref.grad, x_pipe.grad)
+
+
+def test_the_timeline_is_placed_when_first_read(monkeypatch):
+    """A simulated step measures each action; placing them on the devices' clocks waits for a reader."""
+    pipe, x, y = pipe_and_data("1f1b")
+    placed = []
+    original = pipeline.place
+    monkeypatch.setattr(pipeline, "place", lambda *a, **k: placed.append(1) or original(*a, **k))
+    pipe.step(x, y, nn.MSELoss())
+    pipe.step(x, y, nn.MSELoss())
+    assert placed == []
+    timeline = pipe.timeline
+    assert isinstance(timeline, Timeline) and len(timeline.events) == 2 * 4 * 4
+    assert set(timeline.peak_memory) == {0, 1, 2, 3} and all(v > 0 for v in timeline.peak_memory.values())
+    assert pipe.timeline is timeline and placed == [1]
+    pipe.step(x, y, nn.MSELoss())
+    assert pipe.timeline is not timeline and placed == [1, 1]
+
+
+def test_the_execution_order_is_found_once_per_schedule(monkeypatch):
+    calls = []
+    original = pipeline.execution_order
+    monkeypatch.setattr(pipeline, "execution_order", lambda s: calls.append(s) or original(s))
+    pipe, x, y = pipe_and_data("zero_bubble_h1", track_memory=False)
+    for _ in range(3):
+        pipe.step(x, y, nn.MSELoss())
+    assert calls == [pipe.schedule]
+    assert [a for _, a in original(pipe.schedule)] == pipe.execution_order()
+
+
+def test_no_memory_hooks_when_not_tracking(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the activation meter ran with track_memory=False")
+
+    monkeypatch.setattr(pipeline.ActivationMeter, "recording", refuse)
+    monkeypatch.setattr(pipeline.ActivationMeter, "hold", refuse)
+    for checkpoint in ("never", "always"):
+        pipe, x, y = pipe_and_data("1f1b", checkpoint=checkpoint, track_memory=False)
+        pipe.step(x, y, nn.MSELoss())
+        assert pipe.timeline.peak_memory == {}
+
+
+def test_the_threads_executor_still_records_its_timeline():
+    x, y = regression_data(samples=8, width=6, seed=0)
+    pipe = GPipe(mlp(width=6, depth=4, seed=0), [4, 4], chunks=4, checkpoint="except_last", schedule="1f1b",
+                 executor="threads")
+    pipe.step(x, y, nn.MSELoss())
+    assert len(pipe.timeline.events) == 2 * 2 * 4
