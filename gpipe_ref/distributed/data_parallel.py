@@ -352,10 +352,10 @@ class DataParallel(nn.Module):
             backward_end = time.perf_counter() - self._t0
         while self._next_bucket < len(self.buckets):  # held back by a missing gradient: send it as zeros
             self._launch(self._next_bucket)
-        for work in self._works:
+        for work, flat in zip(self._works, self._flat):  # a bucket each, in order
             work.wait()
-        for flat in self._flat:
-            flat /= self.world_size  # the sum over ranks, in place: the average
+            flat /= self.world_size  # the sum over ranks, in place: the average (later buckets still travel)
+        self._works[-1].wait()  # the used flags, issued after the last bucket
         used = torch.stack(self._everyone).bool().cpu()
         self._used = set()
         if self.record_timeline:
@@ -376,7 +376,7 @@ class DataParallel(nn.Module):
         transfers, now = [], time.perf_counter() - self._t0
         link_free = 0.0  # the process group runs its collectives one after another
         for k, (name, issued, nbytes) in enumerate(self._issued):
-            done = self._done.get(k, now)
+            done = max(self._done.get(k, now), link_free)  # callbacks run on the backend's threads, in any order
             transfers.append(Transfer(0, name, min(max(issued, link_free), done), done, bytes=nbytes))
             link_free = done
         events = [Event(0, 0, "F", 0, 0.0, self._forward_end), Event(0, 0, "B", 0, self._forward_end, backward_end)]
