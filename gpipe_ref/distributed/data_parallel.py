@@ -366,9 +366,9 @@ class DataParallel(nn.Module):
                                f"({self._missing(used)}), so the all-reduced gradients would be wrong. Pass "
                                "find_unused_parameters=True to DataParallel if some parameters do not take part "
                                "in every step's loss.")
-        for i, somewhere in enumerate(used.any(dim=0).tolist()):
-            if somewhere:  # the average; a parameter used on no rank keeps its .grad as it was
-                self._params[i].grad = self._views[i]
+        for p, view, somewhere in zip(self._params, self._views, used.any(dim=0).tolist()):
+            if somewhere and p.grad is not view:  # the average; one used on no rank keeps its .grad as it was
+                p.grad = view
         self._reset()
 
     def _record(self, backward_end: float) -> None:
