@@ -27,6 +27,7 @@ fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 import traceback
@@ -235,13 +236,14 @@ class GPipe(nn.Module):
         weights are 1.
         """
         run = StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
-        if self.executor == "threads":
-            run.run_threads()
-            self.timeline = run.timeline
-        else:
-            run.run_one_at_a_time()
-            self.timeline = None
-            self._last_run = _Placement(run)
+        with _gc_paused():
+            if self.executor == "threads":
+                run.run_threads()
+                self.timeline = run.timeline
+            else:
+                run.run_one_at_a_time()
+                self.timeline = None
+                self._last_run = _Placement(run)
         return run.total_loss()
 
     def _scatter_inputs(self, inputs: Batch) -> tuple[list, int]:
@@ -261,6 +263,20 @@ class GPipe(nn.Module):
             raise ValueError(f"targets must have the batch size of inputs ({size}), "
                              f"got {batch_size(targets, 'targets')}")
         return micro_inputs, scatter(targets, self.chunks), loss_fn, reduction, size
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector for a step. A step makes thousands of short-lived objects
+    (states, tuples, autograd's Python wrappers) and frees them itself; the collections they trigger
+    would scan every object of the process (a notebook's kernel holds many), a few percent of a step."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _Placement:

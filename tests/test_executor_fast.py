@@ -126,3 +126,24 @@ def test_the_threads_executor_still_records_its_timeline():
                  executor="threads")
     pipe.step(x, y, nn.MSELoss())
     assert len(pipe.timeline.events) == 2 * 2 * 4
+
+
+def test_the_garbage_collector_is_paused_for_a_step_only(monkeypatch):
+    import gc
+
+    seen = []
+    original = pipeline.StepRun.run
+    monkeypatch.setattr(pipeline.StepRun, "run", lambda self, a: seen.append(gc.isenabled()) or original(self, a))
+    pipe, x, y = pipe_and_data("1f1b", track_memory=False)
+    assert gc.isenabled()
+    pipe.step(x, y, nn.MSELoss())
+    assert gc.isenabled() and not any(seen)
+    with pytest.raises(ValueError, match="loss_fn must return a scalar tensor"):
+        pipe.step(x, y, lambda out, target: out)  # an error in the middle of a step
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        pipe.step(x, y, nn.MSELoss())
+        assert not gc.isenabled()  # the caller's choice is left alone
+    finally:
+        gc.enable()
