@@ -8,7 +8,7 @@ runs its device's action list from the
 :class:`~gpipe_ref.schedule.Schedule` in order. The actions are the
 in-process executor's (``gpipe_ref.pipeline``); only the stage boundaries
 change: an activation or a gradient whose neighbour stage lives on another
-rank travels by ``isend``/``irecv``: one message per hand-over, a small
+rank travels by ``isend``/``irecv``, one message per hand-over: a small
 header (dtype and shape) and the data together. Shapes are not known in
 advance: the first step sends the header alone and the data after it, as
 torch.distributed.pipelining's shape inference does, and both ranks remember
@@ -16,17 +16,18 @@ each hand-over's size, so later steps send one message of that size (a
 micro-batch larger than last step's sends two again, once). Receives are
 posted ahead, so transfers overlap the compute before them; no more are in
 flight than the micro-batches the schedule keeps on the rank anyway plus 2,
-so 1F1B keeps its bound on held activations. Sends are asynchronous and waited for at the end of the step, so
-a valid schedule cannot deadlock on them. With ``timeline=True`` each rank
-times its actions from the moment their inputs have arrived, and every rank
-gets one Timeline (``pipe.timeline``) with the clocks aligned at a barrier; it
-costs a barrier and an ``all_gather_object`` per step, so it is off by default.
+so 1F1B keeps its bound on held activations. Sends are asynchronous and
+waited for at the end of the step, so a valid schedule cannot deadlock on
+them. With ``timeline=True`` each rank times its actions from the moment
+their inputs have arrived, and every rank gets one Timeline
+(``pipe.timeline``) with the clocks aligned at a barrier; it costs a barrier
+and an ``all_gather_object`` per step, so it is off by default.
 
 Messages carry tags that name (kind, stage, micro-batch), so interleaved
 schedules, whose ranks exchange activations and gradients in both
-directions, match them on gloo. NCCL ignores tags and matches messages in
-order, which holds for one stage per rank; interleaved schedules over NCCL
-are untested here.
+directions, and receives posted ahead match them on gloo, the backend this
+module is tested on. NCCL ignores tags and matches messages in posting
+order, which receives posted ahead and a size's second message break.
 
 Tied weights: a parameter used by stages on several ranks (one layer placed
 twice, or input and output embeddings sharing a weight, Press & Wolf 2017)
@@ -335,7 +336,8 @@ class _RankStepRun(StepRun):
                                 f"{_MAX_DIMS} dimensions of {[str(d) for d in _DTYPES]}")
             needed = _HEADER_BYTES + tensor.numel() * tensor.element_size()
             header = [_DTYPES.index(tensor.dtype), tensor.dim(), int(needed > size), *tensor.shape]
-        message = torch.empty(size, dtype=torch.uint8, device=tensor.device if tensor is not None else "cpu")
+        device = tensor.device if tensor is not None else self.pipe.devices[self.pipe.rank]
+        message = torch.empty(size, dtype=torch.uint8, device=device)
         message[:_HEADER_BYTES].view(torch.long)[:len(header)] = torch.tensor(header, dtype=torch.long)
         if tensor is not None and needed <= size:
             message[_HEADER_BYTES:needed].view(tensor.dtype).view(tensor.shape).copy_(tensor)
@@ -427,7 +429,8 @@ class _RankStepRun(StepRun):
     def run_rank(self) -> None:
         rank, group = self.pipe.rank, self.pipe.group
         actions = self.schedule.per_device[rank]
-        receives, next_receive, bound = self._receives(actions), 0, self.receive_bound(actions)
+        receives, bound = self._receives(actions), self.receive_bound(actions)
+        taken = posted = 0  # receives[:taken] are taken, receives[taken:posted] in flight (in order)
         timed = self.pipe.records_timeline
         if timed:
             dist.barrier(group=group)
@@ -437,15 +440,12 @@ class _RankStepRun(StepRun):
         if not holds_losses:
             self._broadcast_loss()
         for i, action in enumerate(actions):
-            # receives taken by earlier actions are done: keep receives_ahead of the next ones in flight
-            while next_receive < len(receives) and receives[next_receive][0] < i:
-                next_receive += 1
-            ahead = next_receive
-            while ahead < len(receives) and len(self.posted) < bound:
-                key = receives[ahead][1]
-                if key not in self.posted:
-                    self._post(key)
-                ahead += 1
+            while taken < len(receives) and receives[taken][0] < i:  # taken by earlier actions
+                taken += 1
+            posted = max(posted, taken)  # (with a bound of 0, each action posts its own when it takes it)
+            while posted < len(receives) and posted - taken < bound:
+                self._post(receives[posted][1])
+                posted += 1
             began, self.waited = time.perf_counter(), 0.0
             self.run(action)
             self._sync(action)
