@@ -235,8 +235,9 @@ class GPipe(nn.Module):
         ``loss_fn(module(inputs), targets).backward()``; with "sum" the
         weights are 1.
         """
-        run = StepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
+        prepared = self._prepare_step(inputs, targets, loss_fn, reduction)
         with _gc_paused():
+            run = StepRun(self, *prepared)
             if self.executor == "threads":
                 run.run_threads()
                 self.timeline = run.timeline
@@ -451,7 +452,7 @@ class StepRun:
         self.losses: dict[int, torch.Tensor] = {}
         self.meters = [ActivationMeter(p for s, stage in enumerate(pipe.stages)
                                        if schedule.stage_to_device[s] == d and stage is not None
-                                       for p in stage.parameters())
+                                       for p in stage.parameters()) if pipe.track_memory else ActivationMeter()
                        for d in range(schedule.num_devices)]
         self.lock = threading.Lock()
         self._ops = {"F": self.forward, "B": self.backward, "W": self.weight}
