@@ -574,9 +574,10 @@ class StepRun:
         if grad is not None and grad.device != root.device:
             grad = grad.to(root.device)
         if not self.split_backward:
-            # One autograd call per stage and micro-batch. Its leaves are this stage's parameters and
-            # its input (a fresh leaf: the graph stops at the stage boundary), so naming them with
-            # inputs= would only cost the engine a pass over the graph to mark them.
+            # One autograd call per stage and micro-batch, into every leaf the stage's graph reaches, as
+            # loss.backward() on the plain model: the stage's parameters and its input (a fresh leaf, so
+            # the graph stops at the stage boundary; on stage 0 the caller's input, if it requires grad).
+            # Naming them with inputs= would cost the engine an extra pass over the graph.
             if root.requires_grad:
                 _backward(root, grad)
             if stage > 0:
