@@ -431,6 +431,17 @@ class _RankStepRun(StepRun):
         actions = self.schedule.per_device[rank]
         receives, bound = self._receives(actions), self.receive_bound(actions)
         taken = posted = 0  # receives[:taken] are taken, receives[taken:posted] in flight (in order)
+
+        def post_ahead(first_action: int) -> None:
+            """Keep ``bound`` receives in flight for the actions from ``first_action`` on."""
+            nonlocal taken, posted
+            while taken < len(receives) and receives[taken][0] < first_action:  # taken by earlier actions
+                taken += 1
+            posted = max(posted, taken)  # (with a bound of 0, each action posts its own when it takes it)
+            while posted < len(receives) and posted - taken < bound:
+                self._post(receives[posted][1])
+                posted += 1
+
         timed = self.pipe.records_timeline
         if timed:
             dist.barrier(group=group)
@@ -439,23 +450,19 @@ class _RankStepRun(StepRun):
         holds_losses = self.pipe.owns(self.schedule.num_stages - 1)
         if not holds_losses:
             self._broadcast_loss()
+        post_ahead(0)
         for i, action in enumerate(actions):
-            while taken < len(receives) and receives[taken][0] < i:  # taken by earlier actions
-                taken += 1
-            posted = max(posted, taken)  # (with a bound of 0, each action posts its own when it takes it)
-            while posted < len(receives) and posted - taken < bound:
-                self._post(receives[posted][1])
-                posted += 1
             began, self.waited = time.perf_counter(), 0.0
             self.run(action)
             self._sync(action)
-            if holds_losses and self.loss_broadcast is None and len(self.losses) == self.schedule.num_microbatches:
-                self._broadcast_loss()
             if timed:
                 ended = time.perf_counter()
                 # the bar covers the compute (recomputation included), not the wait for messages
                 events.append(Event(rank, action.stage, action.op, action.microbatch,
                                     began + self.waited - origin, ended - origin, 0))
+            if holds_losses and self.loss_broadcast is None and len(self.losses) == self.schedule.num_microbatches:
+                self._broadcast_loss()
+            post_ahead(i + 1)  # after the action's send, which the other rank may be waiting for
         for work, _buffer in self.pending:
             work.wait()
         self.pending = []
