@@ -223,3 +223,29 @@ def test_no_gradient_across_ranks_with_cached_sizes():
     # rank 1 sends 3 "no gradient" headers a step; step 2's larger batch needs no second message for them
     assert first[1]["isend"] == 3 and second[1]["isend"] == 3
     assert ranks[0][0][0][0] == first[0] and ranks[0][0][1][0] == second[0]  # every rank gets the loss
+
+
+def _garbage_collector(rank, world_size):
+    import gc
+
+    pipe = PipelineParallel(mlp(16, 4, seed=3), [4, 4], chunks=2)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    during = []
+
+    def loss_fn(output, target):
+        during.append(gc.isenabled())
+        return nn.functional.mse_loss(output, target)
+
+    pipe.step(x, y, loss_fn)
+    after = gc.isenabled()
+    gc.disable()
+    pipe.step(x, y, loss_fn)
+    left_off = not gc.isenabled()
+    gc.enable()
+    return during, after, left_off
+
+
+def test_the_garbage_collector_is_paused_during_a_step_and_restored():
+    for rank, (during, after, left_off) in enumerate(launch(_garbage_collector, 2, timeout=60)):
+        assert (len(during) >= 4 and not any(during)) if rank == 1 else during == []  # the last stage's rank
+        assert after and left_off

@@ -44,6 +44,8 @@ refused at construction: each rank would update its own copy.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -146,11 +148,13 @@ class PipelineParallel(GPipe):
         have it when they finish). ``inputs`` matter on the rank of stage 0,
         ``targets`` on the rank of the last stage; passing the full batch everywhere is simplest.
         A tied parameter's gradient is summed over the ranks that share it (see ``tied``)."""
-        run = _RankStepRun(self, *self._prepare_step(inputs, targets, loss_fn, reduction))
-        earlier = self._take_tied_grads()
-        run.run_rank()
-        work, loss = run.loss_broadcast
-        work.wait()
+        prepared = self._prepare_step(inputs, targets, loss_fn, reduction)
+        with _gc_paused():
+            run = _RankStepRun(self, *prepared)
+            earlier = self._take_tied_grads()
+            run.run_rank()
+            work, loss = run.loss_broadcast
+            work.wait()
         self._reduce_tied_grads(earlier)
         self.timeline = run.timeline
         return loss
@@ -277,6 +281,20 @@ def _find_ties(module: nn.Sequential, balance: Sequence[int],
                              f"(e.g. head.weight = embedding.weight), whose gradients PipelineParallel sums")
     return [(TiedParameter(name, tuple(stages_of[id(p)]), tuple(ranks(p))), p)
             for name, p in module.named_parameters() if len(stages_of.get(id(p), [])) > 1]
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector while a rank runs its actions, as ``GPipe.step`` does: a
+    step makes thousands of short-lived objects and frees them itself, and the collections they
+    trigger would scan every object of the process."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _default_device() -> torch.device:
