@@ -27,7 +27,6 @@ fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 import time
 import traceback
@@ -44,7 +43,7 @@ from .partition import balance_by_params, check_balance, split
 from .checks import one_of, positive_int
 from .schedule import (Action, Schedule, dependencies, execution_order, make_schedule, schedule_names, schedule_spec,
                        validate)
-from .simulator import place
+from .simulator import gc_paused, place
 from .timeline import Event, Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -236,7 +235,7 @@ class GPipe(nn.Module):
         weights are 1.
         """
         prepared = self._prepare_step(inputs, targets, loss_fn, reduction)
-        with _gc_paused():
+        with gc_paused():
             run = StepRun(self, *prepared)
             if self.executor == "threads":
                 run.run_threads()
@@ -264,20 +263,6 @@ class GPipe(nn.Module):
             raise ValueError(f"targets must have the batch size of inputs ({size}), "
                              f"got {batch_size(targets, 'targets')}")
         return micro_inputs, scatter(targets, self.chunks), loss_fn, reduction, size
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector for a step. A step makes thousands of short-lived objects
-    (states, tuples, autograd's Python wrappers) and frees them itself; the collections they trigger
-    would scan every object of the process (a notebook's kernel holds many), a few percent of a step."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class _Placement:

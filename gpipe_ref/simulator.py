@@ -72,9 +72,11 @@ class CostModel:
 
 
 @contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector: a big schedule creates ~10^5 acyclic
-    objects, and collections triggered by them cost about a third of the run."""
+def gc_paused():
+    """Pause the cyclic garbage collector for the block (restored after, even on error; left off if it was
+    off). A big schedule creates ~10^5 acyclic objects, and the collections they trigger cost about a third
+    of a simulation; a training step's short-lived objects (states, tuples, autograd's Python wrappers) would
+    make them scan every object of the process, a few percent of a step."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -103,7 +105,7 @@ def simulate(schedule: Schedule, cost_model: CostModel | None = None, *, weight_
             f"stage_scale must have one entry per stage ({schedule.num_stages}), "
             f"got {len(cost.stage_scale)}"
         )
-    with _gc_paused():
+    with gc_paused():
         return _simulate(schedule, cost, weight_stashing, vertical_sync)
 
 
@@ -142,7 +144,7 @@ def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0
                 integer(f"versions[{a}]", versions[a], 0)
     if versions is None and not schedule.flush:
         versions = weight_versions(schedule)
-    with _gc_paused():
+    with gc_paused():
         return _place(encoded, per_key, comm, unit, peak_memory, versions)
 
 

@@ -136,7 +136,7 @@ def test_receives_posted_ahead_do_not_deadlock(world_size, schedule, v, chunks, 
 
 
 def _ahead(rank, world_size, shapes, chunks, schedule, v, ahead):
-    run = pipeline_parallel._RankStepRun
+    run = pipeline_parallel.RankStepRun
     default, run.receives_ahead = run.receives_ahead, ahead
     most, bound = 0, None
     post, receive_bound = run._post, run.receive_bound

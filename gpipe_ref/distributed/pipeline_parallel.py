@@ -44,8 +44,6 @@ refused at construction: each rank would update its own copy.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import time
 from dataclasses import dataclass
@@ -59,6 +57,7 @@ from ..microbatch import Batch
 from ..partition import split
 from ..pipeline import GPipe, StepRun
 from ..schedule import Schedule
+from ..simulator import gc_paused
 from ..timeline import Event, Timeline
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -149,8 +148,8 @@ class PipelineParallel(GPipe):
         ``targets`` on the rank of the last stage; passing the full batch everywhere is simplest.
         A tied parameter's gradient is summed over the ranks that share it (see ``tied``)."""
         prepared = self._prepare_step(inputs, targets, loss_fn, reduction)
-        with _gc_paused():
-            run = _RankStepRun(self, *prepared)
+        with gc_paused():
+            run = RankStepRun(self, *prepared)
             earlier = self._take_tied_grads()
             run.run_rank()
             work, loss = run.loss_broadcast
@@ -283,27 +282,13 @@ def _find_ties(module: nn.Sequential, balance: Sequence[int],
             for name, p in module.named_parameters() if len(stages_of.get(id(p), [])) > 1]
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while a rank runs its actions, as ``GPipe.step`` does: a
-    step makes thousands of short-lived objects and frees them itself, and the collections they
-    trigger would scan every object of the process."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _default_device() -> torch.device:
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-class _RankStepRun(StepRun):
+class RankStepRun(StepRun):
     """One rank's share of a step: its actions, with stage boundaries over send/recv.
 
     A hand-over is one message of the size both ranks remember for its tag (``pipe``'s
