@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 from typing import NamedTuple
 
 import pytest
+from dist_calls import counting
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -212,25 +212,9 @@ def _optimizer(name: str, params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-@contextlib.contextmanager
 def _counting(names=("new_group", "all_reduce", "broadcast")):
-    """Count this process's calls of torch.distributed functions (as PipelineParallel calls them)."""
-    counts = dict.fromkeys(names, 0)
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(dist, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    """Count this process's calls of these torch.distributed functions."""
+    return counting(names)
 
 
 def _named(model: nn.Module, params, attribute: str | None = None) -> dict[str, torch.Tensor]:

@@ -3,9 +3,9 @@ receives posted ahead (bounded), the timeline and memory tracking only when aske
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
+from dist_calls import counting
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,25 +18,9 @@ from gpipe_ref.models import mlp
 pytestmark = pytest.mark.timeout(240)
 
 
-@contextlib.contextmanager
 def _counting(names=("isend", "irecv", "barrier", "all_gather_object")):
-    """Count this process's calls of torch.distributed functions."""
-    counts = dict.fromkeys(names, 0)
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(dist, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    """Count this process's calls of these torch.distributed functions."""
+    return counting(names)
 
 
 def _batches(shapes, seed=0):
