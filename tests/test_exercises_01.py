@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from planted import assert_caught, run_answer
+from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
 from gpipe_ref.grading.ex01_data_parallel import measure_traffic
 
@@ -132,7 +132,7 @@ def test_the_solution_passes_check_and_grade_quickly(exercise_id, capsys):
     verdict = grade(exercise_id, namespace)
     graded = time.perf_counter() - start
     assert verdict.passed, verdict
-    assert checked < 2 and graded < 10, (checked, graded)
+    assert checked < CHECK_LIMIT_S and graded < GRADE_LIMIT_S, (checked, graded)
 
 
 @pytest.mark.parametrize("exercise_id,old,new", MUTANTS, ids=[f"{e}-{o}->{n}" for e, o, n in MUTANTS])
