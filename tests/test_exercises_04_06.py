@@ -52,6 +52,31 @@ def predict_pipedream(stashing_staleness="[min(m - 1, p - 1 - s) for s in stages
                           vertical_staleness=vertical_staleness)
 
 
+# 06.5's solution; the planted answers below change one of its rules.
+TWO_BW = """
+def two_bw_versions(per_device, batch):
+    if {refuse} and batch < len(per_device):
+        return None
+    versions, staleness = [], []
+    for acts in per_device:
+        made, used, stale = 0, [], []
+        for a in acts:
+            version = {version}
+            used.append(version)
+            if a.op == "B":
+                stale.append(made - version)
+                if {update} or a.microbatch % batch == batch - 1:
+                    made += 1
+        versions.append(used)
+        staleness.append(stale)
+    return {{"versions": versions, "staleness": staleness}}
+"""
+
+
+def two_bw_versions(version="max(a.microbatch // batch - 1, 0)", update="False", refuse="True") -> str:
+    return TWO_BW.format(version=version, update=update, refuse=refuse)
+
+
 SOLUTIONS = {
     "04.4": """
 def accumulate_gradients(model, loss_fn, x, y, m):
@@ -62,24 +87,7 @@ def accumulate_gradients(model, loss_fn, x, y, m):
     return [q.grad for q in model.parameters()]
 """,
     "06.4": predict_pipedream(),
-    "06.5": """
-def two_bw_versions(per_device, batch):
-    if batch < len(per_device):
-        return None
-    versions, staleness = [], []
-    for acts in per_device:
-        made, used, stale = 0, [], []
-        for a in acts:
-            version = max(a.microbatch // batch - 1, 0)
-            used.append(version)
-            if a.op == "B":
-                stale.append(made - version)
-                if a.microbatch % batch == batch - 1:
-                    made += 1
-        versions.append(used)
-        staleness.append(stale)
-    return {"versions": versions, "staleness": staleness}
-""",
+    "06.5": two_bw_versions(),
 }
 
 # (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
@@ -130,73 +138,12 @@ def predict_pipedream(p, m):
     ("06.4", "staleness of the steady state even when the run is shorter (no min with m - 1)", "largest staleness 3", """
 """ + predict_pipedream(stashing_staleness="[p - 1 - s for s in stages]",
                                    vertical_staleness="[p - 1 for _ in stages]")),
-    ("06.5", "the batch's own version t instead of the one before it", "2BW uses 0", """
-def two_bw_versions(per_device, batch):
-    if batch < len(per_device):
-        return None
-    versions, staleness = [], []
-    for acts in per_device:
-        made, used, stale = 0, [], []
-        for a in acts:
-            used.append(a.microbatch // batch)
-            if a.op == "B":
-                stale.append(made - a.microbatch // batch)
-                if a.microbatch % batch == batch - 1:
-                    made += 1
-        versions.append(used)
-        staleness.append(stale)
-    return {"versions": versions, "staleness": staleness}
-"""),
-    ("06.5", "t - 1 without the floor at 0 (version -1 for the first batch)", "version -1", """
-def two_bw_versions(per_device, batch):
-    if batch < len(per_device):
-        return None
-    versions, staleness = [], []
-    for acts in per_device:
-        made, used, stale = 0, [], []
-        for a in acts:
-            used.append(a.microbatch // batch - 1)
-            if a.op == "B":
-                stale.append(made - used[-1])
-                if a.microbatch % batch == batch - 1:
-                    made += 1
-        versions.append(used)
-        staleness.append(stale)
-    return {"versions": versions, "staleness": staleness}
-"""),
-    ("06.5", "updates after every backward, as PipeDream does", "staleness", """
-def two_bw_versions(per_device, batch):
-    if batch < len(per_device):
-        return None
-    versions, staleness = [], []
-    for acts in per_device:
-        made, used, stale = 0, [], []
-        for a in acts:
-            version = max(a.microbatch // batch - 1, 0)
-            used.append(version)
-            if a.op == "B":
-                stale.append(made - version)
-                made += 1
-        versions.append(used)
-        staleness.append(stale)
-    return {"versions": versions, "staleness": staleness}
-"""),
-    ("06.5", "never returns None: runs batches smaller than the pipeline", "expected None", """
-def two_bw_versions(per_device, batch):
-    versions, staleness = [], []
-    for acts in per_device:
-        made, used, stale = 0, [], []
-        for a in acts:
-            version = max(a.microbatch // batch - 1, 0)
-            used.append(version)
-            if a.op == "B":
-                stale.append(made - version)
-                if a.microbatch % batch == batch - 1:
-                    made += 1
-        versions.append(used)
-        staleness.append(stale)
-    return {"versions": versions, "staleness": staleness}
-"""),
+    ("06.5", "the batch's own version t instead of the one before it", "2BW uses 0",
+     two_bw_versions(version="a.microbatch // batch")),
+    ("06.5", "t - 1 without the floor at 0 (version -1 for the first batch)", "version -1",
+     two_bw_versions(version="a.microbatch // batch - 1")),
+    ("06.5", "updates after every backward, as PipeDream does", "staleness", two_bw_versions(update="True")),
+    ("06.5", "never returns None: runs batches smaller than the pipeline", "expected None", two_bw_versions(refuse="False")),
 ]
 
 
