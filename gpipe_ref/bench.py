@@ -198,7 +198,7 @@ def executor_cases(quick: bool) -> list[dict]:
     from .pipeline import GPipe
 
     torch.set_num_threads(1)
-    repeats = 3 if quick else 7
+    repeats = 3 if quick else 15  # a step takes 15-70 ms here: 15 rounds keep the medians steady at little cost
     schedules = ("gpipe", "1f1b", "zero_bubble_h1")
     cases = [(512, 512, 8, "gpipe"), (512, 512, 8, "1f1b")] if quick else \
         [(512, 512, 8, s) for s in schedules] + [(256, 256, 16, s) for s in schedules]

@@ -50,7 +50,7 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 EXECUTORS = ("auto", "threads", "simulated")
 
 
-@dataclass
+@dataclass(slots=True)
 class _MicroState:
     """What one stage keeps for one micro-batch between its F and its B (and W)."""
 
@@ -269,11 +269,12 @@ class _Placement:
     """A simulated step's measured durations, placed on the devices' clocks when first asked."""
 
     def __init__(self, run: StepRun) -> None:
-        self.schedule, self.durations, self.peaks = run.schedule, run._durations, run._peaks()
+        self.schedule, self.recorded, self.peaks = run.schedule, run._durations, run._peaks()
 
     @property
     def timeline(self) -> Timeline:
-        return place(self.schedule, self.durations, unit="s", peak_memory=self.peaks)
+        actions, seconds = self.recorded
+        return place(self.schedule, dict(zip(actions, seconds)), unit="s", peak_memory=self.peaks)
 
 
 def _check_split_backward(stages: Sequence[nn.Sequential]) -> None:
@@ -341,6 +342,37 @@ def _grad(root: torch.Tensor, targets: Sequence[torch.Tensor], grad: torch.Tenso
     """``torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)``."""
     return torch.autograd.Variable._execution_engine.run_backward(
         (root,), (torch.ones_like(root) if grad is None else grad,), True, False, tuple(targets), True, False)
+
+
+def _linear_weight_grads(layer: nn.Module, x, g: torch.Tensor) -> bool:
+    """W of a plain ``nn.Linear`` as the matrix products themselves: for z = x A^T + b, dA = g^T x and
+    db = the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run apart
+    from B). From the second micro-batch on, the product accumulates straight into ``.grad``
+    (``addmm_``, as Megatron-LM's gradient-accumulation fusion does), where autograd would form it and
+    then add it: on a CPU that saves a pass over the weight and the autograd call, a sixth of a small
+    model's zero bubble step. The sum then rounds differently from loss.backward()'s, in the last bits.
+    Returns False, and leaves the work to autograd, for anything else: another layer type, hooks on a
+    parameter, mixed dtypes (autocast), a sparse gradient."""
+    if type(layer) is not nn.Linear or not isinstance(x, torch.Tensor):
+        return False
+    params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
+    if any(p._backward_hooks or p._post_accumulate_grad_hooks or (p.grad is not None and p.grad.layout != torch.strided)
+           or p.dtype != g.dtype for p in params) or x.dtype != g.dtype:
+        return False
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.detach().reshape(-1, x.shape[-1])
+    weight, bias = layer.weight, layer.bias
+    with torch.no_grad():
+        if weight.requires_grad:
+            if weight.grad is None:
+                weight.grad = g2.t() @ x2
+            else:  # the product adds itself into .grad: no temporary, one pass over it (see above)
+                weight.grad.addmm_(g2.t(), x2)
+        if bias is not None and bias.requires_grad:
+            if bias.grad is None:
+                bias.grad = g2.sum(0)
+            else:
+                bias.grad.add_(g2.sum(0))
+    return True
 
 
 def _requires_grad(batch: Batch) -> bool:
@@ -442,7 +474,7 @@ class StepRun:
         self.lock = threading.Lock()
         self._ops = {"F": self.forward, "B": self.backward, "W": self.weight}
         self._cuda = [device.type == "cuda" for device in self.stage_devices]
-        self._durations: dict[Action, float] | None = None  # measured, placed on first read of timeline
+        self._durations: tuple | None = None  # (actions, measured seconds), placed on first read of timeline
         self._timeline: Timeline | None = None
 
     @property
@@ -589,10 +621,13 @@ class StepRun:
     def weight(self, stage: int, microbatch: int) -> None:
         """W: each layer's weight gradients from its output's gradient (kept by B)."""
         st = self.state[(stage, microbatch)]
+        layers, chain = self.layers[stage], st.chain
         for j, params in self.weight_layers[stage]:
             g = st.chain_grads.get(j)
-            if g is not None:  # into .grad as loss.backward() would: in place, post-accumulate hooks fire
-                _backward(st.chain[j], g, params)
+            if g is None:
+                continue
+            if not _linear_weight_grads(layers[j], chain[j - 1] if j else st.inputs, g):
+                _backward(chain[j], g, params)  # into .grad as loss.backward() would; post-accumulate hooks fire
         self._release(stage, microbatch)
 
     def _release(self, stage: int, microbatch: int) -> None:
@@ -604,7 +639,8 @@ class StepRun:
         self._ops[action.op](action.stage, action.microbatch)
 
     def total_loss(self) -> torch.Tensor:
-        return sum(self.losses[i].to(self.losses[0].device) for i in range(len(self.losses)))
+        device = self.losses[0].device
+        return torch.stack([self.losses[i].to(device) for i in range(len(self.losses))]).sum()
 
     # -- executors ----------------------------------------------------------------------
     def _sync(self, action: Action) -> None:
@@ -615,14 +651,20 @@ class StepRun:
         """Simulated devices: run in a valid global order (the pipe finds it once per schedule), time
         each action. The durations are placed on the devices' clocks (:func:`~gpipe_ref.simulator.place`,
         what :func:`~gpipe_ref.simulator.time_one_at_a_time` does) when the timeline is first read."""
-        run, sync, clock = self.run, self._sync, time.perf_counter
-        durations = {}
-        for action in self.pipe.execution_order():
-            began = clock()
-            run(action)
-            sync(action)
-            durations[action] = clock() - began
-        self._timeline, self._durations = None, durations
+        ops, clock, order = self._ops, time.perf_counter, self.pipe.execution_order()
+        seconds = []
+        if any(self._cuda):
+            for action in order:
+                began = clock()
+                ops[action.op](action.stage, action.microbatch)
+                self._sync(action)
+                seconds.append(clock() - began)
+        else:  # the common CPU loop: a few microseconds per action count at 16 micro-batches
+            for action in order:
+                began = clock()
+                ops[action.op](action.stage, action.microbatch)
+                seconds.append(clock() - began)
+        self._timeline, self._durations = None, (order, seconds)
 
     def run_threads(self, timeout: float = 600.0) -> None:
         """One worker thread per device, each running its list and waiting for dependencies."""

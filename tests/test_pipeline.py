@@ -277,7 +277,11 @@ def test_buffers_and_gradients_equal_the_plain_model_on_each_microbatch(statisti
                 chunks * (step + 1), case
             assert model[3].calls.item() == chunks * (step + 1), case
             for (name, a), (_, b) in zip(reference.named_buffers(), model.named_buffers(), strict=True):
-                assert torch.equal(b, a), (name, case)  # the same updates in the same order: the same bits
+                if schedule == "zero_bubble_h1":  # its W adds a Linear's weight gradient into .grad by addmm_,
+                    # which rounds apart from loss.backward() in the last bits: so do the next steps' weights
+                    torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=f"{name} {case}")
+                else:
+                    assert torch.equal(b, a), (name, case)  # the same updates in the same order: the same bits
             for (name, a), (_, b) in zip(reference.named_parameters(), model.named_parameters(), strict=True):
                 torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=f"{name} {case}")
             for optimizer in optimizers:
