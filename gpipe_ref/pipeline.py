@@ -55,12 +55,10 @@ class _MicroState:
     """What one stage keeps for one micro-batch between its F and its B (and W)."""
 
     inputs: torch.Tensor | None = None  # the stage input (a leaf, so its grad is the input gradient)
-    chain: list[torch.Tensor] = field(default_factory=list)  # outputs of each layer (+ the loss, last stage)
+    chain: list[torch.Tensor] = field(default_factory=list)  # the stage output or loss (zero bubble: each layer's)
     token: object = None  # the meter's count of the held input
     rng_state: tuple | None = None  # to replay dropout identically when recomputing
     buffers: list[torch.Tensor] = field(default_factory=list)  # the buffers the forward started from, ditto
-    output: torch.Tensor | None = None  # sent to the next stage (detached)
-    input_grad: torch.Tensor | None = None  # sent to the previous stage
     chain_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # for W: grad of each layer output
 
 
@@ -454,7 +452,9 @@ class StepRun:
         self.split_backward = schedule.has_weight_actions
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.weights = [(batch_size(x) / size) if reduction == "mean" else 1.0 for x in inputs]
-        self.state: dict[tuple[int, int], _MicroState] = {}
+        self.state: dict[tuple[int, int], _MicroState] = {}  # (stage, micro-batch) from its F to its release
+        self.handed: dict[tuple[int, int, int], torch.Tensor | None] = {}  # (0 or 1, stage, micro-batch): an
+        # activation for stage's F (0) or the gradient of stage's output for its B (1), until taken
         self.last_stage = schedule.num_stages - 1
         self.stage_devices = [pipe.stage_device(s) for s in range(schedule.num_stages)]
         self.layers = [tuple(stage) if stage is not None else () for stage in pipe.stages]
@@ -493,24 +493,20 @@ class StepRun:
     # send and receive them.
     def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
         """The output of ``stage - 1`` for ``microbatch`` (the input of ``stage``'s F)."""
-        sender = self.state[(stage - 1, microbatch)]
-        output, sender.output = sender.output, None
-        return output
+        return self.handed.pop((0, stage, microbatch))
 
     def send_activation(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
         """Hand ``stage``'s output for ``microbatch`` to ``stage + 1``."""
-        self.state[(stage, microbatch)].output = output
+        self.handed[(0, stage + 1, microbatch)] = output
 
     def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
         """The gradient of ``stage``'s output, computed by ``stage + 1``'s B (``None``: no gradient)."""
-        receiver = self.state[(stage + 1, microbatch)]
-        grad, receiver.input_grad = receiver.input_grad, None
-        return grad
+        return self.handed.pop((1, stage, microbatch))
 
     def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
         """Hand the gradient of ``stage``'s input for ``microbatch`` to ``stage - 1``; ``None`` when
         none flows back (the stage's output does not depend on its input), as ``allow_unused`` gives."""
-        self.state[(stage, microbatch)].input_grad = grad
+        self.handed[(1, stage - 1, microbatch)] = grad
 
     # -- the three actions ---------------------------------------------------------------
     def _checkpointed(self, microbatch: int) -> bool:
@@ -520,11 +516,18 @@ class StepRun:
         return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
 
     def _run_stage(self, stage: int, microbatch: int, x, st: _MicroState) -> None:
-        """Forward through the stage's layers, keeping each layer's output (and the loss)."""
-        chain = []
-        for layer in self.layers[stage]:
-            x = layer(x)
-            chain.append(x)
+        """Forward through the stage's layers, keeping the stage's output (and the loss); zero bubble's
+        W needs each layer's output too. (Keeping every output would hold tensors autograd does not
+        save, such as a Linear's output before its ReLU: memory the plain model frees at once.)"""
+        if self.split_backward:
+            chain = []
+            for layer in self.layers[stage]:
+                x = layer(x)
+                chain.append(x)
+        else:
+            for layer in self.layers[stage]:
+                x = layer(x)
+            chain = [x]
         if stage != self.last_stage:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"stage {stage} must return a tensor (the activation sent to the next stage), got "
@@ -586,7 +589,10 @@ class StepRun:
             # as loss.backward() on the plain model, this and the earlier stages' .grad stay untouched.
             if stage > 0:
                 self.send_gradient(stage, microbatch, None)
-            self._release(stage, microbatch)
+            if self.split_backward:  # no weight gradient either: W finds none and releases
+                st.chain = []
+            else:
+                self._release(stage, microbatch)
             return
         if grad is not None and grad.device != root.device:
             grad = grad.to(root.device)
@@ -632,8 +638,7 @@ class StepRun:
 
     def _release(self, stage: int, microbatch: int) -> None:
         """Drop what the micro-batch kept on this stage (activations, graph, held input)."""
-        st = self.state[(stage, microbatch)]
-        st.chain, st.chain_grads, st.token, st.rng_state, st.buffers, st.inputs = [], {}, None, None, [], None
+        del self.state[(stage, microbatch)]
 
     def run(self, action: Action) -> None:
         self._ops[action.op](action.stage, action.microbatch)
