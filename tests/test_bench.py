@@ -89,3 +89,24 @@ def test_bench_prints_its_results_when_the_json_cannot_be_written_at_the_end(tmp
         f"python -m gpipe_ref bench: warning: --json: cannot write '{out}': Is a directory; trying again at the end",
         f"python -m gpipe_ref bench: error: --json: could not write '{out}': Is a directory; the results are "
         f"printed above instead"]
+
+
+def test_speedup_profile_factors_multiply_to_speedup_over_theory():
+    """compute x balance x schedule x outside = (one process / pipelined wall) / (2m / (m + 1)), and a step on
+    the fill-drain bound with equal ranks and nothing outside it scores 1 on the last three."""
+    from gpipe_ref.schedule import make_schedule
+    from gpipe_ref.simulator import CostModel, simulate
+
+    m = 8
+    timeline = simulate(make_schedule("gpipe", 2, m), CostModel(forward=1.0))
+    busy = timeline.busy(0)
+    profile = gpipe_ref.bench.speedup_profile(single_s=2 * busy * 1.1, wall_s=timeline.makespan, timeline=timeline,
+                                              m=m)
+    factors = profile["factors"]
+    assert abs(factors["balance"] - 1) < 1e-9 and abs(factors["schedule"] - 1) < 1e-9
+    assert abs(factors["outside"] - 1) < 1e-9 and abs(factors["compute"] - 1.1) < 1e-9
+    uneven = simulate(make_schedule("1f1b", 2, m), CostModel(forward=1.0, stage_scale=(1.0, 1.3)))
+    single, wall = 40.0, uneven.makespan * 1.05
+    profile = gpipe_ref.bench.speedup_profile(single, wall, uneven, m)
+    assert abs(profile["product"] - (single / wall) / (2 * m / (m + 1))) < 1e-9
+    assert profile["factors"]["balance"] < 1 and abs(profile["factors"]["outside"] - 1 / 1.05) < 1e-9
