@@ -134,6 +134,7 @@ class GPipe(nn.Module):
         self.module = module if None not in self._stages else _owned_layers(module, self._stages)
         self.track_memory = track_memory
         self._order: tuple[Schedule, list[Action]] | None = None  # execution_order's, for this schedule
+        self.forward_meters: list[ActivationMeter] | None = None  # the last training forward's (track_memory)
         self.timeline = None
 
     @staticmethod
@@ -176,13 +177,38 @@ class GPipe(nn.Module):
     def stage_device(self, stage: int) -> torch.device:
         return self.devices[self.schedule.stage_to_device[stage]]
 
+    # -- Sequential-like, as torchgpipe's GPipe: the layers in order, across the stages --------
+    def __len__(self) -> int:
+        """The number of layers (in ``PipelineParallel``: of the stages this rank holds)."""
+        return sum(len(stage) for stage in self._stages if stage is not None)
+
+    def __iter__(self):
+        for stage in self._stages:
+            if stage is not None:
+                yield from stage
+
+    def __getitem__(self, index: int) -> nn.Module:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"index must be an int (a layer's position), got {type(index).__name__}")
+        layers = list(self)
+        if not -len(layers) <= index < len(layers):
+            raise IndexError(f"index must be in [{-len(layers)}, {len(layers)}) for a pipe of {len(layers)} "
+                             f"layers, got {index}")
+        return layers[index]
+
     def extra_repr(self) -> str:
         return (f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
                 f"schedule={self.schedule.name!r}, executor={self.executor!r}, "
                 f"devices: {describe_placement(self.devices)}")
 
     def to(self, *args, **kwargs):
-        raise TypeError("GPipe places its stages itself: pass devices=[...] to GPipe(...) instead of .to()")
+        """Convert the stages' dtype (``pipe.to(torch.double)``, ``pipe.to(dtype=...)``), as ``nn.Module.to``;
+        a device move is refused: the stages stay on the devices given to ``GPipe``."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise TypeError(f"GPipe places its stages itself: pass devices=[...] to GPipe(...) instead of moving "
+                            f"it with .to({device}); .to(dtype) converts the stages in place")
+        return super().to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
 
     def cuda(self, *args, **kwargs):
         raise TypeError("GPipe places its stages itself: pass devices=['cuda:0', ...] instead of .cuda()")
@@ -210,13 +236,41 @@ class GPipe(nn.Module):
             self._order = (self.schedule, [action for _, action in execution_order(self.schedule)])
         return self._order[1]
 
-    # -- forward only -----------------------------------------------------------------
+    # -- forward, for loss_fn(pipe(x), y).backward() -----------------------------------
     def forward(self, inputs: Batch) -> Batch:
-        """The pipelined forward pass: micro-batched, differentiable end to end."""
+        """The pipelined forward pass: micro-batched, differentiable end to end, so that
+        ``loss_fn(pipe(x), y).backward()`` trains as torchgpipe's GPipe does.
+
+        In training mode (with autograd on), the micro-batches that ``checkpoint`` names
+        re-materialize as in :meth:`step`: each stage keeps only its input, and the backward
+        recomputes the stage from it, replaying the forward's random draws and running on a copy
+        of the stage's buffers (GPipe sec. 2.3). ``pipe.eval()`` or ``torch.no_grad()`` never
+        checkpoints. The micro-batches run one after the other here (the autograd engine runs
+        the backward); ``step`` runs the schedule. With ``track_memory``, ``forward_meters``
+        holds one :class:`~gpipe_ref.memory.ActivationMeter` per device for the last training
+        forward and its backward (read ``meter.peak`` after the backward)."""
+        micro, _ = self._scatter_inputs(inputs)
+        training = self.training and torch.is_grad_enabled()
+        mode, m = self.checkpoint, len(micro)
+        meters = [ActivationMeter(p for s, stage in enumerate(self._stages)
+                                  if self.schedule.stage_to_device[s] == d and stage is not None
+                                  for p in stage.parameters())
+                  for d in range(self.schedule.num_devices)] if training and self.track_memory else None
+        self.forward_meters = meters
         outputs = []
-        for x in self._scatter_inputs(inputs)[0]:
+        for i, x in enumerate(micro):
+            recompute = training and (mode == "always" or (mode == "except_last" and i < m - 1))
             for s, stage in enumerate(self._stages):
-                x = stage(_to(x, self.stage_device(s)))
+                device = self.stage_device(s)
+                x = _to(x, device)
+                meter = meters[self.schedule.stage_to_device[s]] if meters else None
+                if recompute:
+                    x = rematerialized(stage, x, device, meter)
+                elif meter is not None:
+                    with meter.recording():
+                        x = stage(x)
+                else:
+                    x = stage(x)
             outputs.append(x)
         return gather(outputs)
 
@@ -429,6 +483,50 @@ def _buffers_replaced(stage: nn.Module, copies: list[torch.Tensor]):
     finally:
         for module, name, buffer in slots:
             setattr(module, name, buffer)
+
+
+class _Rematerialization(torch.autograd.Function):
+    """One stage on one micro-batch, re-materialized: the forward runs without autograd and keeps the
+    stage's input, random state and a copy of its buffers; the backward recomputes the stage from them
+    with autograd on and backpropagates through the recomputed graph (GPipe sec. 2.3), as
+    :meth:`StepRun.backward` does for a checkpointed action. ``phony`` requires grad so the backward
+    runs even when the input does not (stage 0's data)."""
+
+    @staticmethod
+    def forward(ctx, kept: dict, phony: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        stage, device, meter = kept["stage"], kept["device"], kept["meter"]
+        with _RNG_LOCK:
+            kept["rng_state"] = _rng_state(device)
+            kept["buffers"] = _copy_buffers(stage)
+            out = stage(x)
+        kept["input"] = x.detach()
+        kept["token"] = meter.hold(x) if meter is not None else None
+        ctx.kept = kept
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        kept = ctx.kept
+        stage, device, meter = kept["stage"], kept["device"], kept["meter"]
+        x = kept["input"].requires_grad_(kept["input"].is_floating_point())
+        recording = meter.recording() if meter is not None else contextlib.nullcontext()
+        with _RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), recording, \
+                _buffers_replaced(stage, kept["buffers"]), torch.enable_grad():
+            _set_rng_state(device, kept["rng_state"])
+            out = stage(x)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+        ctx.kept = None  # the input, its token and the copies go with the graph
+        return None, None, x.grad if x.requires_grad else None
+
+
+def rematerialized(stage: nn.Module, x: torch.Tensor, device: torch.device, meter: ActivationMeter | None = None):
+    """``stage(x)``, differentiable, keeping only ``x`` for the backward (see :class:`_Rematerialization`).
+    ``meter`` counts the kept input and the recomputation's saved tensors."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"a re-materialized stage takes a tensor, got {type(x).__name__}")
+    phony = torch.empty(0, device=device, requires_grad=True)
+    return _Rematerialization.apply({"stage": stage, "device": device, "meter": meter}, phony, x)
 
 
 class StepRun:
@@ -690,6 +788,8 @@ class StepRun:
                                 return
                             if time.perf_counter() > deadline:
                                 raise TimeoutError(f"waited over {timeout} s for {dep}")
+                    if abort.is_set():  # another device failed: start nothing more (as torchgpipe stops)
+                        return
                     began = time.perf_counter()
                     self.run(action)
                     self._sync(action)

@@ -1,0 +1,176 @@
+"""GPipe behaves as a torchgpipe user expects (issue 19): a failure stops every device, .to(dtype) works,
+the forward path re-materializes, the pipe is Sequential-like."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_ref.microbatch import scatter
+from gpipe_ref.pipeline import GPipe
+
+torch.set_num_threads(1)
+WIDTH = 6
+
+
+def model_with_dropout_and_batchnorm(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.3), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         nn.BatchNorm1d(WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+
+
+# -- 1: a failing device stops the others ---------------------------------------------------------------------
+
+class _Slow(nn.Module):
+    def __init__(self, seconds: float, calls: list) -> None:
+        super().__init__()
+        self.seconds, self.calls = seconds, calls
+
+    def forward(self, x):
+        self.calls.append(threading.current_thread().name)
+        time.sleep(self.seconds)
+        return x
+
+
+class _Fails(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("the last stage fails")
+
+
+def test_after_one_device_fails_the_others_start_no_new_action():
+    """A slow middle stage and a failing last stage: the middle stage finishes the action it had started when
+    the last stage failed, and starts no other (its inputs for micro-batches 2 and 3 are long ready)."""
+    calls = []
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _Slow(0.3, calls), _Fails())
+    pipe = GPipe(model, [1, 1, 1], chunks=4, executor="threads", checkpoint="never")
+    with pytest.raises(RuntimeError, match="device 2 failed while running 2F0"):
+        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), nn.MSELoss())
+    # F(1, 0) ran, then the last stage failed at once; F(1, 1) had started by then: at most these two
+    assert len(calls) <= 2, calls
+    time.sleep(0.5)  # nothing keeps running after step() returned
+    assert len(calls) <= 2, calls
+
+
+# -- 3: dtype conversions work, device moves are refused --------------------------------------------------------
+
+@pytest.mark.parametrize("convert", [lambda p: p.to(torch.double), lambda p: p.to(dtype=torch.double),
+                                     lambda p: p.double()])
+def test_to_dtype_converts_every_stage(convert):
+    pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=2)
+    assert convert(pipe) is pipe
+    assert all(p.dtype == torch.double for p in pipe.parameters())
+    x, y = torch.randn(4, WIDTH, dtype=torch.double), torch.randn(4, WIDTH, dtype=torch.double)
+    assert pipe.step(x, y, nn.MSELoss()).dtype == torch.double
+
+
+@pytest.mark.parametrize("move", [lambda p: p.to("cpu"), lambda p: p.to(torch.device("cpu"), torch.double),
+                                  lambda p: p.to(device="cpu"), lambda p: p.cuda(), lambda p: p.cpu()])
+def test_a_device_move_is_refused_with_what_to_do(move):
+    pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=2)
+    with pytest.raises(TypeError, match="devices="):
+        move(pipe)
+    assert all(p.dtype == torch.float for p in pipe.parameters())
+
+
+# -- 4: the forward path honours checkpoint -----------------------------------------------------------------------
+
+def plain_run(model, x, y, chunks, seed):
+    """The plain model on GPipe's micro-batches in turn, each loss weighted n_j / N."""
+    torch.manual_seed(seed)
+    for xj, yj in zip(scatter(x, chunks), scatter(y, chunks)):
+        (nn.MSELoss()(model(xj), yj) * (len(xj) / len(x))).backward()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("seed", range(4))
+def test_forward_then_backward_equals_the_plain_model(checkpoint, seed):
+    """Gradients and BatchNorm buffers equal the plain model's on the micro-batches in turn, dropout
+    included: the recomputation replays the forward's random draws and leaves the buffers alone."""
+    reference, model = model_with_dropout_and_batchnorm(seed), model_with_dropout_and_batchnorm(seed)
+    torch.manual_seed(100 + seed)
+    x, y = torch.randn(10, WIDTH), torch.randn(10, WIDTH)
+    plain_run(reference, x, y, 4, seed)
+    pipe = GPipe(model, [3, 4], chunks=4, checkpoint=checkpoint)
+    torch.manual_seed(seed)
+    nn.MSELoss()(pipe(x), y).backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    for (name, a), b in zip(reference.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), name
+
+
+def counting_layer(calls: list) -> nn.Module:
+    layer = nn.Linear(WIDTH, WIDTH)
+    layer.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    return layer
+
+
+@pytest.mark.parametrize("checkpoint,forwards", [("always", 8), ("except_last", 7), ("never", 4)])
+def test_the_forward_path_recomputes_the_checkpointed_micro_batches(checkpoint, forwards):
+    calls = []
+    pipe = GPipe(nn.Sequential(counting_layer(calls), nn.Tanh()), [1, 1], chunks=4, checkpoint=checkpoint)
+    out = pipe(torch.randn(8, WIDTH))
+    recomputed = forwards - 4
+    assert calls.count(False) == recomputed  # a checkpointed forward runs without autograd
+    out.sum().backward()
+    assert len(calls) == forwards
+    assert calls.count(True) == 4  # the plain forwards and the recomputations build graphs: one per micro-batch
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_eval_mode_and_no_grad_never_checkpoint(checkpoint):
+    calls = []
+    pipe = GPipe(nn.Sequential(counting_layer(calls), nn.Tanh()), [1, 1], chunks=4, checkpoint=checkpoint)
+    pipe.eval()
+    pipe(torch.randn(8, WIDTH)).sum().backward()
+    assert calls == [True] * 4
+    pipe.train()
+    with torch.no_grad():
+        pipe(torch.randn(8, WIDTH))
+    assert calls == [True] * 4 + [False] * 4
+
+
+def summed(out, target):  # a loss that saves nothing for its backward, so the peaks are the stages' alone
+    return out.sum()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_forward_path_memory_equals_steps(checkpoint):
+    """Saved activations per device, as step() counts them on the GPipe schedule. "always" and "never" peak
+    alike. With "except_last" the orders differ: autograd runs the last micro-batch's backward first and frees
+    its activations before recomputing any other, where GPipe's schedule recomputes micro-batch 0 while the
+    last one's activations are still held: the forward path peaks lower by exactly one recomputed stage."""
+    x, y = torch.randn(12, WIDTH), torch.randn(12, WIDTH)
+    pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=4, checkpoint=checkpoint, schedule="gpipe")
+    pipe.step(x, y, summed)
+    step_peaks = pipe.timeline.peak_memory
+    summed(pipe(x), y).backward()
+    peaks = {d: meter.peak for d, meter in enumerate(pipe.forward_meters)}
+    assert all(meter.live == 0 for meter in pipe.forward_meters)  # everything kept was freed by the backward
+    if checkpoint != "except_last":
+        assert peaks == step_peaks
+    else:  # one recomputed stage: "always"'s peak less the 4 inputs of 3 rows it holds
+        always = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=4, checkpoint="always")
+        always.step(x, y, summed)
+        recomputed_stage = {d: always.timeline.peak_memory[d] - 4 * 3 * WIDTH * 4 for d in (0, 1)}
+        assert all(v > 0 for v in recomputed_stage.values())
+        assert {d: step_peaks[d] - peaks[d] for d in (0, 1)} == recomputed_stage
+
+
+# -- 7: Sequential-like -------------------------------------------------------------------------------------------
+
+def test_the_pipe_is_sequential_like():
+    model = model_with_dropout_and_batchnorm()
+    layers = list(model)
+    pipe = GPipe(model, [3, 4], chunks=2)
+    assert len(pipe) == 7
+    assert list(pipe) == layers
+    assert pipe[0] is layers[0] and pipe[6] is layers[6] and pipe[-1] is layers[-1]
+    with pytest.raises(IndexError, match=r"index must be in \[-7, 7\).*got 7"):
+        pipe[7]
+    with pytest.raises(TypeError, match="index must be an int"):
+        pipe["0"]
