@@ -204,11 +204,16 @@ class GPipe(nn.Module):
     def to(self, *args, **kwargs):
         """Convert the stages' dtype (``pipe.to(torch.double)``, ``pipe.to(dtype=...)``), as ``nn.Module.to``;
         a device move is refused: the stages stay on the devices given to ``GPipe``."""
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        device = kwargs.get("device")
+        for arg in args:  # nn.Module.to's forms: (device), (dtype), (device, dtype), (tensor)
+            if isinstance(arg, torch.Tensor):
+                device = arg.device
+            elif not isinstance(arg, torch.dtype):
+                device = arg
         if device is not None:
             raise TypeError(f"GPipe places its stages itself: pass devices=[...] to GPipe(...) instead of moving "
-                            f"it with .to({device}); .to(dtype) converts the stages in place")
-        return super().to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+                            f"it with .to({device!r}); .to(dtype) converts the stages in place")
+        return super().to(*args, **kwargs)
 
     def cuda(self, *args, **kwargs):
         raise TypeError("GPipe places its stages itself: pass devices=['cuda:0', ...] instead of .cuda()")

@@ -174,3 +174,19 @@ def test_the_pipe_is_sequential_like():
         pipe[7]
     with pytest.raises(TypeError, match="index must be an int"):
         pipe["0"]
+
+
+# -- 10: the main API at the top -------------------------------------------------------------------------------
+
+def test_the_main_classes_import_from_the_package():
+    import gpipe_ref
+    from gpipe_ref import DataParallel, GPipe, PipelineParallel, launch  # noqa: F401  (as the README shows)
+    from gpipe_ref.distributed import data_parallel, pipeline_parallel, tensor_parallel, zero
+    from gpipe_ref import distributed, partition, pipeline
+
+    assert gpipe_ref.GPipe is pipeline.GPipe and gpipe_ref.PipelineParallel is pipeline_parallel.PipelineParallel
+    assert gpipe_ref.DataParallel is data_parallel.DataParallel and gpipe_ref.launch is distributed.launch
+    assert gpipe_ref.ZeRO is zero.ZeRO and gpipe_ref.balance_by_time is partition.balance_by_time
+    for name in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention"):
+        assert getattr(gpipe_ref, name) is getattr(tensor_parallel, name)
+    assert all(hasattr(gpipe_ref, name) for name in gpipe_ref.__all__)
