@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 LAB_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test lab browser notebooks exercises bench clean
+.PHONY: test lab browser notebooks exercises bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,14 @@ exercises: $(STAMP)
 bench: $(STAMP)
 	-$(PY) -m pip install --quiet --no-deps "torchgpipe==0.0.7"
 	$(PY) -m gpipe_ref bench --json bench/results.json
+
+# On a machine with CUDA GPUs (install the CUDA torch build into .venv first): the GPU tests, then the quick
+# benchmark. Record what it prints in bench/gpu.md.
+gpu-check: $(STAMP)
+	$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+	@tmp=$$(mktemp -d); HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib $(PY) -m pytest tests/test_gpu.py -m gpu -v -rs; \
+	rc=$$?; rm -rf $$tmp; [ $$rc = 0 ] || exit $$rc
+	$(PY) -m gpipe_ref bench --quick --json bench/gpu-quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts
