@@ -4,19 +4,23 @@ A pipeline runs as fast as its slowest stage, so a good cut minimises the
 largest stage cost (GPipe, Huang et al. 2019, sec. 2.1; torchgpipe's
 balance_by_time, Kim et al. 2020, sec. 3.3). The search here is exact: the
 best contiguous partition, found by binary search over the answer with a
-greedy feasibility check, not a greedy cut.
+greedy feasibility check, not a greedy cut. The costs are parameter counts,
+measured times (``balance_by_time``) or the memory of a training step
+(``balance_by_size``); profiling leaves the model as it was.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .checks import integer, non_negative, one_of, positive_int
+from .memory import ActivationMeter
 from .schedule import gpipe
 from .simulator import CostModel, simulate
 from .timeline import Timeline
@@ -113,6 +117,30 @@ def balance_by_params(module: nn.Sequential, partitions: int) -> list[int]:
     return partition_costs(costs, partitions)
 
 
+@contextmanager
+def profiling(module: nn.Module) -> Iterator[nn.Module]:
+    """Run the block with ``module`` in training mode (a training step is what is measured),
+    then leave it as it was: every submodule's train/eval mode and every buffer's value (the
+    running statistics a BatchNorm updates in a training forward, a counter a layer keeps)
+    are put back, also when the block raises. Values are copied back into the original
+    tensors, so references to them stay valid; a buffer the block replaced gets its original
+    tensor back. Parameters are not touched here: the profilers never write them."""
+    modes = [(m, m.training) for m in module.modules()]
+    buffers = [(m, name, t, t.detach().clone())
+               for m in module.modules() for name, t in m.named_buffers(recurse=False) if t is not None]
+    module.train()
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for m, name, original, value in buffers:
+                if getattr(m, name, None) is not original:
+                    setattr(m, name, original)
+                original.copy_(value)
+        for m, training in modes:
+            m.training = training
+
+
 def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warmup: int,
                            loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, torch.Tensor]:
     """Median time of ``piece``'s forward + backward on ``x`` over ``repeats`` runs after
@@ -135,9 +163,13 @@ def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warm
     return sorted(times)[len(times) // 2], out.detach()
 
 
-def _check_timing(sample: object, repeats: object, warmup: object) -> None:
+def _check_sample(sample: object) -> None:
     if not isinstance(sample, torch.Tensor):
         raise TypeError(f"sample must be a tensor, got {type(sample).__name__}")
+
+
+def _check_timing(sample: object, repeats: object, warmup: object) -> None:
+    _check_sample(sample)
     positive_int("repeats", repeats)
     integer("warmup", warmup, 0)
 
@@ -156,7 +188,8 @@ def _check_loss_args(loss_fn: object, target: object) -> None:
 def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3, warmup: int = 1, *,
                 loss_fn: Callable | None = None, target: object = None) -> list[float]:
     """Each layer's forward + backward time in seconds on ``sample``: the median of
-    ``repeats`` runs after ``warmup`` untimed ones. The model's ``.grad`` is left untouched.
+    ``repeats`` runs after ``warmup`` untimed ones, in training mode. The model is left as it was: its ``.grad``,
+    parameters, buffers and train/eval mode (see :func:`profiling`).
 
     With ``loss_fn`` and ``target``, the last layer's time also covers ``loss_fn(output, target)``
     and its backward: in a pipeline the last stage computes the loss, so that is its cost."""
@@ -164,24 +197,26 @@ def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3, w
     _check_timing(sample, repeats, warmup)
     _check_loss_args(loss_fn, target)
     costs, x = [], sample
-    for j, layer in enumerate(module):
-        last = j == len(module) - 1
-        loss = (lambda out: loss_fn(out, target)) if loss_fn is not None and last else None
-        cost, x = _forward_backward_time(layer, x, repeats, warmup, loss)
-        costs.append(cost)
+    with profiling(module):
+        for j, layer in enumerate(module):
+            last = j == len(module) - 1
+            loss = (lambda out: loss_fn(out, target)) if loss_fn is not None and last else None
+            cost, x = _forward_backward_time(layer, x, repeats, warmup, loss)
+            costs.append(cost)
     return costs
 
 
 def stage_times(module: nn.Sequential, balance: Sequence[int], sample: torch.Tensor, repeats: int = 5,
                 warmup: int = 1) -> list[float]:
     """Each stage's forward + backward time in seconds on ``sample`` (stages from :func:`split`),
-    timed as :func:`layer_times` times a layer. The model's ``.grad`` is left untouched."""
+    timed as :func:`layer_times` times a layer, and leaving the model as that does."""
     stages = split(module, balance)
     _check_timing(sample, repeats, warmup)
     costs, x = [], sample
-    for stage in stages:
-        cost, x = _forward_backward_time(stage, x, repeats, warmup)
-        costs.append(cost)
+    with profiling(module):
+        for stage in stages:
+            cost, x = _forward_backward_time(stage, x, repeats, warmup)
+            costs.append(cost)
     return costs
 
 
@@ -203,6 +238,54 @@ def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int
     if loss_fn is None:
         return partition_costs(layer_times(module, sample, repeats), partitions)
     return partition_costs(layer_times(module, sample, repeats, loss_fn=loss_fn, target=target), partitions)
+
+
+def layer_sizes(module: nn.Sequential, sample: torch.Tensor, *, param_scale: float = 2.0) -> list[float]:
+    """Each layer's memory for a training step in bytes, on ``sample`` in training mode:
+    the activations its forward saves for the backward plus ``param_scale`` times its
+    parameter bytes. The model is left as it was (see :func:`profiling`).
+
+    Activations are counted by :class:`~gpipe_ref.memory.ActivationMeter`: the tensors
+    autograd saves during the layer's own forward, each storage once, leaving out the
+    layer's parameters and buffers (a Linear's transposed weight, a BatchNorm's running
+    statistics), which exist anyway. Each layer is measured on its own (its input is the
+    previous layer's output, detached), so a tensor two layers save, a ReLU's output that
+    the next Linear saves as its input, counts in both: a stage holds it once, so a stage's
+    sum is an upper bound, additive over layers as a cost must be for :func:`partition_costs`.
+    """
+    _check_sequential(module)
+    _check_sample(sample)
+    non_negative("param_scale", param_scale)
+    sizes, x = [], sample
+    with profiling(module):
+        for layer in module:
+            meter = ActivationMeter(ignore=[*layer.parameters(), *layer.buffers()])
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            with meter.recording():
+                out = layer(inp)
+            activations = meter.live
+            x = out.detach()
+            del out  # frees the graph and the tensors it saved
+            parameters = sum(p.nbytes for p in layer.parameters())
+            sizes.append(float(activations + param_scale * parameters))
+    return sizes
+
+
+def balance_by_size(module: nn.Sequential, sample: torch.Tensor, partitions: int, *,
+                    param_scale: float = 2.0) -> list[int]:
+    """Balance by the memory each layer needs for a training step:
+    ``partition_costs(layer_sizes(module, sample, param_scale=...), partitions)``, as torchgpipe's
+    ``balance_by_size`` does (Kim et al. 2020, sec. 3.3), with the saved activations counted by
+    autograd's saved-tensor hooks instead of CUDA's allocator, so it runs on a CPU too.
+
+    ``sample`` is one micro-batch: the activations of the micro-batches in flight scale with it.
+    ``param_scale`` is how many copies of each parameter training keeps: 2 for the weights and
+    their gradients (plain SGD), 3 with SGD's momentum, 4 with Adam's two moments (more with
+    fp32 master weights). The default 2.0 is torchgpipe's, the least any optimizer keeps.
+    """
+    _check_sequential(module)
+    _check_partitions(partitions, len(module))  # before measuring
+    return partition_costs(layer_sizes(module, sample, param_scale=param_scale), partitions)
 
 
 # -- what a cut costs: per-stage sums, the slowest stage, the idle share --------------------------------
