@@ -270,7 +270,7 @@ class GPipe(nn.Module):
                 x = _to(x, device)
                 meter = meters[self.schedule.stage_to_device[s]] if meters else None
                 if recompute:
-                    x = rematerialized(stage, x, device, meter)
+                    x = rematerialized(stage, x, device, meter, s)
                 elif meter is not None:
                     with meter.recording():
                         x = stage(x)
@@ -365,10 +365,43 @@ def _to(batch: Batch, device: torch.device) -> Batch:
     return batch.to(device)
 
 
-def _receive(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A stage's input: a fresh leaf on its device, so autograd stops at the stage boundary."""
-    x = tensor.detach().to(device)
+def _receive(batch: Batch, device: torch.device) -> Batch:
+    """A stage's input: a fresh leaf on its device (each tensor of a tuple), so autograd stops at the
+    stage boundary."""
+    if isinstance(batch, tuple):
+        return tuple(_receive(t, device) for t in batch)
+    x = batch.detach().to(device)
     return x.requires_grad_(x.is_floating_point())
+
+
+def _detach(batch: Batch) -> Batch:
+    return tuple(t.detach() for t in batch) if isinstance(batch, tuple) else batch.detach()
+
+
+def _input_grads(inputs: Batch) -> Batch:
+    """The gradient of a stage's input, what ``send_gradient`` hands back: ``None`` for a tensor that has
+    none (an integer mask, or an input the stage ignored), a tuple for a tuple."""
+    if isinstance(inputs, tuple):
+        grads = tuple(t.grad if t.requires_grad else None for t in inputs)
+        return None if all(g is None for g in grads) else grads
+    return inputs.grad
+
+
+def _differentiable(outputs: Batch, grads: Batch) -> tuple[tuple, tuple]:
+    """The (output, gradient) pairs a backward starts from: a tuple's tensors that require grad and
+    received a gradient (``None`` for a tensor stands for "no gradient")."""
+    if not isinstance(outputs, tuple):
+        return ((outputs,), (grads,)) if outputs.requires_grad else ((), ())
+    pairs = [(out, g) for out, g in zip(outputs, grads) if g is not None and out.requires_grad]
+    return tuple(out for out, _ in pairs), tuple(g.to(out.device) for out, g in pairs)
+
+
+def _check_activation(x: object, stage: int) -> None:
+    if isinstance(x, torch.Tensor) or (isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
+        return
+    got = f"a tuple holding {', '.join(type(t).__name__ for t in x)}" if isinstance(x, tuple) else type(x).__name__
+    raise TypeError(f"stage {stage} must return a tensor or a tuple of tensors (what is sent to the next stage), "
+                    f"got {got}")
 
 
 _RNG_LOCK = threading.RLock()  # guards the process-wide random generators during capture and replay
@@ -389,14 +422,27 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
 # without their argument checks (about 5 us a call, a few percent of a small model's step). The checks
 # cannot fail here: ``grad`` is the gradient of the next stage's input, a tensor of ``root``'s shape and
 # dtype, or None for the loss, checked to be a scalar (_check_loss).
-def _backward(root: torch.Tensor, grad: torch.Tensor | None, inputs: Sequence[torch.Tensor] = ()) -> None:
-    """``torch.autograd.backward(root, grad, inputs=inputs or None)``: accumulate into the leaves' ``.grad``."""
+def _backward(root: Batch, grad: Batch | None, inputs: Sequence[torch.Tensor] = ()) -> None:
+    """``torch.autograd.backward(root, grad, inputs=inputs or None)``: accumulate into the leaves' ``.grad``.
+    A tuple ``root`` starts from each of its tensors that has a gradient in the tuple ``grad``."""
+    if isinstance(root, tuple):
+        roots, grads = _differentiable(root, grad)
+        if roots:
+            torch.autograd.Variable._execution_engine.run_backward(roots, grads, False, False, tuple(inputs), True,
+                                                                   True)
+        return
     torch.autograd.Variable._execution_engine.run_backward(
         (root,), (torch.ones_like(root) if grad is None else grad,), False, False, tuple(inputs), True, True)
 
 
-def _grad(root: torch.Tensor, targets: Sequence[torch.Tensor], grad: torch.Tensor | None) -> tuple:
+def _grad(root: Batch, targets: Sequence[torch.Tensor], grad: Batch | None) -> tuple:
     """``torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)``."""
+    if isinstance(root, tuple):
+        roots, grads = _differentiable(root, grad)
+        if not roots:
+            return (None,) * len(targets)
+        return torch.autograd.Variable._execution_engine.run_backward(roots, grads, True, False, tuple(targets), True,
+                                                                      False)
     return torch.autograd.Variable._execution_engine.run_backward(
         (root,), (torch.ones_like(root) if grad is None else grad,), True, False, tuple(targets), True, False)
 
@@ -495,43 +541,50 @@ class _Rematerialization(torch.autograd.Function):
     stage's input, random state and a copy of its buffers; the backward recomputes the stage from them
     with autograd on and backpropagates through the recomputed graph (GPipe sec. 2.3), as
     :meth:`StepRun.backward` does for a checkpointed action. ``phony`` requires grad so the backward
-    runs even when the input does not (stage 0's data)."""
+    runs even when no input does (stage 0's data). A tuple input arrives as several tensors; a tuple
+    output leaves as several (an integer one, such as a mask, without a gradient)."""
 
     @staticmethod
-    def forward(ctx, kept: dict, phony: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, kept: dict, phony: torch.Tensor, *xs: torch.Tensor):
         stage, device, meter = kept["stage"], kept["device"], kept["meter"]
+        x = xs if kept["tuple"] else xs[0]
         with _RNG_LOCK:
             kept["rng_state"] = _rng_state(device)
             kept["buffers"] = _copy_buffers(stage)
             out = stage(x)
-        kept["input"] = x.detach()
-        kept["token"] = meter.hold(x) if meter is not None else None
+        _check_activation(out, kept["index"])
+        kept["inputs"] = tuple(t.detach() for t in xs)
+        kept["tokens"] = [meter.hold(t) for t in xs] if meter is not None else None
         ctx.kept = kept
+        ctx.set_materialize_grads(False)
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor | None):
         kept = ctx.kept
         stage, device, meter = kept["stage"], kept["device"], kept["meter"]
-        x = kept["input"].requires_grad_(kept["input"].is_floating_point())
+        xs = tuple(t.requires_grad_(t.is_floating_point()) for t in kept["inputs"])
         recording = meter.recording() if meter is not None else contextlib.nullcontext()
         with _RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), recording, \
                 _buffers_replaced(stage, kept["buffers"]), torch.enable_grad():
             _set_rng_state(device, kept["rng_state"])
-            out = stage(x)
-        if out.requires_grad:
-            torch.autograd.backward(out, grad)
+            out = stage(xs if kept["tuple"] else xs[0])
+        _backward(out if isinstance(out, tuple) else (out,), grads)
         ctx.kept = None  # the input, its token and the copies go with the graph
-        return None, None, x.grad if x.requires_grad else None
+        return (None, None, *(t.grad if t.requires_grad else None for t in xs))
 
 
-def rematerialized(stage: nn.Module, x: torch.Tensor, device: torch.device, meter: ActivationMeter | None = None):
-    """``stage(x)``, differentiable, keeping only ``x`` for the backward (see :class:`_Rematerialization`).
-    ``meter`` counts the kept input and the recomputation's saved tensors."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"a re-materialized stage takes a tensor, got {type(x).__name__}")
+def rematerialized(stage: nn.Module, x: Batch, device: torch.device, meter: ActivationMeter | None = None,
+                   index: int = 0) -> Batch:
+    """``stage(x)``, differentiable, keeping only ``x`` (a tensor or a tuple of tensors) for the backward
+    (see :class:`_Rematerialization`). ``meter`` counts the kept input and the recomputation's saved tensors;
+    ``index`` names the stage in errors."""
+    _check_activation(x, index)
     phony = torch.empty(0, device=device, requires_grad=True)
-    return _Rematerialization.apply({"stage": stage, "device": device, "meter": meter}, phony, x)
+    kept = {"stage": stage, "device": device, "meter": meter, "tuple": isinstance(x, tuple), "index": index}
+    return _Rematerialization.apply(kept, phony, *(x if isinstance(x, tuple) else (x,)))
 
 
 class StepRun:
@@ -632,9 +685,8 @@ class StepRun:
                 x = layer(x)
             chain = [x]
         if stage != self.last_stage:
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"stage {stage} must return a tensor (the activation sent to the next stage), got "
-                                f"{type(x).__name__}; tuples are accepted as pipeline inputs, not between stages")
+            if type(x) is not torch.Tensor:
+                _check_activation(x, stage)
         else:
             target = _to(self.targets[microbatch], self.stage_devices[stage])
             loss = self.loss_fn(x, target)
@@ -651,8 +703,8 @@ class StepRun:
         st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
         tracked = self.pipe.track_memory
         meter = self.meters[self.schedule.stage_to_device[stage]] if tracked else None
-        if tracked and isinstance(x, torch.Tensor):
-            st.token = meter.hold(x)
+        if tracked:
+            st.token = [meter.hold(t) for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, torch.Tensor)]
         checkpointed = self.checkpointed[microbatch]
         if checkpointed:
             # The CPU generator is shared by every worker thread: hold the lock from capturing its
@@ -670,7 +722,7 @@ class StepRun:
         if stage == self.last_stage:
             self.losses[microbatch] = out.detach()  # one dict store: atomic under the GIL, no lock needed
         else:
-            self.send_activation(stage, microbatch, out.detach())
+            self.send_activation(stage, microbatch, _detach(out))
         if checkpointed:
             st.chain = []  # re-materialization: keep only the input
 
@@ -687,6 +739,8 @@ class StepRun:
                 self._run_stage(stage, microbatch, st.inputs, st)
         root = st.chain[-1]
         grad = None if last else self.receive_gradient(stage, microbatch)
+        if isinstance(grad, tuple) and all(g is None for g in grad):
+            grad = None
         if grad is None and not last:
             # No gradient reaches this output (a later stage ignores its input or gets an integer tensor):
             # as loss.backward() on the plain model, this and the earlier stages' .grad stay untouched.
@@ -697,31 +751,37 @@ class StepRun:
             else:
                 self._release(stage, microbatch)
             return
-        if grad is not None and grad.device != root.device:
+        if isinstance(grad, torch.Tensor) and grad.device != root.device:
             grad = grad.to(root.device)
         if not self.split_backward:
             # One autograd call per stage and micro-batch, into every leaf the stage's graph reaches, as
             # loss.backward() on the plain model: the stage's parameters and its input (a fresh leaf, so
             # the graph stops at the stage boundary; on stage 0 the caller's input, if it requires grad).
             # Naming them with inputs= would cost the engine an extra pass over the graph.
-            if root.requires_grad:
+            if isinstance(root, tuple) or root.requires_grad:
                 _backward(root, grad)
             if stage > 0:
-                self.send_gradient(stage, microbatch, st.inputs.grad)
+                self.send_gradient(stage, microbatch, _input_grads(st.inputs))
             self._release(stage, microbatch)
             return
         # Split backward (zero bubble): gradients of the stage input and of each
         # parameterised layer's output now; the weight gradients wait for W.
-        wants_input = stage > 0 and st.inputs.requires_grad  # an integer activation has no gradient
+        inputs = st.inputs if isinstance(st.inputs, tuple) else (st.inputs,)
+        wants = [stage > 0 and t.requires_grad for t in inputs]  # an integer activation has no gradient
         chain = st.chain
         wanted = [j for j, _ in self.weight_layers[stage] if chain[j] is not root]
-        targets = ([st.inputs] if wants_input else []) + [chain[j] for j in wanted]
-        grads = _grad(root, targets, grad) if targets and root.requires_grad else [None] * len(targets)
-        input_grad = None  # None: the stage's output does not depend on its input
-        if wants_input:
-            input_grad, grads = grads[0], grads[1:]
+        targets = [t for t, w in zip(inputs, wants) if w] + [chain[j] for j in wanted]
+        differentiable = isinstance(root, tuple) or root.requires_grad
+        grads = list(_grad(root, targets, grad)) if targets and differentiable else [None] * len(targets)
+        given = iter(grads[:sum(wants)])
+        input_grads = [next(given) if w else None for w in wants]  # None: the output does not depend on it
+        grads = grads[sum(wants):]
         if stage > 0:
-            self.send_gradient(stage, microbatch, input_grad)
+            if isinstance(st.inputs, tuple):
+                self.send_gradient(stage, microbatch,
+                                   None if all(g is None for g in input_grads) else tuple(input_grads))
+            else:
+                self.send_gradient(stage, microbatch, input_grads[0])
         st.chain_grads = dict(zip(wanted, grads))
         for j, _ in self.weight_layers[stage]:  # layers whose output is the stage output itself (later layers
             if chain[j] is root:  # may be identities): its gradient is the one that came from the next stage
@@ -735,7 +795,7 @@ class StepRun:
             g = st.chain_grads.get(j)
             if g is None:
                 continue
-            if not _linear_weight_grads(layers[j], chain[j - 1] if j else st.inputs, g):
+            if not isinstance(g, torch.Tensor) or not _linear_weight_grads(layers[j], chain[j - 1] if j else st.inputs, g):
                 _backward(chain[j], g, params)  # into .grad as loss.backward() would; post-accumulate hooks fire
         self._release(stage, microbatch)
 

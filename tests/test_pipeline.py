@@ -361,17 +361,17 @@ def test_a_stage_no_gradient_crosses_leaves_earlier_gradients_none(layers, balan
             torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_a_tuple_between_stages_is_refused_clearly():
-    class Pair(nn.Module):
+def test_a_stage_output_that_is_not_tensors_is_refused_clearly():
+    class Listed(nn.Module):
         def forward(self, x):
-            return x, 2 * x
+            return [x, 2 * x]
 
     class First(nn.Module):
         def forward(self, pair):
             return pair[0]
 
-    model = nn.Sequential(nn.Linear(4, 4), Pair(), First(), nn.Linear(4, 4))
-    with pytest.raises(TypeError, match="stage 0 must return a tensor .* got tuple"):
+    model = nn.Sequential(nn.Linear(4, 4), Listed(), First(), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="stage 0 must return a tensor or a tuple of tensors .* got list"):
         GPipe(model, [2, 2], chunks=2).step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
 
 

@@ -190,3 +190,73 @@ def test_the_main_classes_import_from_the_package():
     for name in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention"):
         assert getattr(gpipe_ref, name) is getattr(tensor_parallel, name)
     assert all(hasattr(gpipe_ref, name) for name in gpipe_ref.__all__)
+
+
+# -- 8: tuples of tensors between stages ------------------------------------------------------------------------
+
+class WithMask(nn.Module):
+    """(hidden) -> (hidden, mask): a boolean mask travels with the hidden state, as an attention mask would."""
+
+    def forward(self, x):
+        return x, x[:, :1] > 0
+
+
+class Masked(nn.Module):
+    """(hidden, mask) -> (masked hidden, mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair):
+        hidden, mask = pair
+        return self.linear(hidden) * mask, mask
+
+
+class Scaled(nn.Module):
+    """(hidden, mask) -> (hidden, 2 * hidden, mask): two differentiable tensors and a mask."""
+
+    def forward(self, pair):
+        hidden, mask = pair
+        return torch.tanh(hidden), 2 * hidden, mask
+
+
+class Merge(nn.Module):
+    def forward(self, triple):
+        a, b, mask = triple
+        return (a + b) * mask
+
+
+def tuple_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), WithMask(), Masked(), Scaled(), Merge(), nn.Linear(WIDTH, WIDTH))
+
+
+@pytest.mark.parametrize("executor", ["simulated", "threads"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule,balance,v", [("gpipe", [2, 1, 1, 2], 1), ("1f1b", [2, 2, 2], 1),
+                                                ("zero_bubble_h1", [2, 1, 3], 1),
+                                                ("interleaved_1f1b", [2, 1, 1, 2], 2)])
+def test_tuples_of_tensors_cross_stage_boundaries(schedule, balance, v, checkpoint, executor):
+    """A (hidden, mask) pair and a (tensor, tensor, mask) triple between stages: loss and gradients equal the
+    plain model's, the boolean mask getting no gradient, on every schedule, checkpoint mode and executor."""
+    reference, model = tuple_model(3), tuple_model(3)
+    x, y = torch.randn(10, WIDTH), torch.randn(10, WIDTH)
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    pipe = GPipe(model, balance, chunks=4, schedule=schedule, stages_per_device=v, checkpoint=checkpoint,
+                 executor=executor)
+    torch.testing.assert_close(pipe.step(x, y, nn.MSELoss()), expected.detach())
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_tuples_through_the_forward_path(checkpoint):
+    reference, model = tuple_model(4), tuple_model(4)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    plain_run(reference, x, y, 4, seed=0)
+    pipe = GPipe(model, [2, 2, 2], chunks=4, checkpoint=checkpoint)
+    nn.MSELoss()(pipe(x), y).backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
