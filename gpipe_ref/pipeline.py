@@ -770,18 +770,21 @@ class StepRun:
         wants = [stage > 0 and t.requires_grad for t in inputs]  # an integer activation has no gradient
         chain = st.chain
         wanted = [j for j, _ in self.weight_layers[stage] if chain[j] is not root]
-        targets = [t for t, w in zip(inputs, wants) if w] + [chain[j] for j in wanted]
+        outputs = {j: chain[j] if isinstance(chain[j], tuple) else (chain[j],) for j in wanted}
+        targets = [t for t, w in zip(inputs, wants) if w] + [t for j in wanted for t in outputs[j] if t.requires_grad]
         differentiable = isinstance(root, tuple) or root.requires_grad
-        grads = list(_grad(root, targets, grad)) if targets and differentiable else [None] * len(targets)
-        given = iter(grads[:sum(wants)])
-        input_grads = [next(given) if w else None for w in wants]  # None: the output does not depend on it
-        grads = grads[sum(wants):]
+        found = iter(_grad(root, targets, grad) if targets and differentiable else [None] * len(targets))
+        input_grads = [next(found) if w else None for w in wants]  # None: the output does not depend on it
         if stage > 0:
             if isinstance(st.inputs, tuple):
                 self.send_gradient(stage, microbatch,
                                    None if all(g is None for g in input_grads) else tuple(input_grads))
             else:
                 self.send_gradient(stage, microbatch, input_grads[0])
+        grads = []
+        for j in wanted:  # a layer's output gradient, a tuple of them for a tuple output
+            layer_grads = tuple(next(found) if t.requires_grad else None for t in outputs[j])
+            grads.append(layer_grads if isinstance(chain[j], tuple) else layer_grads[0])
         st.chain_grads = dict(zip(wanted, grads))
         for j, _ in self.weight_layers[stage]:  # layers whose output is the stage output itself (later layers
             if chain[j] is root:  # may be identities): its gradient is the one that came from the next stage

@@ -65,6 +65,46 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER_BYTES = 128  # 16 int64: dtype code, ndim, whether the tensor follows in a second message, the shape
 _MAX_DIMS = 13
 _NO_TENSOR = -1  # the dtype code of "no gradient"
+_TUPLE = -2  # the dtype code of a tuple, packed into one uint8 tensor (pack_tuple)
+
+
+def _header(tensor: torch.Tensor) -> list[int]:
+    if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+        raise TypeError(f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between stages: at most "
+                        f"{_MAX_DIMS} dimensions of {[str(d) for d in _DTYPES]}")
+    return [_DTYPES.index(tensor.dtype), tensor.dim(), tensor.numel() * tensor.element_size(), *tensor.shape]
+
+
+def pack_tuple(items: tuple, device: torch.device) -> torch.Tensor:
+    """A tuple of tensors (``None`` for "no gradient") as one uint8 tensor: each item as a header
+    (dtype code, ndim, bytes, shape) and its bytes, padded to 8 so every item starts aligned."""
+    parts = []
+    for item in items:
+        header = torch.zeros(_HEADER_BYTES // 8, dtype=torch.long)
+        if item is None:
+            header[0] = _NO_TENSOR
+            parts.append(header.view(torch.uint8).to(device))
+            continue
+        fields = _header(item)
+        header[:len(fields)] = torch.tensor(fields)
+        data = item.detach().contiguous().view(-1).view(torch.uint8)
+        parts += [header.view(torch.uint8).to(device), data.to(device),
+                  torch.zeros(-data.numel() % 8, dtype=torch.uint8, device=device)]
+    return torch.cat(parts)
+
+
+def unpack_tuple(payload: torch.Tensor) -> tuple:
+    """The tuple :func:`pack_tuple` packed, its tensors views into ``payload``."""
+    items, offset = [], 0
+    while offset < payload.numel():
+        code, ndim, nbytes, *dims = payload[offset:offset + _HEADER_BYTES].view(torch.long).tolist()
+        offset += _HEADER_BYTES
+        if code == _NO_TENSOR:
+            items.append(None)
+            continue
+        items.append(payload[offset:offset + nbytes].view(_DTYPES[code]).view(dims[:ndim]))
+        offset += nbytes + (-nbytes % 8)
+    return tuple(items)
 
 
 class TiedParameter(NamedTuple):
@@ -330,15 +370,16 @@ class RankStepRun(StepRun):
         the stage ignored its input) is a header with dtype code -1."""
         peer, group = self._peer(stage_to), self.pipe.group
         size = self.sizes.get(tag, _HEADER_BYTES)
+        code = None
+        if isinstance(tensor, tuple):  # a tuple travels as one uint8 tensor with its own headers
+            tensor, code = pack_tuple(tensor, self._device_of(tensor)), _TUPLE
         if tensor is None:
             header, needed = [_NO_TENSOR, 0, 0], _HEADER_BYTES
         else:
             tensor = tensor.detach()
-            if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-                raise TypeError(f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between stages: at most "
-                                f"{_MAX_DIMS} dimensions of {[str(d) for d in _DTYPES]}")
-            needed = _HEADER_BYTES + tensor.numel() * tensor.element_size()
-            header = [_DTYPES.index(tensor.dtype), tensor.dim(), int(needed > size), *tensor.shape]
+            fields = _header(tensor)
+            needed = _HEADER_BYTES + fields[2]
+            header = [fields[0] if code is None else code, tensor.dim(), int(needed > size), *tensor.shape]
         device = tensor.device if tensor is not None else self.pipe.devices[self.pipe.rank]
         message = torch.empty(size, dtype=torch.uint8, device=device)
         message[:_HEADER_BYTES].view(torch.long)[:len(header)] = torch.tensor(header, dtype=torch.long)
@@ -372,7 +413,7 @@ class RankStepRun(StepRun):
             self.sizes[tag] = _HEADER_BYTES
             self.waited += time.perf_counter() - waiting_since
             return None
-        dtype, shape = _DTYPES[code], dims[:ndim]
+        dtype, shape = (torch.uint8 if code == _TUPLE else _DTYPES[code]), dims[:ndim]
         if follows:
             tensor = torch.empty(shape, dtype=dtype, device=buffer.device)
             dist.irecv(tensor, self._peer(sender), group=self.pipe.group, tag=tag + 1).wait()
@@ -381,7 +422,11 @@ class RankStepRun(StepRun):
             tensor = buffer[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).view(shape)
         self.sizes[tag] = _HEADER_BYTES + tensor.numel() * tensor.element_size()
         self.waited += time.perf_counter() - waiting_since
-        return tensor
+        return unpack_tuple(tensor) if code == _TUPLE else tensor
+
+    def _device_of(self, items: tuple) -> torch.device:
+        tensors = [t for t in items if t is not None]
+        return tensors[0].device if tensors else self.pipe.devices[self.pipe.rank]
 
     def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
         if self.pipe.owns(stage - 1):
