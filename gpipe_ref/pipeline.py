@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .batchnorm import convert_deferred_batch_norm
 from .devices import describe_placement, resolve_devices
 from .memory import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
@@ -82,6 +83,17 @@ class GPipe(nn.Module):
             simulated on the CPU).
         track_memory: count saved activations per device (``timeline.peak_memory``);
             the Python hooks cost a few percent of a small model's step.
+        deferred_batch_norm: replace each BatchNorm by a
+            :class:`~gpipe_ref.batchnorm.DeferredBatchNorm` (in place, sharing its parameters and
+            buffers): each micro-batch is still normalised with its own statistics, but the running
+            statistics are updated once per mini-batch, from the whole mini-batch (GPipe sec. 2.2), so
+            they no longer depend on ``chunks``. Off by default, as in torchgpipe: the training
+            outputs and gradients are the same either way, and deferring costs float64 statistics
+            per training forward.
+
+    Sequential-like, as torchgpipe's GPipe: ``len(pipe)``, ``iter(pipe)`` and ``pipe[i]`` go over
+    the layers. ``loss_fn(pipe(x), y).backward()`` trains as :meth:`step` does, one micro-batch at
+    a time (see :meth:`forward`); :meth:`step` runs the schedule.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class GPipe(nn.Module):
         stages_per_device: int = 1,
         executor: str = "auto",
         track_memory: bool = True,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -106,6 +119,8 @@ class GPipe(nn.Module):
         positive_int("stages_per_device", stages_per_device)
         if not isinstance(track_memory, bool):
             raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
         if balance is None:
             if devices is None:
                 raise ValueError("balance must be given (layers per stage, e.g. [2, 2]) when devices is None")
@@ -119,6 +134,9 @@ class GPipe(nn.Module):
         balance = check_balance(module, balance)
         self.schedule = self._build_schedule(schedule, len(balance), chunks, stages_per_device)
         self.chunks = self.schedule.num_microbatches
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module, self.chunks)  # in place: the caller's model is the pipe's
+        self.deferred_batch_norm = deferred_batch_norm
         self.checkpoint = checkpoint
         self.balance = balance
         self.devices = resolve_devices(devices, self.schedule.num_devices)

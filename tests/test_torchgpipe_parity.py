@@ -260,3 +260,81 @@ def test_tuples_through_the_forward_path(checkpoint):
     nn.MSELoss()(pipe(x), y).backward()
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# -- 5: deferred batch norm ----------------------------------------------------------------------------------------
+
+def batchnorm_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                         nn.BatchNorm1d(WIDTH, momentum=None), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         nn.BatchNorm1d(WIDTH, momentum=0.5))
+
+
+def deferred_reference_step(model: nn.Sequential, x, y, chunks: int) -> None:
+    """The plain model: gradients from the micro-batches in turn (each normalised with its own statistics);
+    then each BatchNorm's running statistics from one update on all its inputs of the mini-batch, as
+    nn.BatchNorm makes on their concatenation. (For the first BatchNorm that is the whole mini-batch through
+    the layers before it; a later one's inputs were normalised per micro-batch by the earlier ones, in GPipe
+    as here, so a plain forward on the whole mini-batch would not give them.)"""
+    layers = [layer for layer in model if isinstance(layer, nn.BatchNorm1d)]
+    state = {name: b.clone() for name, b in model.named_buffers()}
+    seen = {id(layer): [] for layer in layers}
+    hooks = [layer.register_forward_pre_hook(lambda layer, args: seen[id(layer)].append(args[0].detach()))
+             for layer in layers]
+    plain_run(model, x, y, chunks, seed=0)
+    for hook in hooks:
+        hook.remove()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(state[name])
+        for layer in layers:
+            layer(torch.cat(seen[id(layer)]))
+
+
+@pytest.mark.parametrize("executor", ["simulated", "threads"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule,balance,v", [("gpipe", [2, 3, 3], 1), ("1f1b", [4, 4], 1),
+                                                ("zero_bubble_h1", [3, 5], 1), ("interleaved_1f1b", [2, 2, 2, 2], 2)])
+def test_deferred_batch_norm_tracks_the_whole_mini_batch(schedule, balance, v, checkpoint, executor):
+    """After each of 3 SGD steps each BatchNorm's running statistics are one update from all its inputs of
+    the mini-batch (momentum 0.1, None and 0.5), and the gradients the plain model's micro-batches' in turn."""
+    reference, model = batchnorm_model(1), batchnorm_model(1)
+    pipe = GPipe(model, balance, chunks=4, schedule=schedule, stages_per_device=v, checkpoint=checkpoint,
+                 executor=executor, deferred_batch_norm=True)
+    assert sum(type(layer).__name__ == "DeferredBatchNorm1d" for layer in pipe) == 3
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    generator = torch.Generator().manual_seed(2)
+    for step in range(3):
+        x, y = torch.randn(10, WIDTH, generator=generator), torch.randn(10, WIDTH, generator=generator)
+        deferred_reference_step(reference, x, y, 4)
+        pipe.step(x, y, nn.MSELoss())
+        for j in (1, 4, 7):
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                torch.testing.assert_close(getattr(model[j], name), getattr(reference[j], name), atol=1e-6,
+                                           rtol=1e-5, msg=f"step {step}, layer {j} {name}")
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=f"step {step} {name}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_deferred_batch_norm_through_the_forward_path_and_eval():
+    reference, model = batchnorm_model(2), batchnorm_model(2)
+    pipe = GPipe(model, [4, 4], chunks=4, checkpoint="except_last", deferred_batch_norm=True)
+    x, y = torch.randn(12, WIDTH), torch.randn(12, WIDTH)
+    deferred_reference_step(reference, x, y, 4)
+    nn.MSELoss()(pipe(x), y).backward()
+    for j in (1, 4, 7):
+        torch.testing.assert_close(model[j].running_mean, reference[j].running_mean, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(model[j].running_var, reference[j].running_var, atol=1e-6, rtol=1e-5)
+    pipe.eval()
+    reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), atol=1e-6, rtol=1e-5)
+    assert model[1].num_batches_tracked.item() == 1  # eval forwards count nothing
+
+
+def test_deferred_batch_norm_must_be_a_bool():
+    with pytest.raises(TypeError, match="deferred_batch_norm must be True or False, got 'yes'"):
+        GPipe(batchnorm_model(0), [4, 4], deferred_batch_norm="yes")

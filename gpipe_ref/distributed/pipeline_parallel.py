@@ -147,7 +147,7 @@ class PipelineParallel(GPipe):
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
                  checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int = 1,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 track_memory: bool = False, timeline: bool = False) -> None:
+                 track_memory: bool = False, timeline: bool = False, deferred_batch_norm: bool = False) -> None:
         if not isinstance(timeline, bool):
             raise TypeError(f"timeline must be True or False, got {timeline!r}")
         size = dist.get_world_size(group)
@@ -160,7 +160,8 @@ class PipelineParallel(GPipe):
         self.group = group
         self.rank = dist.get_rank(group)  # read by owns() while GPipe.__init__ places the stages
         super().__init__(module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-                         stages_per_device=stages_per_device, executor="auto", track_memory=track_memory)
+                         stages_per_device=stages_per_device, executor="auto", track_memory=track_memory,
+                         deferred_batch_norm=deferred_batch_norm)
         self.executor = "ranks"  # one process per pipeline device, no worker threads
         self.records_timeline = timeline
         self._message_bytes: dict[int, int] = {}  # tag -> size of its next message, the same on both ranks
