@@ -44,7 +44,9 @@ class DeferredBatchNorm(nn.Module):
     cancellation) into the mini-batch so far. The ``chunks``-th forward commits: ``running_mean`` and
     ``running_var`` take one momentum step towards the mini-batch's mean and unbiased variance
     (``momentum=None``: the cumulative average, as ``nn.BatchNorm``), ``num_batches_tracked`` grows
-    by one, and the accumulators restart. Micro-batches may differ in size.
+    by one, and the accumulators restart. Micro-batches may differ in size. A mini-batch cut short
+    (fewer than ``chunks`` training forwards) stays pending until the count is reached;
+    :meth:`reset_accumulators` drops it.
 
     All the state lives in registered buffers (the accumulators non-persistent, so ``state_dict``
     is the BatchNorm one). That is what makes re-materialization safe: :mod:`gpipe_ref.pipeline`
@@ -55,7 +57,7 @@ class DeferredBatchNorm(nn.Module):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None, *,
-                 chunks: int) -> None:
+                 chunks: int, **batch_norm_options) -> None:
         if type(self) is DeferredBatchNorm:
             raise TypeError("DeferredBatchNorm is the shared base: build DeferredBatchNorm1d, "
                             "DeferredBatchNorm2d or DeferredBatchNorm3d (as nn.BatchNorm1d/2d/3d)")
@@ -64,7 +66,9 @@ class DeferredBatchNorm(nn.Module):
             raise ValueError(f"track_running_stats must be True for a DeferredBatchNorm (without running "
                              f"statistics there is nothing to defer: use nn.BatchNormNd), "
                              f"got {track_running_stats!r}")
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        # batch_norm_options: BatchNorm's later keywords (``bias=False`` on torch versions that have it)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,
+                         **batch_norm_options)
         self.chunks = chunks
         wide = {"device": device, "dtype": torch.float64}
         self.register_buffer("micro_batches", torch.zeros((), dtype=torch.long, device=device), persistent=False)
@@ -82,7 +86,7 @@ class DeferredBatchNorm(nn.Module):
 
     def reset_running_stats(self) -> None:
         super().reset_running_stats()
-        if "accumulated_m2" in self._buffers:  # absent while BatchNorm's __init__ calls this
+        if hasattr(self, "accumulated_m2"):  # absent while BatchNorm's __init__ calls this
             self.reset_accumulators()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -168,8 +172,9 @@ def _converted(module: nn.Module, chunks: int) -> nn.Module:
         for name, child in list(module.named_children()):
             module.add_module(name, _converted(child, chunks))
         return module
+    no_bias = {"bias": False} if module.affine and module.bias is None else {}  # torch's bias=False
     new = deferred(module.num_features, module.eps, module.momentum, module.affine,
-                   device=module.running_mean.device, chunks=chunks)
+                   device=module.running_mean.device, chunks=chunks, **no_bias)
     if module.affine:
         new.weight, new.bias = module.weight, module.bias
     new.running_mean, new.running_var = module.running_mean, module.running_var
