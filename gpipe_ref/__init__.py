@@ -29,7 +29,8 @@ from .schedule import (
 from .simulator import CostModel, bubble_formula, simulate
 from .timeline import Event, Timeline, Transfer
 from .memory import ActivationMeter
-from .batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from .batchnorm import (DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d,
+                        convert_deferred_batch_norm)
 from .partition import balance_by_params, balance_by_size, balance_by_time
 from .pipeline import GPipe
 from .distributed import RankError, launch
@@ -44,7 +45,8 @@ __all__ = [
     "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "execution_order", "gpipe", "interleaved_1f1b",
     "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate", "zero_bubble_h1",
     "CostModel", "bubble_formula", "simulate", "Event", "Timeline", "Transfer",
-    "ActivationMeter", "DeferredBatchNorm", "convert_deferred_batch_norm", "balance_by_params", "balance_by_size",
+    "ActivationMeter", "DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
+    "convert_deferred_batch_norm", "balance_by_params", "balance_by_size",
     "balance_by_time", "GPipe", "RankError", "launch", "DataParallel",
     "PipelineParallel", "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear", "ZeRO",
 ]
