@@ -282,42 +282,57 @@ def interleaved_1f1b(num_devices: int, num_microbatches: int, stages_per_device:
 
     The model is cut into ``v * p`` stages; stage ``s`` lives on device
     ``s mod p``, so each device holds ``v`` thin stages. Micro-batches go
-    through in groups of ``p`` ("depth first"): a device runs the forward of a
-    group on its first stage, then on its second, and so on; backwards go the
-    other way. The bubble shrinks by about ``v``; point-to-point traffic grows
-    by ``v``. Requires ``m`` to be a multiple of ``p``.
+    through in rounds ("depth first"): a device runs the forwards of a round on
+    its first stage, then on its second, and so on; backwards go the other way.
+    The bubble shrinks by about ``v``; point-to-point traffic grows by ``v``.
+
+    The paper's rounds hold ``p`` micro-batches, so it needs ``m`` a multiple
+    of ``p``. As torch's ``ScheduleInterleaved1F1B`` does (this matches its
+    order on every device), ``m`` is instead cut into ``max(1, m // p)`` rounds
+    of ``g = m / rounds`` micro-batches: on 4 devices, 10 runs as 2 rounds of 5
+    and 3 as one round of 3. ``m`` must split evenly (on 4 devices 9, 11, 13
+    and 14 do not and are refused).
     """
     p = positive_int("num_devices", num_devices)
     m = positive_int("num_microbatches", num_microbatches)
     v = positive_int("stages_per_device", stages_per_device)
-    if m % p != 0:
+    rounds = max(1, m // p)
+    if m % rounds != 0:
+        splits = lambda n: n % max(1, n // p) == 0  # noqa: E731
+        below = next(n for n in range(m - 1, 0, -1) if splits(n))  # n = p always splits
+        above = next(n for n in range(m + 1, m + p + 1) if splits(n))  # so does the next multiple of p
         raise ValueError(
-            f"num_microbatches must be a multiple of num_devices={p} for interleaved_1f1b, got {m}"
+            f"num_microbatches must be a multiple of its round count max(1, num_microbatches // num_devices) "
+            f"for interleaved_1f1b (num_devices={p}: {m} gives {rounds} rounds; nearest allowed: {below} and "
+            f"{above}), got {m}"
         )
+    g = m // rounds  # micro-batches per round
     total = v * m  # forward actions per device
     # The k-th forward (backward) of device d runs model chunk c, micro-batch i, i.e. stage c*p + d.
-    # k walks a group of p micro-batches through chunk 0, then chunk 1, ...; then the next group.
-    # Backwards walk the chunks the other way. For p = 2, v = 2, m = 4:
+    # k walks a round of g micro-batches through chunk 0, then chunk 1, ...; then the next round.
+    # Backwards walk the chunks the other way. For p = 2, v = 2, m = 4 (g = 2):
     #
     #   k              0  1  2  3  4  5  6  7
-    #   forward  c     0  0  1  1  0  0  1  1     c = (k mod pv) div p
-    #   backward c     1  1  0  0  1  1  0  0     c = v-1 - (k mod pv) div p
-    #   i              0  1  0  1  2  3  2  3     i = (k div pv) p + k mod p
+    #   forward  c     0  0  1  1  0  0  1  1     c = (k mod gv) div g
+    #   backward c     1  1  0  0  1  1  0  0     c = v-1 - (k mod gv) div g
+    #   i              0  1  0  1  2  3  2  3     i = (k div gv) g + k mod g
     #
-    # Device d first runs (v-1) p + 2 (p-1-d) forwards (warm-up: 4 on device 0, 2 on device 1),
-    # then alternates one forward and one backward, then runs the remaining backwards.
+    # Device d first runs (v-1) g + 2 (p-1-d) forwards (warm-up: 4 on device 0, 2 on device 1), at
+    # most v m: the last device runs the first round through all chunks but its last, and each hop
+    # further from it adds two (a forward's and a backward's time) while the first backward comes
+    # back. Then it alternates one forward and one backward, then runs the remaining backwards.
 
     def forward(d: int, k: int) -> Action:  # the k-th forward on device d
-        chunk, mb = (k % (p * v)) // p, (k // (p * v)) * p + k % p
+        chunk, mb = (k % (g * v)) // g, (k // (g * v)) * g + k % g
         return Action("F", chunk * p + d, mb)
 
     def backward(d: int, k: int) -> Action:  # the k-th backward on device d
-        chunk, mb = v - 1 - (k % (p * v)) // p, (k // (p * v)) * p + k % p
+        chunk, mb = v - 1 - (k % (g * v)) // g, (k // (g * v)) * g + k % g
         return Action("B", chunk * p + d, mb)
 
     per_device = []
     for d in range(p):
-        warmup = min((v - 1) * p + 2 * (p - 1 - d), total)
+        warmup = min((v - 1) * g + 2 * (p - 1 - d), total)
         order = [forward(d, k) for k in range(warmup)]
         for k in range(total - warmup):
             order += [forward(d, warmup + k), backward(d, k)]

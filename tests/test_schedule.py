@@ -144,7 +144,8 @@ def test_from_text_errors(text, message):
     (lambda: one_f_one_b(2, 0), "num_microbatches must be an integer >= 1, got 0"),
     (lambda: zero_bubble_h1(-1, 2), "num_stages must be an integer >= 1, got -1"),
     (lambda: interleaved_1f1b(2, 4, 0), "stages_per_device must be an integer >= 1, got 0"),
-    (lambda: interleaved_1f1b(4, 6, 2), "num_microbatches must be a multiple of num_devices=4"),
+    (lambda: interleaved_1f1b(4, 9, 2), r"num_microbatches must be a multiple of its round count .*"
+                                        r"num_devices=4: 9 gives 2 rounds; nearest allowed: 8 and 10\), got 9"),
     (lambda: make_schedule("gipe", 2, 2), r"schedule must be one of \('gpipe'.*got 'gipe'"),
     (lambda: make_schedule("gpipe", 2, 2, stages_per_device=2), "stages_per_device must be 1"),
     (lambda: gpipe(2.0, 2), "num_stages must be an integer >= 1, got 2.0"),
