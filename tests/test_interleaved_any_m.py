@@ -118,6 +118,7 @@ def test_gpipe_gradients_equal_the_plain_model_run_on_each_microbatch(p, m, exec
     pipe = GPipe(model, [2] * (p * v), chunks=m, schedule="interleaved_1f1b", stages_per_device=v,
                  executor=executor)
     assert pipe.schedule.num_microbatches == m and pipe.schedule.num_devices == p
+    validate(pipe.schedule)  # a deadlocking order would fail here rather than hang the threads executor
     loss = pipe.step(x, y, loss_fn)
     assert abs(loss.item() - expected) <= 1e-5
     for a, b in zip(reference.parameters(), pipe.parameters(), strict=True):
