@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe_ref.distributed import launch
+from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
 from gpipe_ref.microbatch import scatter
 from gpipe_ref.pipeline import GPipe
 from gpipe_ref.schedule import Action, interleaved_1f1b, validate
@@ -123,3 +125,31 @@ def test_gpipe_gradients_equal_the_plain_model_run_on_each_microbatch(p, m, exec
     assert abs(loss.item() - expected) <= 1e-5
     for a, b in zip(reference.parameters(), pipe.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
+
+
+def _rank_gradients(rank, world_size, seed, layers, width, chunks, x, y):
+    model = random_model(seed, layers, width)
+    stages = 2 * world_size
+    pipe = PipelineParallel(model, [layers // stages] * stages, chunks=chunks, schedule="interleaved_1f1b",
+                            stages_per_device=2)
+    pipe.step(x, y, nn.MSELoss())
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,chunks", [(2, 3), (4, 5), (4, 6)])
+def test_pipeline_parallel_ranks_run_it_to_the_plain_models_gradients(world_size, chunks):
+    """One process per device (gloo): the ranks' gradients together are the plain model's."""
+    seed, layers, width, batch = 5, 4 * world_size, 6, 2 * chunks + 1
+    torch.manual_seed(seed + 1)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    reference = random_model(seed, layers, width)
+    for xj, yj in zip(scatter(x, chunks), scatter(y, chunks), strict=True):
+        (nn.functional.mse_loss(reference(xj), yj) * (len(xj) / batch)).backward()
+    got = {}
+    for grads in launch(_rank_gradients, world_size, seed, layers, width, chunks, x, y, timeout=120):
+        got.update(grads)
+    wanted = dict(reference.named_parameters())
+    assert sorted(got) == sorted(wanted)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, wanted[name].grad, atol=1e-5, rtol=1e-5, msg=name)
