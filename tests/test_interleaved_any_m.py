@@ -18,7 +18,7 @@ from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
 from gpipe_ref.microbatch import scatter
 from gpipe_ref.pipeline import GPipe
 from gpipe_ref.schedule import Action, interleaved_1f1b, validate
-from gpipe_ref.simulator import CostModel, simulate
+from gpipe_ref.simulator import CostModel, bubble_formula, simulate
 
 torch.set_num_threads(1)
 
@@ -91,6 +91,33 @@ def test_non_multiples_are_valid_and_deadlock_free(p, v, m):
                 needs = [Action("F", e.stage, e.microbatch)]
                 needs += [Action("B", e.stage + 1, e.microbatch)] if e.stage < p * v - 1 else []
             assert all(e.start >= end[need] - 1e-9 for need in needs), e
+
+
+
+@pytest.mark.parametrize("p,v,m", [case for case in CASES if case[2] % max(1, case[2] // case[0]) == 0])
+def test_bubble_and_peak_in_closed_form(p, v, m):
+    """Thin stages costing 1/v: with m >= p the bubble is the paper's (p-1)/(v m + p-1) (Narayanan et al.
+    2021, sec. 2.2, as a share of the step). With m < p a round holds only m micro-batches, so at each of
+    the v-1 chunk switches every device waits p-m more stage-times for the round's first micro-batch to come
+    round: (p-1 + (v-1)(p-m)) / (v m + p-1 + (v-1)(p-m)). Device 0 holds at most its warm-up plus one
+    forward: min(v m, (v-1) g + 2p - 1) thin-stage activations, g the round size."""
+    schedule = interleaved_1f1b(p, m, v)
+    extra = (v - 1) * max(0, p - m)
+    expected = (p - 1 + extra) / (v * m + p - 1 + extra)
+    for backward in (1.0, 2.0, 3.0):
+        timeline = simulate(schedule, CostModel(1 / v, backward / 2 / v, backward / 2 / v))
+        assert timeline.bubble_fraction == pytest.approx(expected, abs=1e-9), backward
+    formula = bubble_formula("interleaved_1f1b", p, m, v)
+    if m >= p:  # the registry's formula is exact here; below p it is at most a lower bound
+        assert formula == pytest.approx(expected, abs=1e-9)
+    else:
+        assert formula <= expected + 1e-9
+    held = peak = 0
+    for action in schedule.per_device[0]:
+        held += 1 if action.op == "F" else -1
+        peak = max(peak, held)
+    rounds = max(1, m // p)
+    assert peak == min(v * m, (v - 1) * (m // rounds) + 2 * p - 1)
 
 
 def random_model(seed: int, layers: int, width: int) -> nn.Sequential:
