@@ -291,7 +291,9 @@ def interleaved_1f1b(num_devices: int, num_microbatches: int, stages_per_device:
     order on every device), ``m`` is instead cut into ``max(1, m // p)`` rounds
     of ``g = m / rounds`` micro-batches: on 4 devices, 10 runs as 2 rounds of 5
     and 3 as one round of 3. ``m`` must split evenly (on 4 devices 9, 11, 13
-    and 14 do not and are refused).
+    and 14 do not and are refused). With ``m < p`` a round is shorter than the
+    pipeline: each chunk switch waits ``p - m`` more stage-times, so the bubble
+    is above the paper's (``tests/test_interleaved_any_m.py`` has it exactly).
     """
     p = positive_int("num_devices", num_devices)
     m = positive_int("num_microbatches", num_microbatches)
