@@ -180,7 +180,8 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
         raise ValueError(f"batch ({model.batch}) must divide into dp x microbatch_size = {dp * microbatch_size}")
     m = model.batch // (dp * microbatch_size)
     if v > 1 and m % pp:
-        raise ValueError(f"interleaved_1f1b needs the micro-batches ({m}) to be a multiple of pp ({pp})")
+        raise ValueError(f"the planner models interleaved_1f1b with micro-batches a multiple of pp (the paper's "
+                         f"rounds of pp, Narayanan et al. 2021, sec. 2.2), got {m} micro-batches for pp={pp}")
     b, s, h, a, l = microbatch_size, model.seq_len, model.hidden, model.heads, model.layers
     rate = cluster.peak_flops * cluster.efficiency
 
@@ -326,7 +327,8 @@ def _why_nothing_fits(model: ModelConfig, cluster: ClusterConfig, plans: list[Pl
     return NothingFits(
         f"none of the schedules searched {names} applies to the layouts that split the batch (pp in "
         f"{sorted({pp for _, _, pp in split})}): with pp = 1 only 1f1b is planned, and interleaved_1f1b needs "
-        f"pp > 1, layers divisible by pp x stages_per_device and micro-batches a multiple of pp")
+        f"pp > 1, layers divisible by pp x stages_per_device and (as the planner models it) micro-batches a "
+        f"multiple of pp")
 
 
 def plan(model: ModelConfig, cluster: ClusterConfig, *, top: int | None = 10, **search) -> list[Plan]:

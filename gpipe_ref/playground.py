@@ -76,7 +76,7 @@ def _compare(schedule: Schedule) -> dict[str, tuple[float, list[int]]]:
             continue
         try:
             t = simulate(make_schedule(name, p, m, v), PLAYGROUND_COST)
-        except ValueError:  # e.g. interleaving needs m to be a multiple of p
+        except ValueError:  # e.g. interleaving needs m to split into max(1, m // p) equal rounds
             continue
         rows[f"{name} v={v}" if v > 1 else name] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
     return rows

@@ -277,6 +277,14 @@ def pipedream_async(num_stages: int, num_microbatches: int) -> Schedule:
     )
 
 
+def _interleaved_peak(p: int, m: int, v: int) -> float:
+    """Micro-batches' activations device 0 holds at its peak under interleaved 1F1B: its warm-up forwards
+    plus one, (v-1) g + 2p - 1 thin stages (g micro-batches a round), at most all v m; each a 1/v of a
+    micro-batch. For m a multiple of p and m >= 2p that is p (1 + (p-1)/(p v)) micro-batches."""
+    rounds = max(1, m // p)
+    return min(v * m, (v - 1) * (m // rounds) + 2 * p - 1) / v
+
+
 def interleaved_1f1b(num_devices: int, num_microbatches: int, stages_per_device: int) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2).
 
@@ -455,8 +463,10 @@ register(ScheduleSpec(
 register(ScheduleSpec(
     "interleaved_1f1b", interleaved_1f1b, "Interleaved 1F1B", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (v * m + p - 1), formula="(p-1)/(v·m+p-1)",
-    peak_held=lambda p, m, v: min(m, p) * (1 + (p - 1) / (p * v)), source="Narayanan et al. 2021, sec. 2.2",
-    aliases=("interleaved",), multi_stage=True))
+    peak_held=lambda p, m, v: _interleaved_peak(p, m, v), source="Narayanan et al. 2021, sec. 2.2",
+    aliases=("interleaved",), multi_stage=True, exact_when=lambda p, m, v, r: m >= p,
+    exact_note="the formula assumes m >= p: with fewer micro-batches than devices, each of the v-1 switches "
+               "to the next chunk waits p-m more stage times"))
 register(ScheduleSpec(
     "zero_bubble_h1", zero_bubble_h1, "Zero bubble (ZB-H1)", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (m * (1 + r) + p - 1), formula="(p-1)/((1+r)·m+p-1)",

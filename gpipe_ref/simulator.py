@@ -191,8 +191,8 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float 
       * zero_bubble_h1 with B = W = ratio/2, m >= p and W <= F (ratio <= 2):
         (p-1)/(m(1+ratio)+p-1) (Qi et al. 2024, sec. 2.1; (p-1)/(3m+p-1) when
         F = B = W). Outside those conditions it is a lower bound.
-      * interleaved_1f1b: (p-1)/(v m + p - 1), i.e. Megatron's bubble-to-ideal
-        ratio (p-1)/(v m) (Narayanan et al. 2021, sec. 2.2) as a fraction
+      * interleaved_1f1b with m >= p: (p-1)/(v m + p - 1), i.e. Megatron's bubble-to-ideal
+        ratio (p-1)/(v m) (Narayanan et al. 2021, sec. 2.2) as a fraction; with m < p a lower bound
     """
     spec = SCHEDULES.get(name) if isinstance(name, str) else None
     if spec is None:

@@ -17,7 +17,7 @@ from gpipe_ref.distributed import launch
 from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
 from gpipe_ref.microbatch import scatter
 from gpipe_ref.pipeline import GPipe
-from gpipe_ref.schedule import Action, interleaved_1f1b, validate
+from gpipe_ref.schedule import schedule_spec, Action, interleaved_1f1b, validate
 from gpipe_ref.simulator import CostModel, bubble_formula, simulate
 
 torch.set_num_threads(1)
@@ -118,6 +118,7 @@ def test_bubble_and_peak_in_closed_form(p, v, m):
         peak = max(peak, held)
     rounds = max(1, m // p)
     assert peak == min(v * m, (v - 1) * (m // rounds) + 2 * p - 1)
+    assert schedule_spec("interleaved_1f1b").peak_held(p, m, v) == pytest.approx(peak / v)  # the registry's
 
 
 def random_model(seed: int, layers: int, width: int) -> nn.Sequential:

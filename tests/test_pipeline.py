@@ -39,7 +39,7 @@ def random_case(rng: random.Random):
     batch = rng.randint(stages // v, 11)
     devices = stages // v
     if schedule == "interleaved_1f1b":
-        chunks = devices * rng.randint(1, max(1, batch // devices))
+        chunks = rng.choice([m for m in range(1, batch + 1) if m % max(1, m // devices) == 0])  # torch's rule
     else:
         chunks = rng.randint(1, batch)
     return dict(schedule=schedule, v=v, layers=layers, balance=balance, batch=batch, chunks=chunks,
@@ -247,8 +247,8 @@ STATISTICS = {"per_microbatch": ({}, run_microbatches_in_turn)}
 
 def stateful_cases(schedule: str):
     """(balance, chunks, stages_per_device) for ``stateful_model``'s 7 layers."""
-    if schedule == "interleaved_1f1b":  # chunks a multiple of the device count
-        return [([3, 4], c, 2) for c in (1, 2, 4)] + [([2, 2, 2, 1], c, 2) for c in (2, 4)]
+    if schedule == "interleaved_1f1b":  # any chunks that split into equal rounds (torch's rule), 3 and 5 too
+        return [([3, 4], c, 2) for c in (1, 2, 3, 4)] + [([2, 2, 2, 1], c, 2) for c in (2, 3, 4)]
     return [(balance, c, 1) for balance in ([7], [3, 4], [2, 2, 3], [2, 2, 2, 1]) for c in (1, 2, 4)]
 
 
@@ -508,8 +508,8 @@ def test_calibrate_recovers_a_cost_model_exactly():
     (lambda m: GPipe(m, [3, 3], schedule=gpipe(3, 2)), ValueError, "schedule has 3 stages but balance has 2"),
     (lambda m: GPipe(m, [3, 3], schedule="pipedream_async"), ValueError, "must be a flush schedule"),
     (lambda m: GPipe(m, [3, 3], executor="gpu"), ValueError, "executor must be one of"),
-    (lambda m: GPipe(m, [2, 2, 1, 1], chunks=3, schedule="interleaved_1f1b", stages_per_device=2),
-     ValueError, "chunks=3, schedule='interleaved_1f1b': num_microbatches must be a multiple of num_devices=2"),
+    (lambda m: GPipe(m, [2, 2, 1, 1], chunks=5, schedule="interleaved_1f1b", stages_per_device=2),
+     ValueError, "chunks=5, schedule='interleaved_1f1b': num_microbatches must be a multiple of its round count"),
     (lambda m: GPipe(m, None), ValueError, "balance must be given"),
     (lambda m: GPipe(m, [3, 3], devices="cpu"), TypeError, "devices must be a list of devices"),
     (lambda m: GPipe(m, [3, 3], devices=["tpu", "cpu"]), ValueError, "devices entry 'tpu' is not a device"),

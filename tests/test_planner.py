@@ -195,7 +195,7 @@ def test_the_planner_says_why_nothing_fits():
     assert str(error.value) == (
         "none of the schedules searched ('gpipe',) applies to the layouts that split the batch (pp in [1]): "
         "with pp = 1 only 1f1b is planned, and interleaved_1f1b needs pp > 1, layers divisible by pp x "
-        "stages_per_device and micro-batches a multiple of pp")
+        "stages_per_device and (as the planner models it) micro-batches a multiple of pp")
 
 
 INF, NAN = float("inf"), float("nan")

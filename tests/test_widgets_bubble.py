@@ -36,8 +36,8 @@ def test_interleaved_uses_stages_per_device_and_explains_bad_sizes():
     simulated, formula, text = _readout(ex)
     assert "v=2" in text and formula == pytest.approx(3 / 19, abs=5e-5) and simulated == pytest.approx(formula, abs=5e-5)
     assert not ex.stages_per_device.disabled
-    ex.microbatches.value = 7
-    assert "num_microbatches must be a multiple of num_devices=4" in ex.readout.value
+    ex.microbatches.value = 9  # torch's rule: m splits into max(1, m // p) equal rounds; 9 on 4 devices does not
+    assert "9 gives 2 rounds; nearest allowed: 8 and 10" in ex.readout.value
     assert ex.picture.value == "" and ex.timeline is None
     ex.schedule.value = "gpipe"
     assert ex.stages_per_device.disabled and "v=" not in _readout(ex)[2]
