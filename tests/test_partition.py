@@ -12,18 +12,18 @@ from torch import nn
 from gpipe_ref.partition import balance_by_params, balance_by_time, layer_times, partition_costs, split
 
 
-def _largest_part(costs, part_sizes):
+def largest_part(costs, part_sizes):
     bounds = list(itertools.accumulate([0, *part_sizes]))
     return max(sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(part_sizes)))
 
 
-def _brute_force(costs, k):
+def brute_force_best(costs, k):
     n = len(costs)
-    return min(_largest_part(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))])
+    return min(largest_part(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))])
                for cuts in itertools.combinations(range(1, n), k - 1))
 
 
-def test_partition_is_optimal_against_brute_force():
+def test_partition_is_optimal_againstbrute_force_best():
     rng = random.Random(0)
     for _ in range(500):
         n = rng.randint(1, 9)
@@ -31,7 +31,7 @@ def test_partition_is_optimal_against_brute_force():
         costs = [rng.choice([0, 0.5, 1, 2, 3, 5, 8]) for _ in range(n)]
         part_sizes = partition_costs(costs, k)
         assert len(part_sizes) == k and min(part_sizes) >= 1 and sum(part_sizes) == n
-        assert _largest_part(costs, part_sizes) == pytest.approx(_brute_force(costs, k))
+        assert largest_part(costs, part_sizes) == pytest.approx(brute_force_best(costs, k))
 
 
 def test_partition_is_exact_for_float_costs():
@@ -41,7 +41,7 @@ def test_partition_is_exact_for_float_costs():
         n = rng.randint(1, 8)
         k = rng.randint(1, n)
         costs = [rng.random() * rng.choice([0.01, 1, 10]) for _ in range(n)]
-        assert _largest_part(costs, partition_costs(costs, k)) <= _brute_force(costs, k) * (1 + 1e-12)
+        assert largest_part(costs, partition_costs(costs, k)) <= brute_force_best(costs, k) * (1 + 1e-12)
 
 
 def test_split_and_balance_by_params():
@@ -50,7 +50,7 @@ def test_split_and_balance_by_params():
     assert [len(s) for s in stages] == [2, 3] and stages[1][0] is model[2]
     # parameters per layer: 110, 0, 1100, 0, 1010: the two big layers must go to different stages
     # the best cuts, [3, 2] and [4, 1], both have a largest stage of 1210; the greedy cut fills the first stage
-    assert balance_by_params(model, 2) == [4, 1] and _largest_part([110, 0, 1100, 0, 1010], [4, 1]) == 1210
+    assert balance_by_params(model, 2) == [4, 1] and largest_part([110, 0, 1100, 0, 1010], [4, 1]) == 1210
     with pytest.raises(ValueError, match="partitions must be an integer from 1 to the number of layers 5, got 6"):
         balance_by_params(model, 6)
     with pytest.raises(TypeError, match="module must be an nn.Sequential, got Linear"):
@@ -189,7 +189,7 @@ def test_uniform_balance_gives_equal_counts_the_first_stages_one_more():
         uniform_balance(4, 5)
 
 
-def test_balance_report_against_the_simulator_and_brute_force():
+def test_balance_report_against_the_simulator_andbrute_force_best():
     from gpipe_ref import CostModel, gpipe, simulate
     from gpipe_ref.partition import balance_report, stage_cost_model
 
@@ -204,7 +204,7 @@ def test_balance_report_against_the_simulator_and_brute_force():
         report = balance_report(times, balance, params=[1.0] * n, microbatches=m)
         sums = [sum(times[a:b]) for a, b in zip((0, *cut), (*cut, n))]
         assert report.stage_times == pytest.approx(sums) and report.stage_params == tuple(map(float, balance))
-        assert report.best_slowest == pytest.approx(_brute_force(times, p))
+        assert report.best_slowest == pytest.approx(brute_force_best(times, p))
         assert report.stage_times[report.slowest] == max(report.stage_times)
         assert report.slowest_over_mean == pytest.approx(max(sums) / (sum(sums) / p))
         cost = CostModel(forward=1 / 3, backward_input=1 / 3, backward_weight=1 / 3,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 import torch
+from test_partition import brute_force_best, largest_part
 from torch import nn
 
 from gpipe_ref.partition import (balance_by_size, balance_by_time, layer_sizes, layer_times, partition_costs,
@@ -214,17 +214,6 @@ def test_layer_sizes_leave_out_batchnorm_buffers_and_count_its_parameters():
         [4 * (n * c + 2 * c) + 3.0 * 4 * (2 * c)]
 
 
-def _largest_stage(costs, balance):
-    bounds = list(itertools.accumulate([0, *balance]))
-    return max(sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(balance)))
-
-
-def _best_largest_stage(costs, k):
-    n = len(costs)
-    return min(_largest_stage(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))])
-               for cuts in itertools.combinations(range(1, n), k - 1))
-
-
 def test_balance_by_size_is_the_exact_minimiser_of_the_largest_stage():
     rng = random.Random(1)
     for case in range(30):
@@ -237,7 +226,7 @@ def test_balance_by_size_is_the_exact_minimiser_of_the_largest_stage():
         costs = _hand_sizes(widths, acts, batch, torch.float32, scale)
         balance = balance_by_size(model, torch.randn(batch, widths[0]), k, param_scale=scale)
         assert len(balance) == k and min(balance) >= 1 and sum(balance) == n
-        assert _largest_stage(costs, balance) == _best_largest_stage(costs, k), (case, widths, acts, k)
+        assert largest_part(costs, balance) == brute_force_best(costs, k), (case, widths, acts, k)
         assert balance == partition_costs(costs, k)
 
 
