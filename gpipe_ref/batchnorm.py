@@ -79,6 +79,15 @@ class DeferredBatchNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunks={self.chunks}"
 
+    def _apply(self, fn, *args, **kwargs):
+        """As nn.Module's (``.half()``, ``.to(...)``), but the accumulators stay float64 and the counter
+        an integer: in float16 the count and the sum of squares would overflow."""
+        super()._apply(fn, *args, **kwargs)
+        for name in ("accumulated_count", "accumulated_mean", "accumulated_m2"):
+            setattr(self, name, getattr(self, name).double())
+        self.micro_batches = self.micro_batches.long()
+        return self
+
     def reset_accumulators(self) -> None:
         """Forget the micro-batches seen since the last commit."""
         for buffer in (self.micro_batches, self.accumulated_count, self.accumulated_mean, self.accumulated_m2):
@@ -151,7 +160,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int) -> nn.Module:
     before keeps training them) and its ``running_mean``, ``running_var`` and ``num_batches_tracked``
     tensors; ``eps``, ``momentum``, ``affine`` and the training mode carry over. Left as they are: a
     BatchNorm with ``track_running_stats=False`` (nothing to defer), ``nn.SyncBatchNorm``, subclasses of
-    BatchNorm (their forward may differ) and layers already deferred. Hooks on a replaced layer are lost.
+    BatchNorm (their forward may differ). A layer already deferred keeps its place and takes the new
+    ``chunks`` (its pending micro-batches are dropped). Hooks on a replaced layer are lost.
     A BatchNorm used at two places is refused: it would see ``2 * chunks`` forwards per mini-batch.
     """
     checks.positive_int("chunks", chunks)
@@ -167,6 +177,11 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int) -> nn.Module:
 
 
 def _converted(module: nn.Module, chunks: int) -> nn.Module:
+    if isinstance(module, DeferredBatchNorm):  # converted before, maybe for another chunks: count this one
+        if module.chunks != chunks:
+            module.chunks = chunks
+            module.reset_accumulators()
+        return module
     deferred = DEFERRED.get(type(module))
     if deferred is None or not module.track_running_stats:
         for name, child in list(module.named_children()):

@@ -124,13 +124,16 @@ def profiling(module: nn.Module) -> Iterator[nn.Module]:
     running statistics a BatchNorm updates in a training forward, a counter a layer keeps)
     are put back, also when the block raises. Values are copied back into the original
     tensors, so references to them stay valid; a buffer the block replaced gets its original
-    tensor back. Parameters are not touched here: the profilers never write them."""
+    tensor back. The random generators are put back too (a Dropout draws while profiled).
+    Parameters are not touched here: the profilers never write them."""
     modes = [(m, m.training) for m in module.modules()]
     buffers = [(m, name, t, t.detach().clone())
                for m in module.modules() for name, t in m.named_buffers(recurse=False) if t is not None]
+    cuda = sorted({t.device.index or 0 for t in (*module.parameters(), *module.buffers()) if t.is_cuda})
     module.train()
     try:
-        yield module
+        with torch.random.fork_rng(devices=cuda):  # dropout's draws while profiling leave no trace either
+            yield module
     finally:
         with torch.no_grad():
             for m, name, original, value in buffers:
@@ -141,6 +144,29 @@ def profiling(module: nn.Module) -> Iterator[nn.Module]:
             m.training = training
 
 
+def _tensors(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _detached(x):
+    return tuple(t.detach() for t in x) if isinstance(x, tuple) else x.detach()
+
+
+def _forward_on_leaves(piece: nn.Module, x) -> tuple[tuple, object]:
+    """``piece`` on a detached copy of ``x`` (a tensor or a tuple of them) whose floating tensors ask for a
+    gradient, as a stage's input does: (those leaves, the output). A piece that modifies its input in place
+    (``nn.ReLU(inplace=True)``) gets clones of the leaves, which autograd lets it modify."""
+    leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _tensors(x))
+    def rebuild(tensors):
+        return tensors if isinstance(x, tuple) else tensors[0]
+    try:
+        return leaves, piece(rebuild(leaves))
+    except RuntimeError as exc:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+            raise
+    return leaves, piece(rebuild(tuple(t.clone() if t.requires_grad else t for t in leaves)))
+
+
 def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warmup: int,
                            loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, torch.Tensor]:
     """Median time of ``piece``'s forward + backward on ``x`` over ``repeats`` runs after
@@ -149,18 +175,17 @@ def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warm
     ``torch.autograd.grad`` and dropped: ``.grad`` stays untouched."""
     times = []
     for run in range(warmup + repeats):
-        inp = x.detach().requires_grad_(x.is_floating_point())
         began = time.perf_counter()
-        out = piece(inp)
-        root = out if loss is None else loss(out)
-        wrt = [t for t in (inp, *piece.parameters()) if t.requires_grad]
-        if root.requires_grad and wrt:
-            torch.autograd.grad(root, wrt, torch.ones_like(root), allow_unused=True)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
+        leaves, out = _forward_on_leaves(piece, x)
+        roots = [t for t in _tensors(out if loss is None else loss(out)) if t.requires_grad]
+        wrt = [t for t in (*leaves, *piece.parameters()) if t.requires_grad]
+        if roots and wrt:
+            torch.autograd.grad(roots, wrt, [torch.ones_like(t) for t in roots], allow_unused=True)
+        if any(t.is_cuda for t in _tensors(out)):
+            torch.cuda.synchronize()
         if run >= warmup:
             times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2], out.detach()
+    return sorted(times)[len(times) // 2], _detached(out)
 
 
 def _check_sample(sample: object) -> None:
@@ -260,11 +285,10 @@ def layer_sizes(module: nn.Sequential, sample: torch.Tensor, *, param_scale: flo
     with profiling(module):
         for layer in module:
             meter = ActivationMeter(ignore=[*layer.parameters(), *layer.buffers()])
-            inp = x.detach().requires_grad_(x.is_floating_point())
             with meter.recording():
-                out = layer(inp)
+                _, out = _forward_on_leaves(layer, x)
             activations = meter.live
-            x = out.detach()
+            x = _detached(out)
             del out  # frees the graph and the tensors it saved
             parameters = sum(p.nbytes for p in layer.parameters())
             sizes.append(float(activations + param_scale * parameters))

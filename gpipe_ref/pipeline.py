@@ -27,6 +27,7 @@ fill-drain, 1F1B, interleaved 1F1B, zero bubble), in one of two ways:
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import time
 import traceback
@@ -134,8 +135,6 @@ class GPipe(nn.Module):
         balance = check_balance(module, balance)
         self.schedule = self._build_schedule(schedule, len(balance), chunks, stages_per_device)
         self.chunks = self.schedule.num_microbatches
-        if deferred_batch_norm:
-            convert_deferred_batch_norm(module, self.chunks)  # in place: the caller's model is the pipe's
         self.deferred_batch_norm = deferred_batch_norm
         self.checkpoint = checkpoint
         self.balance = balance
@@ -147,6 +146,9 @@ class GPipe(nn.Module):
         stages = split(module, balance)
         if self.schedule.has_weight_actions:
             _check_split_backward(stages)
+        if deferred_batch_norm:  # in place, once every check passed: the caller's model is the pipe's
+            convert_deferred_batch_norm(module, self.chunks)
+            stages = split(module, balance)
         self._stages = tuple(stage.to(self.stage_device(s)) if self.owns(s) else None
                              for s, stage in enumerate(stages))
         self.module = module if None not in self._stages else _owned_layers(module, self._stages)
@@ -206,8 +208,9 @@ class GPipe(nn.Module):
                 yield from stage
 
     def __getitem__(self, index: int) -> nn.Module:
-        if not isinstance(index, int) or isinstance(index, bool):
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
             raise TypeError(f"index must be an int (a layer's position), got {type(index).__name__}")
+        index = operator.index(index)
         layers = list(self)
         if not -len(layers) <= index < len(layers):
             raise IndexError(f"index must be in [{-len(layers)}, {len(layers)}) for a pipe of {len(layers)} "
@@ -222,7 +225,7 @@ class GPipe(nn.Module):
     def to(self, *args, **kwargs):
         """Convert the stages' dtype (``pipe.to(torch.double)``, ``pipe.to(dtype=...)``), as ``nn.Module.to``;
         a device move is refused: the stages stay on the devices given to ``GPipe``."""
-        device = kwargs.get("device")
+        device = kwargs.get("device", kwargs["tensor"].device if isinstance(kwargs.get("tensor"), torch.Tensor) else None)
         for arg in args:  # nn.Module.to's forms: (device), (dtype), (device, dtype), (tensor)
             if isinstance(arg, torch.Tensor):
                 device = arg.device
@@ -414,6 +417,23 @@ def _differentiable(outputs: Batch, grads: Batch) -> tuple[tuple, tuple]:
     return tuple(out for out, _ in pairs), tuple(g.to(out.device) for out, g in pairs)
 
 
+def _run_layers(layers, x, stage: int, chain: list | None = None):
+    """``x`` through ``layers`` (each output appended to ``chain`` when given). A stage's input is a leaf
+    that keeps its gradient, which autograd lets nothing modify in place: say so, naming the stage."""
+    try:
+        for layer in layers:
+            x = layer(x)
+            if chain is not None:
+                chain.append(x)
+    except RuntimeError as exc:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+            raise
+        raise RuntimeError(f"stage {stage} modifies its input in place (for example nn.ReLU(inplace=True) as "
+                           f"its first layer): a stage's input is a leaf that keeps its gradient, which "
+                           f"autograd forbids. Use inplace=False there, or cut the stages elsewhere") from exc
+    return x
+
+
 def _check_activation(x: object, stage: int) -> None:
     if isinstance(x, torch.Tensor) or (isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
         return
@@ -582,13 +602,17 @@ class _Rematerialization(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         kept = ctx.kept
+        if kept is None:
+            raise RuntimeError("a re-materialized micro-batch backpropagates once: its recomputed activations are "
+                               "freed after the first backward. For backward(retain_graph=True) twice, build the "
+                               "pipe with checkpoint=\"never\" (or call pipe.eval() for a forward without it)")
         stage, device, meter = kept["stage"], kept["device"], kept["meter"]
         xs = tuple(t.requires_grad_(t.is_floating_point()) for t in kept["inputs"])
         recording = meter.recording() if meter is not None else contextlib.nullcontext()
         with _RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), recording, \
                 _buffers_replaced(stage, kept["buffers"]), torch.enable_grad():
             _set_rng_state(device, kept["rng_state"])
-            out = stage(xs if kept["tuple"] else xs[0])
+            out = _run_layers(stage, xs if kept["tuple"] else xs[0], kept["index"])
         _backward(out if isinstance(out, tuple) else (out,), grads)
         ctx.kept = None  # the input, its token and the copies go with the graph
         return (None, None, *(t.grad if t.requires_grad else None for t in xs))
@@ -695,12 +719,9 @@ class StepRun:
         save, such as a Linear's output before its ReLU: memory the plain model frees at once.)"""
         if self.split_backward:
             chain = []
-            for layer in self.layers[stage]:
-                x = layer(x)
-                chain.append(x)
+            x = _run_layers(self.layers[stage], x, stage, chain)
         else:
-            for layer in self.layers[stage]:
-                x = layer(x)
+            x = _run_layers(self.layers[stage], x, stage)
             chain = [x]
         if stage != self.last_stage:
             if type(x) is not torch.Tensor:
@@ -785,7 +806,7 @@ class StepRun:
         # Split backward (zero bubble): gradients of the stage input and of each
         # parameterised layer's output now; the weight gradients wait for W.
         inputs = st.inputs if isinstance(st.inputs, tuple) else (st.inputs,)
-        wants = [stage > 0 and t.requires_grad for t in inputs]  # an integer activation has no gradient
+        wants = [t.requires_grad for t in inputs]  # an integer activation has no gradient
         chain = st.chain
         wanted = [j for j, _ in self.weight_layers[stage] if chain[j] is not root]
         outputs = {j: chain[j] if isinstance(chain[j], tuple) else (chain[j],) for j in wanted}
@@ -799,6 +820,10 @@ class StepRun:
                                    None if all(g is None for g in input_grads) else tuple(input_grads))
             else:
                 self.send_gradient(stage, microbatch, input_grads[0])
+        else:  # the caller's input asked for a gradient: on to its leaf, as loss.backward() would take it
+            given = [(t, g) for t, g in zip(inputs, input_grads) if g is not None]
+            if given:
+                _backward(tuple(t for t, _ in given), tuple(g for _, g in given))
         grads = []
         for j in wanted:  # a layer's output gradient, a tuple of them for a tuple output
             layer_grads = tuple(next(found) if t.requires_grad else None for t in outputs[j])

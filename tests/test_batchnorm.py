@@ -277,3 +277,28 @@ def test_a_refused_micro_batch_is_not_counted():
     with pytest.raises(ValueError):
         deferred(torch.randn(1, 3))
     assert int(deferred.micro_batches) == 0 and float(deferred.accumulated_count) == 0.0
+
+
+def test_half_keeps_the_accumulators_in_float64():
+    """.half() converts the BatchNorm's own tensors; the accumulators stay float64 (float16 would overflow
+    the count and the sum of squares), so the running variance stays finite and right."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(4)
+    deferred = convert_deferred_batch_norm(nn.BatchNorm1d(4), chunks=2).half()
+    assert deferred.accumulated_m2.dtype == torch.float64 and deferred.micro_batches.dtype == torch.long
+    assert deferred.running_var.dtype == torch.float16
+    x = torch.randn(4000, 4) * 3
+    for part in x.tensor_split(2):
+        deferred(part.half())
+    plain(x)
+    torch.testing.assert_close(deferred.running_var.float(), plain.running_var, atol=5e-3, rtol=5e-3)
+
+
+def test_converting_again_takes_the_new_chunks():
+    model = convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(3)), chunks=4)
+    model(torch.randn(5, 3))  # one of 4 pending
+    convert_deferred_batch_norm(model, chunks=2)
+    assert model[0].chunks == 2 and int(model[0].micro_batches) == 0
+    model(torch.randn(5, 3))
+    model(torch.randn(5, 3))
+    assert int(model[0].num_batches_tracked) == 1

@@ -258,3 +258,26 @@ def test_balance_by_size_rejects_bad_arguments_naming_them():
             balance_by_size(model, x, 1, param_scale=bad)
     with pytest.raises(TypeError, match="sample must be a tensor, got NoneType"):
         layer_sizes(model, None)
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, torch.tanh(x)
+
+
+class _Sum(nn.Module):
+    def forward(self, pair):
+        return pair[0] + pair[1]
+
+
+def test_profilers_take_tuples_in_place_layers_and_dropout_and_leave_the_random_state():
+    """A model passing a tuple between layers, a ReLU(inplace=True) after a layer's output, and dropout:
+    every profiler runs, and the global random state is what it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Pair(), _Sum(), nn.ReLU(inplace=True), nn.Dropout(0.5),
+                          nn.Linear(4, 4))
+    x = torch.randn(6, 4)
+    state = torch.get_rng_state()
+    assert len(layer_sizes(model, x)) == len(layer_times(model, x)) == 6
+    assert len(balance_by_size(model, x, 2)) == len(balance_by_time(model, x, 2)) == 2
+    assert torch.equal(torch.get_rng_state(), state)

@@ -68,7 +68,9 @@ def test_to_dtype_converts_every_stage(convert):
 
 
 @pytest.mark.parametrize("move", [lambda p: p.to("cpu"), lambda p: p.to(torch.device("cpu"), torch.double),
-                                  lambda p: p.to(device="cpu"), lambda p: p.cuda(), lambda p: p.cpu()])
+                                  lambda p: p.to(device="cpu"), lambda p: p.cuda(), lambda p: p.cpu(),
+                                  lambda p: p.to(torch.empty(0, device="meta")),
+                                  lambda p: p.to(tensor=torch.empty(0, device="meta"))])
 def test_a_device_move_is_refused_with_what_to_do(move):
     pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=2)
     with pytest.raises(TypeError, match="devices="):
@@ -339,3 +341,68 @@ def test_deferred_batch_norm_through_the_forward_path_and_eval():
 def test_deferred_batch_norm_must_be_a_bool():
     with pytest.raises(TypeError, match="deferred_batch_norm must be True or False, got 'yes'"):
         GPipe(batchnorm_model(0), [4, 4], deferred_batch_norm="yes")
+
+
+# -- found in review --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_an_input_that_requires_grad_gets_its_gradient_on_every_schedule(schedule, checkpoint):
+    """A tensor input and a (hidden, mask) tuple input: zero bubble's split B also hands the input's gradient
+    on to the caller's tensor."""
+    reference, model = tuple_model(6), tuple_model(6)
+    x0, y = torch.randn(9, WIDTH), torch.randn(9, WIDTH)
+    x_ref, x = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    nn.MSELoss()(reference(x_ref), y).backward()
+    GPipe(model, [1, 3, 2], chunks=3, schedule=schedule, checkpoint=checkpoint).step(x, y, nn.MSELoss())
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
+    h_ref, h = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    mask = x0[:, :1] > 0
+    reference[2:]((h_ref, mask)).sum().backward()
+    pair_model = tuple_model(6)
+    GPipe(pair_model[2:], [2, 2], chunks=3, schedule=schedule, checkpoint=checkpoint).step(
+        (h, mask), torch.zeros(9, WIDTH), lambda out, target: out.sum(), reduction="sum")
+    torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_second_backward_through_a_re_materialized_micro_batch_says_why_it_cannot():
+    pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=2, checkpoint="except_last")
+    loss = pipe(torch.randn(4, WIDTH)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagates once.*checkpoint=\"never\""):
+        loss.backward()
+
+
+def test_a_refused_construction_leaves_the_batchnorms_alone():
+    class Twice(nn.Module):  # one weight used by two layers of one stage: zero bubble refuses it
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return self.linear(x)
+
+    shared = nn.Linear(WIDTH, WIDTH)
+    model = nn.Sequential(shared, nn.BatchNorm1d(WIDTH), Twice(shared), nn.Linear(WIDTH, WIDTH))
+    with pytest.raises(ValueError, match="stage 0 uses one parameter"):
+        GPipe(model, [3, 1], schedule="zero_bubble_h1", deferred_batch_norm=True)
+    assert type(model[1]) is nn.BatchNorm1d
+
+
+def test_a_stage_that_modifies_its_input_in_place_is_named():
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH))
+    with pytest.raises(RuntimeError, match="stage 1 modifies its input in place .* inplace=False"):
+        GPipe(model, [1, 2], chunks=2).step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), nn.MSELoss())
+
+
+def test_any_integer_like_index():
+    pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=2)
+    assert pipe[torch.tensor(2).item()] is pipe[2]
+
+    class Index:
+        def __index__(self):
+            return -1
+
+    assert pipe[Index()] is pipe[6]
+    with pytest.raises(TypeError, match="index must be an int"):
+        pipe[True]
