@@ -236,6 +236,20 @@ class GPipe(nn.Module):
                             f"it with .to({device!r}); .to(dtype) converts the stages in place")
         return super().to(*args, **kwargs)
 
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module's conversions (``.double()``, a parent module's ``.to(...)``) reach the stages here; one
+        that would move a stage off its device is refused before anything changes."""
+        for s, stage in enumerate(self._stages):
+            if stage is None:
+                continue
+            device = self.stage_device(s)
+            moved = fn(torch.empty(0, device=device))  # the conversion on an empty tensor: where would it go?
+            if isinstance(moved, torch.Tensor) and moved.device != device:
+                raise TypeError(f"GPipe places its stages itself: stage {s} is on {device}, and this conversion "
+                                f"would move it to {moved.device} (a module holding the pipe moved?). Pass "
+                                f"devices=[...] to GPipe(...) instead")
+        return super()._apply(fn, *args, **kwargs)
+
     def cuda(self, *args, **kwargs):
         raise TypeError("GPipe places its stages itself: pass devices=['cuda:0', ...] instead of .cuda()")
 

@@ -406,3 +406,14 @@ def test_any_integer_like_index():
     assert pipe[Index()] is pipe[6]
     with pytest.raises(TypeError, match="index must be an int"):
         pipe[True]
+
+
+def test_a_parent_module_can_convert_the_dtype_but_not_move_the_pipe():
+    pipe = GPipe(model_with_dropout_and_batchnorm(), [3, 4], chunks=2)
+    parent = nn.Sequential(pipe)
+    parent.double()
+    assert all(p.dtype == torch.double for p in pipe.parameters())
+    for move in (lambda: parent.to("meta"), lambda: parent.to_empty(device="meta")):
+        with pytest.raises(TypeError, match="stage 0 is on cpu, and this conversion would move it to meta"):
+            move()
+        assert all(p.device.type == "cpu" for p in pipe.parameters())
