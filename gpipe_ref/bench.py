@@ -114,20 +114,11 @@ def _concurrency_rank(rank: int, world: int, width: int, rows: int, repeats: int
     def work():
         nn.functional.mse_loss(model(x), y).backward()
 
-    def timed(active: bool) -> float:
-        dist.barrier()
-        began = time.perf_counter()
-        if active:
-            work()
-        elapsed = time.perf_counter() - began
-        dist.barrier()
-        return elapsed
-
     work()
     alone, together = [], []
-    for _ in range(repeats):
-        alone.append([timed(rank == r) for r in range(world)][rank])
-        together.append(timed(True))
+    for _ in range(repeats):  # each rank's own turn alone, then all at once
+        alone.append([_timed_ranks(lambda: work() if rank == r else None) for r in range(world)][rank])
+        together.append(_timed_ranks(work))
     return statistics.median(alone), statistics.median(together)
 
 

@@ -49,6 +49,11 @@ from .simulator import gc_paused, place
 from .timeline import Event, Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def rematerializes(mode: str, microbatch: int, microbatches: int) -> bool:
+    """Whether ``checkpoint=mode`` re-materializes ``microbatch`` of ``microbatches`` (GPipe sec. 2.3)."""
+    return mode == "always" or (mode == "except_last" and microbatch < microbatches - 1)
 EXECUTORS = ("auto", "threads", "simulated")
 
 
@@ -269,6 +274,13 @@ class GPipe(nn.Module):
     def timeline(self, value: Timeline | None) -> None:
         self._timeline, self._last_run = value, None
 
+    def device_meters(self) -> list[ActivationMeter]:
+        """A fresh activation meter per device, each ignoring that device's parameters."""
+        return [ActivationMeter(p for s, stage in enumerate(self._stages)
+                                if self.schedule.stage_to_device[s] == d and stage is not None
+                                for p in stage.parameters())
+                for d in range(self.schedule.num_devices)]
+
     def execution_order(self) -> list[Action]:
         """The actions in the order the simulated executor runs them one at a time
         (:func:`~gpipe_ref.schedule.execution_order`, found once per schedule)."""
@@ -292,14 +304,11 @@ class GPipe(nn.Module):
         micro, _ = self._scatter_inputs(inputs)
         training = self.training and torch.is_grad_enabled()
         mode, m = self.checkpoint, len(micro)
-        meters = [ActivationMeter(p for s, stage in enumerate(self._stages)
-                                  if self.schedule.stage_to_device[s] == d and stage is not None
-                                  for p in stage.parameters())
-                  for d in range(self.schedule.num_devices)] if training and self.track_memory else None
+        meters = self.device_meters() if training and self.track_memory else None
         self.forward_meters = meters
         outputs = []
         for i, x in enumerate(micro):
-            recompute = training and (mode == "always" or (mode == "except_last" and i < m - 1))
+            recompute = training and rematerializes(mode, i, m)
             for s, stage in enumerate(self._stages):
                 device = self.stage_device(s)
                 x = _to(x, device)
@@ -361,7 +370,7 @@ class _Placement:
     """A simulated step's measured durations, placed on the devices' clocks when first asked."""
 
     def __init__(self, run: StepRun) -> None:
-        self.schedule, self.recorded, self.peaks = run.schedule, run._durations, run._peaks()
+        self.schedule, self.recorded, self.peaks = run.schedule, run.recorded, run._peaks()
 
     @property
     def timeline(self) -> Timeline:
@@ -677,28 +686,14 @@ class StepRun:
                                ((j, [p for p in layer.parameters() if p.requires_grad]) for j, layer in enumerate(layers))
                                if params] for layers in self.layers] if self.split_backward else []
         mode, m = pipe.checkpoint, schedule.num_microbatches
-        self.checkpointed = [mode == "always" or (mode == "except_last" and i < m - 1) for i in range(m)]
+        self.checkpointed = [rematerializes(mode, i, m) for i in range(m)]
         self.losses: dict[int, torch.Tensor] = {}
-        self.meters = [ActivationMeter(p for s, stage in enumerate(pipe.stages)
-                                       if schedule.stage_to_device[s] == d and stage is not None
-                                       for p in stage.parameters()) if pipe.track_memory else ActivationMeter()
-                       for d in range(schedule.num_devices)]
+        self.meters = pipe.device_meters() if pipe.track_memory else [ActivationMeter() for _ in range(schedule.num_devices)]
         self.lock = threading.Lock()
         self._ops = {"F": self.forward, "B": self.backward, "W": self.weight}
         self._cuda = [device.type == "cuda" for device in self.stage_devices]
-        self._durations: tuple | None = None  # (actions, measured seconds), placed on first read of timeline
-        self._timeline: Timeline | None = None
-
-    @property
-    def timeline(self) -> Timeline | None:
-        """The step's timeline; the simulated executor places its measured durations when first read."""
-        if self._timeline is None and self._durations is not None:
-            self._timeline = _Placement(self).timeline
-        return self._timeline
-
-    @timeline.setter
-    def timeline(self, value: Timeline | None) -> None:
-        self._timeline, self._durations = value, None
+        self.recorded: tuple | None = None  # simulated executor: (actions, measured seconds), for _Placement
+        self.timeline: Timeline | None = None  # the threads executor's (and a rank's) measured timeline
 
     # -- stage boundaries (the stable seam): in one process, activations and gradients are
     # handed over in memory; across processes (distributed.pipeline_parallel) these four
@@ -721,9 +716,6 @@ class StepRun:
         self.handed[(1, stage - 1, microbatch)] = grad
 
     # -- the three actions ---------------------------------------------------------------
-    def _checkpointed(self, microbatch: int) -> bool:
-        return self.checkpointed[microbatch]
-
     def _recording(self, meter: ActivationMeter):
         return meter.recording() if self.pipe.track_memory else contextlib.nullcontext()
 
@@ -879,20 +871,15 @@ class StepRun:
         """Simulated devices: run in a valid global order (the pipe finds it once per schedule), time
         each action. The durations are placed on the devices' clocks (:func:`~gpipe_ref.simulator.place`,
         what :func:`~gpipe_ref.simulator.time_one_at_a_time` does) when the timeline is first read."""
-        ops, clock, order = self._ops, time.perf_counter, self.pipe.execution_order()
+        ops, clock, order, cuda = self._ops, time.perf_counter, self.pipe.execution_order(), any(self._cuda)
         seconds = []
-        if any(self._cuda):
-            for action in order:
-                began = clock()
-                ops[action.op](action.stage, action.microbatch)
+        for action in order:
+            began = clock()
+            ops[action.op](action.stage, action.microbatch)
+            if cuda:
                 self._sync(action)
-                seconds.append(clock() - began)
-        else:  # the common CPU loop: a few microseconds per action count at 16 micro-batches
-            for action in order:
-                began = clock()
-                ops[action.op](action.stage, action.microbatch)
-                seconds.append(clock() - began)
-        self._timeline, self._durations = None, (order, seconds)
+            seconds.append(clock() - began)
+        self.recorded = (order, seconds)
 
     def run_threads(self, timeout: float = 600.0) -> None:
         """One worker thread per device, each running its list and waiting for dependencies."""
