@@ -1,15 +1,27 @@
-"""Which devices the course runs on: real CUDA GPUs, else simulated CPU devices.
+"""Which devices a pipeline runs on: one rule, for G GPUs and N pipeline devices (GPipe sec. 2.1).
 
-A pipeline needs one device per stage group. With enough GPUs each stage gets
-its own; on a CPU-only machine every "device" is the CPU, and the executors
-replay the schedule on per-device clocks as parallel devices would run it
-(see ``gpipe_ref.simulator``).
+* N <= G: one GPU each (``cuda:0`` ... ``cuda:N-1``); the devices really run at once.
+* 1 <= G < N: N *simulated* devices whose tensors live on the GPUs, round robin
+  (device i on ``cuda:i % G``); the actions run one at a time and are timed per
+  device (see ``gpipe_ref.simulator``). One GPU, the most common learner machine,
+  thus runs every pipeline of the course.
+* G = 0: N simulated devices on the CPU.
+
+A model and inputs on the CPU need no moving by hand: ``GPipe`` moves each stage's
+layers to its device (in place, as torchgpipe does), moves each micro-batch's input
+to the first stage's device and its target to the last stage's, and returns the
+loss (or output) on the last stage's device.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from .checks import integer, positive_int
+
+__all__ = ["DeviceInfo", "found_devices", "default_devices", "describe_devices", "resolve_devices",
+           "describe_placement", "runs_in_parallel"]
 
 
 @dataclass(frozen=True)
@@ -36,37 +48,56 @@ def found_devices() -> list[DeviceInfo]:
     return [DeviceInfo("cpu", "cpu", f"CPU, {cores} cores, {torch.get_num_threads()} torch threads", None)]
 
 
+def default_devices(count: int, gpus: int) -> list[str]:
+    """The module's rule: the devices of a ``count``-device pipeline on a machine with ``gpus`` GPUs."""
+    positive_int("count", count)
+    integer("gpus", gpus, minimum=0)
+    if gpus == 0:
+        return ["cpu"] * count
+    return [f"cuda:{i % gpus}" for i in range(count)]  # N <= G: one each; G < N: round robin
+
+
+def runs_in_parallel(devices) -> bool:
+    """Whether the devices are distinct GPUs, which really run at once (else: simulated devices)."""
+    names = [str(d) for d in devices]
+    return all(name.startswith("cuda") for name in names) and len(set(names)) == len(names)
+
+
+def _tensors_on(devices: list[str]) -> str:
+    where = sorted(set(devices), key=devices.index)
+    if where == ["cpu"]:
+        return "the CPU"
+    return ", ".join(where) + (" (round robin)" if len(where) > 1 else "")
+
+
 def describe_devices(pipeline_devices: int = 4) -> str:
-    """A short table of what was found and what a ``pipeline_devices``-deep
-    pipeline would run on."""
+    """A short table of what was found and what a ``pipeline_devices``-deep pipeline runs on by default."""
     import torch
 
     found = found_devices()
     lines = [f"torch {torch.__version__}"]
     lines += [f"  {d.name:<7} {d.description}" + (f", {d.memory_gib:.1f} GiB" if d.memory_gib else "")
               for d in found]
-    gpus = [d for d in found if d.kind == "cuda"]
-    if len(gpus) >= pipeline_devices:
-        lines.append(f"a {pipeline_devices}-stage pipeline runs on {pipeline_devices} real GPUs")
+    devices = default_devices(pipeline_devices, sum(d.kind == "cuda" for d in found))
+    if runs_in_parallel(devices):
+        lines.append(f"a {pipeline_devices}-stage pipeline runs on {pipeline_devices} real GPUs, one each")
     else:
         lines.append(f"a {pipeline_devices}-stage pipeline runs on {pipeline_devices} simulated devices "
-                     f"(real tensors on the {'GPU' if gpus else 'CPU'}, timed per device)")
+                     f"(real tensors on {_tensors_on(devices)}, timed per device)")
     return "\n".join(lines)
 
 
 def resolve_devices(devices, count: int) -> list:
     """The ``count`` torch devices a pipeline runs on.
 
-    ``None``: the first ``count`` CUDA GPUs when there are that many, else
-    ``count`` simulated devices on the CPU. A list of ``"cuda:i"``, ``"cpu"`` or
-    ``torch.device`` is used as given (the first ``count`` entries).
+    ``None``: the module's rule (:func:`default_devices`) for the GPUs torch sees. A list of
+    ``"cuda:i"``, ``"cpu"`` or ``torch.device`` is used as given (the first ``count`` entries).
     """
     import torch
 
     if devices is None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= count:
-            return [torch.device("cuda", i) for i in range(count)]
-        return [torch.device("cpu")] * count
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device(d) for d in default_devices(count, gpus)]
     if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__len__"):
         raise TypeError(f"devices must be a list of devices such as ['cuda:0', 'cuda:1'] or ['cpu', 'cpu'], "
                         f"got {devices!r}")
@@ -94,6 +125,7 @@ def resolve_devices(devices, count: int) -> list:
 
 def describe_placement(devices: list) -> str:
     """One line: where the pipeline devices are."""
-    if all(d.type == "cpu" for d in devices):
-        return f"{len(devices)} simulated devices on the CPU"
-    return ", ".join(str(d) for d in devices)
+    names = [str(d) for d in devices]
+    if runs_in_parallel(names):
+        return ", ".join(names)
+    return f"{len(names)} simulated devices on {_tensors_on(names)}"

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .batchnorm import convert_deferred_batch_norm
-from .devices import describe_placement, resolve_devices
+from .devices import describe_placement, resolve_devices, runs_in_parallel
 from .memory import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
@@ -76,8 +76,10 @@ class GPipe(nn.Module):
         module: the model, an ``nn.Sequential``.
         balance: layers per stage, e.g. ``[2, 2]``; ``None`` balances by
             parameter count over ``len(devices) * stages_per_device`` stages.
-        devices: one per pipeline device; ``None`` picks CUDA GPUs when there
-            are enough, else simulated CPU devices.
+        devices: one per pipeline device; ``None`` follows :mod:`gpipe_ref.devices`' rule: a GPU
+            each when there are enough, else simulated devices on the GPUs (round robin), else on
+            the CPU. The layers move to their stage's device in place; inputs move to the first
+            stage's device, targets to the last's; the loss stays on the last stage's device.
         chunks: micro-batches per mini-batch (``m``).
         checkpoint: "always", "except_last" (all micro-batches but the last) or
             "never": which micro-batches re-materialize their activations.
@@ -85,8 +87,8 @@ class GPipe(nn.Module):
             "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"), or a flush :class:`Schedule` for ``len(balance)`` stages and ``chunks``
             micro-batches.
         stages_per_device: stages on each device (interleaved schedules).
-        executor: "threads", "simulated", or "auto" (threads on GPUs,
-            simulated on the CPU).
+        executor: "threads", "simulated", or "auto" (threads when every device is
+            its own GPU, simulated when devices share a GPU or are the CPU).
         track_memory: count saved activations per device (``timeline.peak_memory``);
             the Python hooks cost a few percent of a small model's step.
         deferred_batch_norm: replace each BatchNorm by a
@@ -145,7 +147,7 @@ class GPipe(nn.Module):
         self.balance = balance
         self.devices = resolve_devices(devices, self.schedule.num_devices)
         self.executor = executor if executor != "auto" else (
-            "threads" if any(d.type == "cuda" for d in self.devices) else "simulated")
+            "threads" if runs_in_parallel(self.devices) else "simulated")
         # Only the stages this process owns are kept and moved to their device; the others are
         # never referenced, so they are freed once the caller drops the model (see PipelineParallel).
         stages = split(module, balance)

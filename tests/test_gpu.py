@@ -140,3 +140,42 @@ def test_pipeline_parallel_over_nccl(schedule):
         grads.update(rank_grads)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# --- The device rule on a GPU machine (its logic is tested on CPU in test_devices.py). ---
+
+def test_a_cpu_model_and_cpu_inputs_follow_the_device_rule():
+    """devices=None on G GPUs: 4 pipeline devices are cuda:i % G; the caller's layers move there in place,
+    CPU inputs and targets move to the first and last stage, and the loss and gradients equal the CPU run."""
+    from gpipe_ref.devices import default_devices
+
+    reference, pipe_model = model(), model()
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    plain_run(reference, x, y, 4)
+    pipe = GPipe(pipe_model, [2, 2, 2, 2], chunks=4)
+    expected = [torch.device(d) for d in default_devices(4, GPUS)]
+    assert pipe.devices == expected
+    assert pipe.executor == ("threads" if GPUS >= 4 else "simulated")
+    loss = pipe.step(x, y, nn.MSELoss())
+    assert loss.device == expected[-1]
+    for s, stage in enumerate(pipe.stages):
+        assert all(p.device == expected[s] and p.grad.device == expected[s] for p in stage.parameters())
+    assert_same_gradients(reference, pipe_model)
+
+
+def _backward_rank(rank: int, world_size: int) -> float:
+    import torch.distributed as dist
+
+    x = torch.ones(4, requires_grad=True, device=f"cuda:{rank % torch.cuda.device_count()}")
+    (x * (rank + 1)).sum().backward()
+    total = x.grad.sum().cpu().reshape(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_ranks_run_backward_and_cuda_after_the_caller_ran_a_cuda_backward():
+    """The failure a forked rank met: after a backward here (autograd's device threads started), ranks
+    still run a backward, on CUDA, and a gloo all-reduce."""
+    x = torch.ones(4, requires_grad=True, device="cuda")
+    (x * 2).sum().backward()
+    assert launch(_backward_rank, 2, backend="gloo", timeout=120) == [4.0 * 3] * 2

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,11 +40,11 @@ def test_launch_returns_results_in_rank_order(world_size):
     assert _no_children()
 
 
-def test_a_function_defined_here_and_torch_used_in_the_parent_first():
-    # The parent computes with torch before forking (the OpenMP hang case); the children compute too.
+def test_a_function_defined_here_and_torch_used_in_the_caller_first():
+    # The caller computes with torch before the launch (a forked child hung in OpenMP then); the ranks compute too.
     torch.randn(256, 256) @ torch.randn(256, 256)
 
-    def work(rank, world_size):  # a closure: spawn could not pickle it, fork needs not
+    def work(rank, world_size):  # a closure: plain pickle could not send it, cloudpickle sends it by value
         return (torch.randn(256, 256) @ torch.randn(256, 256)).shape[0] + rank
 
     assert launch(work, 2, timeout=30) == [256, 257]
@@ -282,3 +283,139 @@ def test_what_a_rank_started_ends_with_the_launch(tmp_path, started_by, then):
     finally:
         if pid_file.exists() and not _ended(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)  # do not leave it behind a failed test
+
+
+# --- Ranks start from a clean process server, never forked from the caller. ---
+
+def _who_am_i(rank, world_size):
+    import gpipe_ref.distributed.launch as launch_module
+
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()  # fails in a process forked after a backward on a GPU machine
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return os.getpid(), os.getppid(), parent, hasattr(launch_module, "_set_by_the_caller"), x.grad.tolist()
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_ranks_are_forked_from_a_clean_server_not_from_the_caller(monkeypatch):
+    import importlib
+
+    launch_module = importlib.import_module("gpipe_ref.distributed.launch")
+    x = torch.ones(2, requires_grad=True)
+    (x * 3).sum().backward()  # the caller has run autograd
+    monkeypatch.setattr(launch_module, "_set_by_the_caller", True, raising=False)  # after the server imported it
+    first = launch(_who_am_i, 2)
+    second = launch(_who_am_i, 2)
+    for results in (first, second):
+        pids, parents, commands, markers, grads = zip(*results)
+        assert os.getpid() not in parents and len(set(parents)) == 1
+        assert "forkserver" in commands[0]  # multiprocessing's server, started with exec, not a fork of us
+        assert markers == (False, False)  # the caller's state after import never reached the ranks
+        assert grads == ([2.0] * 3, [2.0] * 3)
+    assert first[0][1] == second[0][1]  # one server, reused
+    assert {r[0] for r in first}.isdisjoint(r[0] for r in second)  # fresh ranks each launch
+    assert launch_module.rank_start_method() == "forkserver"
+
+
+_SCALE = 1.0  # read by _scaled: a rank sees the value the caller has when it launches
+
+
+def _scaled(rank, world_size):
+    return _SCALE * (rank + 1)
+
+
+def test_the_callers_own_module_travels_by_value_with_its_globals_as_they_are_now(monkeypatch):
+    monkeypatch.setattr(f"{__name__}._SCALE", 5.0)
+    assert launch(_scaled, 2) == [5.0, 10.0]
+
+
+def test_a_class_defined_in_the_caller_goes_and_comes_back_as_itself():
+    class Box:  # defined in a function: no import can find it
+        def __init__(self, value):
+            self.value = value
+
+    def fill(rank, world_size, template):
+        return Box(template.value + rank)
+
+    boxes = launch(fill, 2, Box(10))
+    assert [type(b) for b in boxes] == [Box, Box] and [b.value for b in boxes] == [10, 11]
+
+
+def _environment_and_cwd(rank, world_size, name):
+    return os.environ.get(name), os.getcwd()
+
+
+def test_the_callers_environment_and_working_directory_travel(monkeypatch, tmp_path):
+    launch(_sum_of_ranks, 1, 0)  # the server is running before the caller changes anything
+    monkeypatch.setenv("GPIPE_TEST_SETTING", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert launch(_environment_and_cwd, 2, "GPIPE_TEST_SETTING") == \
+        [("set after the server started", str(tmp_path))] * 2
+
+
+def test_arguments_that_cannot_travel_are_refused_before_any_rank_starts():
+    message = ("launch sends fn and args to each rank by value (cloudpickle), and this one cannot be pickled: "
+               "TypeError: cannot pickle '_thread.lock' object")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        launch(_sum_of_ranks, 2, threading.Lock())
+    assert _no_children()
+
+
+def test_a_dead_server_is_replaced_at_the_next_launch():
+    before = launch(_who_am_i, 1)[0][1]
+    os.kill(before, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not _ended(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = launch(_who_am_i, 1)[0]
+    assert after[1] != before and after[4] == [2.0] * 3
+
+
+_SCRIPT = '''
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+from gpipe_ref import launch
+
+OFFSET = 100.0  # a global the rank reads
+
+class Reading:
+    def __init__(self, rank, total):
+        self.rank, self.total = rank, total
+
+def worker(rank, world_size):
+    x = torch.ones(2, requires_grad=True)
+    (x * (rank + 1)).sum().backward()
+    total = x.grad.sum().reshape(1)
+    dist.all_reduce(total)
+    return Reading(rank, total.item() + OFFSET)
+
+x = torch.ones(2, requires_grad=True)
+x.sum().backward()
+# No `if __name__ == "__main__":` guard: the ranks never run this file again.
+readings = launch(worker, 2, timeout=60)
+print([(type(r).__name__, type(r) is Reading, r.rank, r.total) for r in readings])
+'''
+
+
+def test_a_script_without_a_main_guard_launches_functions_and_classes_from_main(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.format(root=str(Path(__file__).resolve().parent.parent)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('Reading', True, 0, 106.0), ('Reading', True, 1, 106.0)]"
+
+
+def test_importing_gpipe_ref_touches_no_cuda():
+    # The server imports gpipe_ref.distributed before it forks ranks; a CUDA call there would poison
+    # every rank's CUDA (a process forked after CUDA is initialised cannot use it).
+    code = ("import torch\n"
+            "def refuse(*a, **k): raise AssertionError('CUDA touched at import')\n"
+            "for name in ('is_available', 'device_count', 'init', 'current_device', '_lazy_init'):\n"
+            "    setattr(torch.cuda, name, refuse)\n"
+            "import pkgutil, importlib, gpipe_ref\n"
+            "for m in pkgutil.walk_packages(gpipe_ref.__path__, 'gpipe_ref.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

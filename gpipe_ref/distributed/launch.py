@@ -1,11 +1,19 @@
-"""Start N ranks of a function, each in its own process with torch.distributed set up.
+"""Start N ranks of a function, each in its own clean process with torch.distributed set up.
 
-``launch(fn, world_size)`` forks one process per rank (functions defined in a
-notebook work: fork does not pickle them), initialises the default process
-group (gloo on CPU, NCCL when every rank can have its own GPU), runs
-``fn(rank, world_size, *args)`` and returns the ranks' return values in rank
-order. Under torchrun the same worker code runs without it: :func:`init_from_env`
-joins the group torchrun describes.
+``launch(fn, world_size)`` never forks the caller. A notebook kernel may have run
+autograd (with a CUDA build of torch on a GPU machine, its first backward starts
+per-device threads) or touched CUDA; a process forked after that fails at its
+first backward or CUDA call. So ranks are forked from a clean process server
+instead: multiprocessing's forkserver, started once per caller with torch and
+``gpipe_ref.distributed`` preloaded, so a launch costs a fork, not an interpreter
+start. The function and its arguments travel by value (cloudpickle): a function
+defined in a notebook cell, and the globals it uses, run as a rank. The caller's
+environment variables, working directory and ``sys.path`` travel with them. One
+path for gloo and NCCL: a rank may use CUDA.
+
+The default backend is gloo on CPU and NCCL (with gloo for CPU tensors) when
+every rank can have its own GPU. Under torchrun the same worker code runs
+without ``launch``: :func:`init_from_env` joins the group torchrun describes.
 
 When a run goes wrong, the error names the rank that went wrong first:
 
@@ -25,13 +33,17 @@ alike each group gets SIGTERM, then SIGKILL.
 from __future__ import annotations
 
 import faulthandler
+import io
 import math
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import socket
+import sys
+import sysconfig
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -39,12 +51,19 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
 from ..checks import positive, positive_int
 
+__all__ = ["RankError", "launch", "default_backend", "free_port", "init_from_env", "under_torchrun",
+           "rank_start_method"]
+
 _POSIX = os.name == "posix"  # process groups, SIGUSR1 stack dumps
+# What the process server imports once, before it forks any rank: nothing here may touch CUDA.
+_PRELOAD = ["torch", "torch.distributed", "gpipe_ref.distributed"]
+_PICKLE_LOCK = threading.Lock()  # cloudpickle's by-value registry is process-wide
 _GRACE = 1.0  # seconds to wait, after a first failure, for an earlier death to show
 _STOP_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 
@@ -59,12 +78,95 @@ class RankError(RuntimeError):
 
 def default_backend(world_size: int) -> str:
     """NCCL for GPU tensors (with gloo for CPU tensors: shape headers, losses) when every rank
-    can have its own GPU, else gloo. A process that already initialised CUDA cannot fork
-    CUDA-using children, so it gets gloo too."""
-    if (torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available()
-            and not torch.cuda.is_initialized()):
+    can have its own GPU, else gloo."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
     return "gloo"
+
+
+def rank_start_method() -> str:
+    """How ranks start: from multiprocessing's forkserver (a clean process that forks them), or
+    spawn where there is no forkserver (Windows). Never by forking the caller."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _installed(module_name: str) -> bool:
+    """Whether a module is installed code (the standard library, site-packages, gpipe_ref): it is
+    imported in the rank by name. Anything else (a notebook's ``__main__``, a test file, a script)
+    is the caller's own code and travels by value."""
+    if module_name.split(".")[0] in ("gpipe_ref", "torch"):
+        return True
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if module is None or path is None:
+        return module is not None and module_name in sys.builtin_module_names
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return any(os.path.realpath(path).startswith(os.path.realpath(root) + os.sep) for root in roots)
+
+
+if rank_start_method() == "forkserver":
+    from multiprocessing import forkserver, popen_forkserver, spawn, util
+    from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
+
+    class _RankPopen(popen_forkserver.Popen):
+        """multiprocessing's forkserver Popen less one step: the rank does not run the caller's
+        ``__main__`` again (multiprocessing does, so that functions pickled by name resolve; ours travel
+        by value, and a script that calls ``launch`` at top level would start ranks from its ranks)."""
+
+        def _launch(self, process_obj):  # popen_forkserver.Popen._launch, less init_main_from_*
+            prep_data = spawn.get_preparation_data(process_obj._name)
+            prep_data.pop("init_main_from_name", None)
+            prep_data.pop("init_main_from_path", None)
+            buf = io.BytesIO()
+            set_spawning_popen(self)
+            try:
+                reduction.dump(prep_data, buf)
+                reduction.dump(process_obj, buf)
+            finally:
+                set_spawning_popen(None)
+            self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+            _parent_w = os.dup(w)  # the child's sentinel of this parent, as multiprocessing keeps it
+            self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
+
+    class _RankProcess(ForkServerProcess):
+        @staticmethod
+        def _Popen(process_obj):
+            return _RankPopen(process_obj)
+
+
+def _start_rank(**kwargs):
+    """A rank's process, not started yet: from the process server (its first use starts it, preloading
+    torch), or spawned where there is none."""
+    if rank_start_method() == "spawn":
+        return mp.get_context("spawn").Process(**kwargs)
+    forkserver.set_forkserver_preload(_PRELOAD)  # read when the server starts, once per caller
+    return _RankProcess(**kwargs)
+
+
+def _pack(fn: Callable, args: tuple) -> bytes:
+    """``fn`` and ``args`` by value: the caller's own modules' functions, classes and the globals they
+    use are pickled whole (cloudpickle), installed code by name."""
+    own = {m for m in (getattr(fn, "__module__", None), *(getattr(a, "__module__", None) for a in args))
+           if isinstance(m, str) and m in sys.modules and m != "__main__" and not _installed(m)}
+    with _PICKLE_LOCK:
+        registered = []
+        try:
+            for name in sorted(own):
+                try:
+                    cloudpickle.register_pickle_by_value(sys.modules[name])
+                    registered.append(name)
+                except ValueError:  # already registered by someone else: leave it as it is
+                    pass
+            return cloudpickle.dumps((fn, args))
+        except Exception as exc:
+            raise TypeError(f"launch sends fn and args to each rank by value (cloudpickle), and this one cannot "
+                            f"be pickled: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for name in registered:
+                cloudpickle.unregister_pickle_by_value(sys.modules[name])
 
 
 def free_port() -> int:
@@ -75,23 +177,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, args, backend, port, timeout, writer, stack_dir) -> None:
+def _child(packed, environ, rank, world_size, backend, port, timeout, writer, stack_dir) -> None:
+    """A rank, in a process forked from the clean server: the caller's environment, then its function."""
     if _POSIX:
         os.setpgid(0, 0)  # lead a process group: what this rank starts is stopped with it
-    torch.set_num_threads(1)  # a forked child that computes after its parent did hangs in OpenMP otherwise
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, as it is now (the server has the one it started with)
+    torch.set_num_threads(1)  # ranks share the machine's cores
     stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
     if _POSIX:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
+        fn, args = cloudpickle.loads(packed)
         if "nccl" in backend:
             torch.cuda.set_device(rank)
-        # Fork first, then open the store: a store thread started before the fork can deadlock a child.
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
-        # Plain pickle copies tensors by value; the connection's own pickler would share them
-        # through file descriptors that die with this process.
-        message = ("ok", time.time(), pickle.dumps(value))
+        # By value, tensors included (the connection's own pickler would share tensors through file
+        # descriptors that die with this process); a class defined in the caller comes back as itself.
+        message = ("ok", time.time(), cloudpickle.dumps(value))
     except BaseException:
         message = ("error", time.time(), traceback.format_exc())  # the time it was caught: who failed first
     try:
@@ -121,9 +226,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if "nccl" in backend and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size {world_size}, "
                          f"got {torch.cuda.device_count()} GPUs")
+    packed = _pack(fn, args)
     for attempt in range(3):
         try:
-            return _launch_once(fn, world_size, args, backend, timeout)
+            return _launch_once(packed, world_size, backend, timeout)
         except RankError as error:
             # Another launch took the port between our probe and rank 0's bind: pick a new one.
             if "EADDRINUSE" not in str(error) or attempt == 2:
@@ -131,22 +237,23 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     raise AssertionError("unreachable")
 
 
-def _launch_once(fn, world_size: int, args: tuple, backend: str, timeout: float) -> list[Any]:
-    # fork is fast (~0.15 s), but a child forked after its parent touched CUDA cannot use CUDA: NCCL spawns.
-    method = "fork" if "fork" in mp.get_all_start_methods() and "nccl" not in backend else "spawn"
-    context = mp.get_context(method)
+def _launch_once(packed: bytes, world_size: int, backend: str, timeout: float) -> list[Any]:
+    if rank_start_method() == "forkserver":
+        forkserver.set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()  # the first launch starts the server (seconds): not the ranks' timeout
+    environ = dict(os.environ)
     port = free_port()
     processes, readers = [], []
     with tempfile.TemporaryDirectory(prefix="gpipe-launch-") as stack_dir:
         try:
             for rank in range(world_size):
-                # One pipe per rank, made just before its fork and closed here after it: its write end
+                # One pipe per rank, made just before its start and closed here after it: its write end
                 # lives only in that rank, so a rank that dies mid-message gives EOF, not a hang.
-                reader, writer = context.Pipe(duplex=False)
+                reader, writer = mp.Pipe(duplex=False)
                 readers.append(reader)
-                process = context.Process(target=_child, name=f"gpipe-rank-{rank}", daemon=True,
-                                          args=(fn, rank, world_size, args, backend, port, timeout, writer,
-                                                stack_dir))
+                process = _start_rank(target=_child, name=f"gpipe-rank-{rank}", daemon=True,
+                                          args=(packed, environ, rank, world_size, backend, port, timeout,
+                                                writer, stack_dir))
                 try:
                     process.start()
                 finally:
@@ -156,7 +263,7 @@ def _launch_once(fn, world_size: int, args: tuple, backend: str, timeout: float)
                     try:
                         os.setpgid(process.pid, process.pid)  # the child does it too: whoever runs first
                     except OSError:
-                        pass  # the child already exec'd (spawn) or left: its own call stands
+                        pass  # not our child (the server forked it) or already gone: its own call stands
             return _collect(processes, readers, world_size, timeout, stack_dir)
         finally:
             _stop(processes)
@@ -191,7 +298,7 @@ def _collect(processes, readers, world_size: int, timeout: float, stack_dir: str
             except (EOFError, OSError):  # closed, or cut off mid-message: the rank said nothing
                 continue
             if status == "ok":
-                values[r] = pickle.loads(payload)
+                values[r] = cloudpickle.loads(payload)
             else:
                 errors[r] = (at, payload)
         deaths += [r for r in ended if r not in values and r not in errors]
