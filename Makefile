@@ -65,13 +65,13 @@ bench: $(STAMP)
 	-$(PY) -m pip install --quiet --no-deps "torchgpipe==0.0.7"
 	$(PY) -m gpipe_ref bench --json bench/results.json
 
-# On a machine with CUDA GPUs (install the CUDA torch build into .venv first): the GPU tests, then the quick
-# benchmark. Record what it prints in bench/gpu.md.
-gpu-check: $(STAMP)
-	$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
-	@tmp=$$(mktemp -d); HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib $(PY) -m pytest tests/test_gpu.py -m gpu -v -rs; \
-	rc=$$?; rm -rf $$tmp; [ $$rc = 0 ] || exit $$rc
-	$(PY) -m gpipe_ref bench --quick --json bench/gpu-quick.json
+# On a machine with CUDA GPUs, without network: the machine's own python and torch (.venv's when there is one),
+# nothing installed. Carry the wheels `tools/gpu_wheels.sh` downloads where there is network, then e.g.
+# `make gpu-check GPU_CHECK_ARGS="--wheels .whl --jobs 14"`. One summary line per part; record it in bench/gpu.md.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts

@@ -409,6 +409,176 @@ def simulator_cases(quick: bool) -> list[dict]:
     return out
 
 
+# -- 10: launch cost: ranks from the clean process server vs a plain fork of the caller ---------------------------
+
+def _returns_at_once(rank: int, world: int) -> int:
+    return rank
+
+
+def _forked_rank(rank: int, world: int, port: int, writer) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    writer.send(rank)
+    dist.destroy_process_group()
+
+
+def _fork_launch(world: int) -> float:
+    """The same ranks started the way ``launch`` did before issue 27 (fork this process; no process server, no
+    pickling): the baseline a launch is compared with."""
+    import multiprocessing as mp
+
+    from .distributed.launch import free_port
+
+    context = mp.get_context("fork")
+    port = free_port()
+    began = time.perf_counter()
+    pipes, processes = [], []
+    for rank in range(world):
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=_forked_rank, args=(rank, world, port, writer), daemon=True)
+        process.start()
+        writer.close()
+        pipes.append(reader)
+        processes.append(process)
+    results = [reader.recv() for reader in pipes]
+    for process in processes:
+        process.join(30)
+    assert results == list(range(world))
+    return time.perf_counter() - began
+
+
+def launch_timings(world: int = 2, repeats: int = 9) -> dict:
+    """In a process that has not launched yet: the first launch (it starts the server), then later launches
+    and plain forks of the same ranks, alternating. Seconds until every rank has returned."""
+    from .distributed import launch
+
+    def timed_launch() -> float:
+        began = time.perf_counter()
+        assert launch(_returns_at_once, world, timeout=60) == list(range(world))
+        return time.perf_counter() - began
+
+    first = timed_launch()
+    later, fork = _alternate([timed_launch, lambda: _fork_launch(world)], repeats)
+    return {"first": first, "later": later, "fork": fork}
+
+
+LAUNCH_LATER_LIMIT_S = 0.5  # issue 27: a later 2-rank launch on 2 cores
+LAUNCH_FORK_RATIO = 3.0  # ... and within 3x of a plain fork
+
+
+def launch_cases(quick: bool) -> list[dict]:
+    import json as json_module
+    import subprocess
+    import sys
+
+    repeats = 5 if quick else 15
+    code = f"import json; from gpipe_ref.bench import launch_timings; print(json.dumps(launch_timings(2, {repeats})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    timings = json_module.loads(done.stdout.strip().splitlines()[-1])
+    config = {"ranks": 2, "backend": "gloo", "rank function": "returns at once"}
+    first = _row("launch, first call in a process (starts the process server)", config, [timings["first"]], None)
+    first["target"], first["met"] = "stated", None
+    later = _row("launch, a later call", config, timings["later"], None)
+    later["ratio"] = later["ours_s"] / LAUNCH_LATER_LIMIT_S
+    later["target"], later["met"] = f"< {LAUNCH_LATER_LIMIT_S} s", later["ours_s"] < LAUNCH_LATER_LIMIT_S
+    versus = _row("launch, a later call vs a plain fork of the caller (the launcher before issue 27)", config,
+                  timings["later"], timings["fork"], target=LAUNCH_FORK_RATIO)
+    return [first, later, versus]
+
+
+# -- 11: on one GPU (skipped without CUDA): the executor against plain accumulation, CUDA memory vs the meter -----
+
+GPU_SIZES = [(256, 512, "float32"), (2048, 512, "float32"), (4096, 512, "bfloat16"), (8192, 4096, "bfloat16")]
+GPU_SCHEDULES = ("gpipe", "1f1b", "zero_bubble_h1")
+
+
+def _gpu_skipped(reason: str) -> list[dict]:
+    """The GPU group's rows, each named, when they cannot run."""
+    names = [f"GPU: {schedule} step / plain accumulation, width {width} {dtype}"
+             for width, _, dtype in GPU_SIZES for schedule in GPU_SCHEDULES]
+    names += [f"GPU: torchgpipe step / plain accumulation, width {width} {dtype}" for width, _, dtype in GPU_SIZES]
+    names += [f"GPU: peak CUDA memory vs the activation meter, checkpoint={mode}"
+              for mode in ("never", "except_last", "always")]
+    return [{"name": name, "config": {}, "ours_s": None, "peer_s": None, "ratio": None, "theory": None,
+             "target": None, "met": None, "skipped": reason} for name in names]
+
+
+def _cuda_seconds(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
+def gpu_cases(quick: bool) -> list[dict]:
+    """Two pipeline devices on one GPU (the device rule: simulated devices timed with CUDA events), chunks 8,
+    against the plain model accumulating gradients over the same 8 micro-batches; 50 rounds (10 quick)."""
+    if not torch.cuda.is_available():
+        return _gpu_skipped("no CUDA on this machine")
+    from .pipeline import GPipe
+
+    try:
+        import torchgpipe
+    except ImportError:
+        torchgpipe = None
+    repeats, depth, chunks = (10 if quick else 50), 8, 8
+    out = []
+    for width, samples, dtype_name in GPU_SIZES[:2] if quick else GPU_SIZES:
+        dtype = getattr(torch, dtype_name)
+        x, y = (t.to("cuda", dtype) for t in regression_data(samples=samples, width=width, seed=0))
+        reference = mlp(width=width, depth=depth, seed=0).to("cuda", dtype)
+        sides = {"plain": lambda: _cuda_seconds(lambda: _accumulate(reference, x, y, chunks))}
+        for schedule in GPU_SCHEDULES:
+            pipe = GPipe(mlp(width=width, depth=depth, seed=0).to(dtype), [depth // 2] * 2,
+                         devices=["cuda:0", "cuda:0"], chunks=chunks, checkpoint="never", schedule=schedule,
+                         track_memory=False)
+            sides[schedule] = lambda pipe=pipe: _cuda_seconds(lambda: pipe.step(x, y, nn.MSELoss()))
+        if torchgpipe is not None:
+            peer = torchgpipe.GPipe(mlp(width=width, depth=depth, seed=0).to("cuda", dtype), balance=[depth // 2] * 2,
+                                    devices=["cuda:0", "cuda:0"], chunks=chunks, checkpoint="never")
+            sides["torchgpipe"] = lambda: _cuda_seconds(lambda: nn.functional.mse_loss(peer(x), y).backward())
+        timed = dict(zip(sides, _alternate(list(sides.values()), repeats)))
+        config = {"width": width, "depth": depth, "samples": samples, "dtype": dtype_name, "chunks": chunks,
+                  "stages": 2, "devices": "cuda:0 x 2", "rounds": repeats}
+        for name in [*GPU_SCHEDULES, *(["torchgpipe"] if torchgpipe is not None else [])]:
+            row = _row(f"GPU: {name} step / plain accumulation, width {width} {dtype_name}",
+                       {**config, "executor": "torchgpipe" if name == "torchgpipe" else "simulated"},
+                       timed[name], timed["plain"], target=1.10)
+            row["spread"] = spread(timed[name])
+            out.append(row)
+    out += gpu_memory_cases()
+    return out
+
+
+def gpu_memory_cases(width: int = 2048, depth: int = 16, samples: int = 512, chunks: int = 8) -> list[dict]:
+    """Peak CUDA memory above the weights over one step, per checkpoint mode, beside the bytes the activation
+    meter counts (summed over the stages' meters): what the meter leaves out is the difference."""
+    from .pipeline import GPipe
+
+    x, y = (t.cuda() for t in regression_data(samples=samples, width=width, seed=0))
+    rows = []
+    for mode in ("never", "except_last", "always"):
+        pipe = GPipe(mlp(width=width, depth=depth, seed=0), [depth // 2] * 2, devices=["cuda:0", "cuda:0"],
+                     chunks=chunks, checkpoint=mode)
+        pipe.step(x, y, nn.MSELoss())  # the gradients exist from here on, as in training
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        pipe.step(x, y, nn.MSELoss())
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        counted = sum(pipe.timeline.peak_memory.values())
+        row = _row(f"GPU: peak CUDA memory vs the activation meter, checkpoint={mode}",
+                   {"width": width, "depth": depth, "samples": samples, "chunks": chunks, "stages": 2},
+                   [0.0], None)
+        row.update(ours_s=None, ratio=peak / counted if counted else None, peak_bytes=peak, counted_bytes=counted,
+                   target="stated")
+        rows.append(row)
+        del pipe
+    return rows
+
+
 # -- measurements the notebooks take: warmed up, repeated, the thread count put back -------------------------
 
 BUSY_SPREAD = 1.5  # slowest / fastest of repeated steps above this: the machine was busy while measuring
@@ -576,6 +746,8 @@ CASES = {
     "tensor_parallel": tensor_parallel_cases,  # case 7
     "simulator": simulator_cases,  # case 8
     "grading": grading_cases,  # issue 17's limits: check() under 10 s, a notebook graded under 2 minutes
+    "launch": launch_cases,  # case 10, issue 27: a later launch under 0.5 s, within 3x of a plain fork
+    "gpu": gpu_cases,  # case 11, issue 27: skipped without CUDA
 }
 
 
@@ -635,7 +807,11 @@ def format_row(row: dict) -> str:
         parts.append("profile " + " x ".join(f"{k} {v:.2f}" for k, v in row["profile"]["factors"].items()))
     if row.get("comm_share") is not None:
         parts.append(f"comm share {row['comm_share']:.0%}")
-    if row["target"] is not None:
+    if row.get("peak_bytes") is not None:
+        parts.append(f"peak {row['peak_bytes'] / 2**20:.1f} MiB, the meter counts {row['counted_bytes'] / 2**20:.1f} MiB")
+    if row["target"] is not None and row["met"] is None:
+        parts.append(f"{row['target']}")  # a figure stated, with nothing to meet
+    elif row["target"] is not None:
         parts.append(f"target {row['target']}: {'met' if row['met'] else 'MISSED'}")
     return "; ".join(parts)
 

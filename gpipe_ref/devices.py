@@ -7,6 +7,11 @@
   thus runs every pipeline of the course.
 * G = 0: N simulated devices on the CPU.
 
+G is the number of GPUs torch sees, or 0 when the environment variable ``GPIPE_DEVICE`` is
+``cpu``: the course's defaults (pipelines, ``launch``'s backend) then keep to the CPU on a GPU
+machine, while explicit ``devices=[...]`` still reach the GPUs (the test suite sets it for its
+CPU tests; ``CUDA_VISIBLE_DEVICES=""`` would hide the GPUs from the whole process).
+
 A model and inputs on the CPU need no moving by hand: ``GPipe`` moves each stage's
 layers to its device (in place, as torchgpipe does), moves each micro-batch's input
 to the first stage's device and its target to the last stage's, and returns the
@@ -20,8 +25,10 @@ from dataclasses import dataclass
 
 from .checks import integer, positive_int
 
-__all__ = ["DeviceInfo", "found_devices", "default_devices", "describe_devices", "resolve_devices",
-           "describe_placement", "runs_in_parallel"]
+__all__ = ["DeviceInfo", "found_devices", "visible_gpus", "default_devices", "describe_devices", "resolve_devices",
+           "describe_placement", "runs_in_parallel", "DEVICE_VARIABLE"]
+
+DEVICE_VARIABLE = "GPIPE_DEVICE"  # "cpu": the defaults ignore the GPUs (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,22 @@ def found_devices() -> list[DeviceInfo]:
         return found
     cores = os.cpu_count() or 1
     return [DeviceInfo("cpu", "cpu", f"CPU, {cores} cores, {torch.get_num_threads()} torch threads", None)]
+
+
+def _kept_to_cpu() -> bool:
+    setting = os.environ.get(DEVICE_VARIABLE, "")
+    if setting not in ("", "cpu"):
+        raise ValueError(f"environment variable {DEVICE_VARIABLE} must be 'cpu' or unset, got {setting!r}")
+    return setting == "cpu"
+
+
+def visible_gpus() -> int:
+    """G in the module's rule: the GPUs torch sees, 0 when ``GPIPE_DEVICE=cpu``."""
+    import torch
+
+    if _kept_to_cpu() or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
 
 
 def default_devices(count: int, gpus: int) -> list[str]:
@@ -78,7 +101,11 @@ def describe_devices(pipeline_devices: int = 4) -> str:
     lines = [f"torch {torch.__version__}"]
     lines += [f"  {d.name:<7} {d.description}" + (f", {d.memory_gib:.1f} GiB" if d.memory_gib else "")
               for d in found]
-    devices = default_devices(pipeline_devices, sum(d.kind == "cuda" for d in found))
+    gpus = sum(d.kind == "cuda" for d in found)
+    if gpus and _kept_to_cpu():
+        lines.append(f"{DEVICE_VARIABLE}=cpu: the defaults keep to the CPU")
+        gpus = 0
+    devices = default_devices(pipeline_devices, gpus)
     if runs_in_parallel(devices):
         lines.append(f"a {pipeline_devices}-stage pipeline runs on {pipeline_devices} real GPUs, one each")
     else:
@@ -96,8 +123,7 @@ def resolve_devices(devices, count: int) -> list:
     import torch
 
     if devices is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device(d) for d in default_devices(count, gpus)]
+        return [torch.device(d) for d in default_devices(count, visible_gpus())]
     if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__len__"):
         raise TypeError(f"devices must be a list of devices such as ['cuda:0', 'cuda:1'] or ['cpu', 'cpu'], "
                         f"got {devices!r}")

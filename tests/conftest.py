@@ -28,6 +28,17 @@ if not os.environ.get("GPIPE_TEST_HOME"):
     )
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """The suite's tests hold on any machine: a test about CPU behaviour keeps the course's default devices (and
+    launch's default backend, in its ranks too) on the CPU with GPIPE_DEVICE=cpu, also on a GPU machine; a test
+    that expects a GPU is marked ``gpu`` and sees the machine as it is."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("GPIPE_DEVICE", "cpu")
+    else:
+        monkeypatch.delenv("GPIPE_DEVICE", raising=False)
+
+
 @pytest.fixture
 def artifacts_dir() -> Path:
     """Where tests leave files for a person to look at (screenshots, traces)."""

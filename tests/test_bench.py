@@ -25,11 +25,11 @@ def test_quick_bench_writes_json_and_plot(tmp_path):
     names = {case["name"] for case in data["cases"]}
     for fragment in ("pipeline speedup", "torch.distributed.pipelining", "simulator fidelity", "executor overhead",
                      "DistributedDataParallel", "ring_all_reduce", "tensor-parallel MLP", "simulator scale",
-                     "torchgpipe", "exercise check()"):
+                     "torchgpipe", "exercise check()", "launch, a later call vs a plain fork", "GPU: "):
         assert any(fragment in name for name in names), fragment
     for case in data["cases"]:
         assert KEYS <= set(case), case
-        if not case.get("skipped"):
+        if not case.get("skipped") and "peak_bytes" not in case:  # memory rows hold bytes, not seconds
             assert case["ours_s"] > 0 and case["ratio"] > 0
             if "ours_min_max_s" in case:  # timed cases: a median of the repetitions
                 low, high = case["ours_min_max_s"]
@@ -39,6 +39,27 @@ def test_quick_bench_writes_json_and_plot(tmp_path):
     assert all(abs(c["ratio"] - c["speedup"] / c["theory"]) <= 1e-12 for c in speedups)
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert "targets met:" in result.stdout
+
+
+def test_the_gpu_rows_are_named_and_skipped_without_cuda(monkeypatch):
+    monkeypatch.setattr(gpipe_ref.bench.torch.cuda, "is_available", lambda: False)
+    rows = gpipe_ref.bench.gpu_cases(quick=True)
+    names = [row["name"] for row in rows]
+    assert len(names) == len(set(names)) == 3 * 4 + 4 + 3  # schedules x sizes, torchgpipe x sizes, memory modes
+    assert "GPU: zero_bubble_h1 step / plain accumulation, width 4096 bfloat16" in names
+    assert "GPU: peak CUDA memory vs the activation meter, checkpoint=always" in names
+    assert all(KEYS <= set(row) and row["skipped"] == "no CUDA on this machine" for row in rows)
+    assert gpipe_ref.bench.format_row(rows[0]) == \
+        "GPU: gpipe step / plain accumulation, width 256 float32: skipped (no CUDA on this machine)"
+
+
+def test_launch_timings_come_from_a_process_that_had_not_launched_yet():
+    rows = gpipe_ref.bench.launch_cases(quick=True)
+    first, later, versus = rows
+    assert first["name"].startswith("launch, first call") and first["ours_s"] > 0
+    assert later["target"] == "< 0.5 s" and later["met"] == (later["ours_s"] < 0.5)
+    assert versus["target"] == 3.0 and versus["peer_s"] > 0 and versus["ratio"] > 0
+    assert len(later["ours_min_max_s"]) == 2 and later["ours_s"] == versus["ours_s"]
 
 
 def test_bench_rejects_an_unknown_case():

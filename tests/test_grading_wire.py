@@ -386,6 +386,28 @@ def test_a_rank_launched_by_the_answer_is_guarded_too():
     assert reply["name"] == "gpipe_ref.distributed.data_parallel.naive_data_parallel_step"
 
 
+def test_a_rank_that_catches_the_refusal_is_still_refused():
+    """Ranks start clean (launch never forks the kernel): the runner sends the guard to them, and a rank whose
+    answer catches ForbiddenCall and returns fails all the same."""
+    namespace = _namespace("""
+        import torch.distributed as dist
+        import gpipe_ref.distributed.data_parallel as dp
+        def average_gradients(model):
+            try:
+                getattr(dp, "naive_data_parallel" + "_step")(model, None, None, None, None)
+            except Exception:
+                pass
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+        """)
+    ex = EXERCISES["01.1"]
+    reply = run_one(ex, ex.cases()[0], namespace, 40)
+    assert reply["outcome"] == "forbidden", reply
+    assert reply["name"] == "gpipe_ref.distributed.data_parallel.naive_data_parallel_step"
+
+
 def test_a_generic_wrapper_of_a_forbidden_class_is_not_refused():
     """DistributedDataParallel's methods are wrapped by torch._disable_dynamo, as is torch.manual_seed once
     torch._dynamo is imported: a right answer that seeds must not be refused as using DDP."""

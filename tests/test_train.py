@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 
@@ -67,6 +69,37 @@ def test_train_under_torchrun(tmp_path):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained dp=1 x tp=1 x pp=2" in result.stdout and trace.exists()
+
+
+def test_two_torchrun_agents_train_like_one_process(tmp_path):
+    """torchrun across machines, on one: two agents (--nnodes 2, c10d rendezvous on 127.0.0.1) start 2 ranks
+    each; the dp=2 x pp=2 run equals training in one process."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpipe-two-agents", "--local-addr", "127.0.0.1",
+               "-m", "gpipe_ref", "train", "--dp", "2", "--pp", "2", "--steps", "3", "--microbatches", "4",
+               "--reference"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=240) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    for agent, (_, err) in zip(agents, outputs):
+        assert agent.returncode == 0, err[-3000:]
+    printed = "".join(out for out, _ in outputs)
+    assert printed.count("trained dp=2 x tp=1 x pp=2 (1f1b, 4 micro-batches)") == 1  # global rank 0 only
+    worst = float(printed.rsplit("largest difference", 1)[1].split()[0])
+    assert worst <= 1e-5
 
 
 def test_an_unwritable_trace_is_refused_before_any_rank_starts(tmp_path, monkeypatch):

@@ -4,7 +4,8 @@ Reading the answer's code (``core.forbidden_use``) catches ``gpipe(p, m)``
 written in it, but not a helper that calls it, ``getattr(gpipe_ref, name)`` or
 ``importlib``. :class:`Guard` watches the calls themselves: while it is active
 (``sys.setprofile`` in this thread, ``threading.setprofile`` for threads started
-meanwhile, inherited by ranks forked meanwhile), entering a forbidden function
+meanwhile, and a copy of it in every rank ``launch`` starts meanwhile: the runner
+sends it with ``ranks_run_inside``), entering a forbidden function
 or method, calling a forbidden builtin, or entering code that computes a case's
 expected value raises :class:`ForbiddenCall` and is remembered, so catching the
 exception does not help. A learner who removes the profiler on purpose is
@@ -84,6 +85,14 @@ class Guard:
         self.reason = reason
         self.hit: str | None = None
         self._previous: list[Any] = []
+        self._in_a_rank = False
+
+    def __getstate__(self) -> dict:
+        """What a rank's copy needs (``launch.ranks_run_inside``): the refused code, never this process's state."""
+        return {"codes": self.codes, "builtins": self.builtins, "copies": self.copies, "reason": self.reason}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, hit=None, _previous=[], _in_a_rank=True)
 
     def _profile(self, frame, event: str, arg: Any) -> None:
         if event == "call":
@@ -112,3 +121,5 @@ class Guard:
         else:
             sys.setprofile(self._previous[0])
         threading.setprofile(self._previous[1])
+        if self._in_a_rank and self.hit and exc[0] is None:  # the answer caught it: the rank still fails with it
+            raise ForbiddenCall(f"`{self.hit}` was called while the answer ran: it {self.reason}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from .core import SEALED_CODE, Case, CaseTimeout, Exercise, describe_error, forbidden_use, is_not_attempted, \
     time_limit
+from ..distributed.launch import ranks_run_inside
 from .guard import ForbiddenCall, Guard
 from .wire import Refused, dumps, encode
 
@@ -58,7 +59,7 @@ def run_one(exercise: Exercise, case: Case, namespace: dict[str, Any], timeout: 
     guard = Guard(forbidden, expected_codes())
     try:  # what the answer prints is dropped
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
-                time_limit(timeout), guard:
+                time_limit(timeout), guard, ranks_run_inside(guard):
             value = run(answer)
     except CaseTimeout as error:
         return {**head, "outcome": "timeout", "error": str(error)}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Download tools/gpu_wheels.txt as Python 3.12 x86-64 Linux wheels into DIR (default .whl/, ignored by git),
+# where there is network; carry DIR to the GPU machine and run `python3 tools/gpu_check.py --wheels DIR`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dest=${1:-.whl}
+platforms=()
+for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$tag")
+done
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d "$dest" -r tools/gpu_wheels.txt
+echo "$(ls "$dest"/*.whl | wc -l) wheels, $(du -sh "$dest" | cut -f1), in $dest"
