@@ -476,9 +476,10 @@ def launch_cases(quick: bool) -> list[dict]:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     timings = json_module.loads(done.stdout.strip().splitlines()[-1])
     config = {"ranks": 2, "backend": "gloo", "rank function": "returns at once"}
-    first = _row("launch, first call in a process (starts the process server)", config, [timings["first"]], None)
-    first["target"], first["met"] = "stated", None
     later = _row("launch, a later call", config, timings["later"], None)
+    first = _row("launch, first call in a process (starts the process server) / a later call", config,
+                 [timings["first"]], None, ratio=timings["first"] / later["ours_s"])
+    first["target"], first["met"] = "stated", None
     later["ratio"] = later["ours_s"] / LAUNCH_LATER_LIMIT_S
     later["target"], later["met"] = f"< {LAUNCH_LATER_LIMIT_S} s", later["ours_s"] < LAUNCH_LATER_LIMIT_S
     versus = _row("launch, a later call vs a plain fork of the caller (the launcher before issue 27)", config,

@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
+if TYPE_CHECKING:  # imported where used: nbformat's jsonschema costs seconds, and ranks import this package
+    import nbformat
 
 COURSE = "gpipe-parallelism"
 NOTEBOOK_NAMES = "[0-9][0-9]_*.ipynb"  # NN_topic.ipynb
@@ -71,6 +73,8 @@ def check_of(cell) -> str | None:
 def read(path: str | Path, data: bytes | None = None) -> tuple[nbformat.NotebookNode, str]:
     """Read an exercise notebook (from ``data``, its bytes read earlier, when given); return it and its course
     notebook name ("04_gpipe")."""
+    import nbformat
+
     from . import NOTEBOOKS
 
     path = Path(path)
@@ -115,6 +119,8 @@ def _strip_solution(source: str, exercise_id: str, title: str) -> str:
 
 def student_copy(solution: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, list[str]]:
     """The exercise notebook for a solution notebook, and the exercise ids found in it."""
+    import nbformat
+
     from . import exercise
 
     nb = nbformat.from_dict(solution)  # a deep copy
@@ -141,6 +147,8 @@ def answers_in(path: Path, built: nbformat.NotebookNode) -> str | None:
     """What writing ``built`` over ``path`` would lose: ``"answers to 01.1, 01.2"`` when an exercise
     cell's source differs from ``built``'s stub for it, ``"not a readable notebook"``, or None (no
     such file, or every exercise cell is the stub: an untouched, possibly outdated, copy)."""
+    import nbformat
+
     if not os.path.lexists(path):
         return None
     try:
@@ -159,6 +167,8 @@ def build(solutions: Path, exercises: Path, *, force: bool = False) -> list[Path
 
     Refuses (:class:`AnswersWouldBeLost`, nothing written) when a notebook it would replace holds
     answers, unless ``force``; untouched copies, current or outdated, are rewritten."""
+    import nbformat
+
     from . import NOTEBOOKS
 
     sources = sorted(Path(solutions).glob(NOTEBOOK_NAMES))

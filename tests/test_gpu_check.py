@@ -1,0 +1,36 @@
+"""tools/gpu_check.py: on a machine without CUDA the GPU parts run, pass, and name what they skipped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: make gpu-check runs the real thing")
+def test_the_gpu_parts_name_what_they_skip_without_cuda(tmp_path):
+    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--parts", "gpu", "bench", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"machine: python {sys.version.split()[0]}, torch {torch.__version__}, CUDA ")
+    gpu = next(line for line in lines if line.startswith("gpu tests: ok: 0 passed, 0 failed, 0 errors, "))
+    assert "skipped without CUDA: test_two_stages_on_one_gpu_with_worker_threads" in gpu
+    assert "test_ranks_run_backward_and_cuda_after_the_caller_ran_a_cuda_backward" in gpu
+    bench = next(line for line in lines if line.startswith("bench (gpu, launch): ok: 3 rows measured"))
+    assert "19 skipped (no CUDA on this machine): gpipe step / plain accumulation, width 256 float32" in bench
+    assert "peak CUDA memory vs the activation meter, checkpoint=always" in bench
+    assert any(line.startswith("  launch, a later call vs a plain fork") for line in lines)
+    assert lines[-1].startswith("gpu check: passed (gpu, bench)")
+    assert (tmp_path / "summary.txt").read_text().splitlines() == [
+        line for line in lines if not line.startswith("gpu check:")]
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--wheels", str(tmp_path / "none")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "argument --wheels: no such folder" in done.stderr
