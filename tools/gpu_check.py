@@ -77,8 +77,9 @@ def run(command: list[str], log: Path, env: dict[str, str]) -> tuple[int, float]
 
 
 def junit_counts(path: Path) -> dict:
-    """passed / failed / errors / skipped, and each skipped or failed test's id and reason, from JUnit XML."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skipped_tests": [], "failed_tests": []}
+    """passed / failed / errors / skipped / xfailed, and each skipped or failed test's id and reason, from JUnit XML."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0, "skipped_tests": [],
+              "failed_tests": []}
     if not path.exists():
         return counts
     for case in ElementTree.parse(path).iter("testcase"):
@@ -86,6 +87,8 @@ def junit_counts(path: Path) -> dict:
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
             counts["passed"] += 1
+        elif outcome.tag == "skipped" and outcome.get("type") == "pytest.xfail":  # an expected failure
+            counts["xfailed"] += 1
         elif outcome.tag == "skipped":
             counts["skipped"] += 1
             counts["skipped_tests"].append((name, (outcome.get("message") or "").strip()))
@@ -103,7 +106,8 @@ def pytest_part(label: str, targets: list[str], extra: list[str], out: Path,
                            f"--junitxml={xml}", *extra], out / f"{label}.log", env)
     counts = junit_counts(xml)
     line = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
-            f"{counts['skipped']} skipped ({seconds:.0f} s, exit {status})")
+            f"{counts['skipped']} skipped" + (f", {counts['xfailed']} xfailed" if counts["xfailed"] else "")
+            + f" ({seconds:.0f} s, exit {status})")
     if counts["failed_tests"]:
         line += "; failing: " + ", ".join(counts["failed_tests"][:20])
     return status in (0, 5) and not counts["failed"] and not counts["errors"], line, counts
