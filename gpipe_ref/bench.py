@@ -69,7 +69,8 @@ def _timed_ranks(fn: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-def _accumulate(model: nn.Module, x, y, chunks: int) -> None:
+def accumulate_gradients(model: nn.Module, x, y, chunks: int) -> None:
+    """The plain model on ``chunks`` micro-batches in turn, each mean loss weighted by its share of the rows."""
     n = x.shape[0]
     for xi, yi in zip(scatter(x, chunks), scatter(y, chunks)):
         (nn.functional.mse_loss(model(xi), yi) * (xi.shape[0] / n)).backward()
@@ -92,7 +93,7 @@ def _pipeline_rank(rank: int, world: int, width: int, rows: int, ms: list[int], 
             timelines = []
 
             def single_process():  # rank 0 runs the whole model; rank 1 waits at the barrier
-                return _timed_ranks(lambda: _accumulate(single, x, y, m) if rank == 0 else None)
+                return _timed_ranks(lambda: accumulate_gradients(single, x, y, m) if rank == 0 else None)
 
             def pipelined():
                 wall = _timed_ranks(lambda: pipe.step(x, y, nn.MSELoss()))
@@ -278,7 +279,7 @@ def executor_cases(quick: bool) -> list[dict]:
             return time.perf_counter() - began
 
         sides = [lambda: timed(lambda: ours.step(x, y, nn.MSELoss())),
-                 lambda: timed(lambda: _accumulate(reference, x, y, chunks))]
+                 lambda: timed(lambda: accumulate_gradients(reference, x, y, chunks))]
         peer_pipe = None
         if torchgpipe is not None and schedule == "gpipe":
             peer_pipe = torchgpipe.GPipe(mlp(width=width, depth=8, seed=0), balance=[4] * 4, devices=["cpu"] * 4,
@@ -454,7 +455,7 @@ def launch_timings(world: int = 2, repeats: int = 9) -> dict:
 
     def timed_launch() -> float:
         began = time.perf_counter()
-        assert launch(_returns_at_once, world, timeout=60) == list(range(world))
+        assert launch(_returns_at_once, world, backend="gloo", timeout=60) == list(range(world))
         return time.perf_counter() - began
 
     first = timed_launch()
@@ -512,35 +513,42 @@ def _cuda_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-def gpu_cases(quick: bool) -> list[dict]:
-    """Two pipeline devices on one GPU (the device rule: simulated devices timed with CUDA events), chunks 8,
-    against the plain model accumulating gradients over the same 8 micro-batches; 50 rounds (10 quick)."""
-    if not torch.cuda.is_available():
-        return _gpu_skipped("no CUDA on this machine")
+def gpu_pipe(width: int, blocks: int, dtype: torch.dtype, schedule: str, devices: list[str], **options):
+    """The GPU rows' pipeline: ``blocks`` (Linear, ReLU) blocks in 2 equal stages, 8 micro-batches (on the CPU
+    in the tests, with ``devices=["cpu", "cpu"]``)."""
     from .pipeline import GPipe
 
+    model = mlp(width=width, depth=blocks, seed=0).to(dtype)
+    return GPipe(model, [len(model) // 2] * 2, devices=devices, chunks=8, schedule=schedule, **options)
+
+
+def gpu_cases(quick: bool) -> list[dict]:
+    """Two pipeline devices on one GPU (the device rule: simulated devices timed with CUDA events), 4 blocks,
+    chunks 8, against the plain model accumulating gradients over the same 8 micro-batches; 50 rounds (10 quick)."""
+    if not torch.cuda.is_available():
+        return _gpu_skipped("no CUDA on this machine")
     try:
         import torchgpipe
     except ImportError:
         torchgpipe = None
-    repeats, depth, chunks = (10 if quick else 50), 8, 8
+    repeats, blocks, chunks = (10 if quick else 50), 4, 8
     out = []
     for width, samples, dtype_name in GPU_SIZES[:2] if quick else GPU_SIZES:
         dtype = getattr(torch, dtype_name)
         x, y = (t.to("cuda", dtype) for t in regression_data(samples=samples, width=width, seed=0))
-        reference = mlp(width=width, depth=depth, seed=0).to("cuda", dtype)
-        sides = {"plain": lambda: _cuda_seconds(lambda: _accumulate(reference, x, y, chunks))}
+        reference = mlp(width=width, depth=blocks, seed=0).to("cuda", dtype)
+        sides = {"plain": lambda: _cuda_seconds(lambda: accumulate_gradients(reference, x, y, chunks))}
         for schedule in GPU_SCHEDULES:
-            pipe = GPipe(mlp(width=width, depth=depth, seed=0).to(dtype), [depth // 2] * 2,
-                         devices=["cuda:0", "cuda:0"], chunks=chunks, checkpoint="never", schedule=schedule,
-                         track_memory=False)
+            pipe = gpu_pipe(width, blocks, dtype, schedule, ["cuda:0", "cuda:0"], checkpoint="never",
+                            track_memory=False)
             sides[schedule] = lambda pipe=pipe: _cuda_seconds(lambda: pipe.step(x, y, nn.MSELoss()))
         if torchgpipe is not None:
-            peer = torchgpipe.GPipe(mlp(width=width, depth=depth, seed=0).to("cuda", dtype), balance=[depth // 2] * 2,
-                                    devices=["cuda:0", "cuda:0"], chunks=chunks, checkpoint="never")
+            peer_model = mlp(width=width, depth=blocks, seed=0).to("cuda", dtype)
+            peer = torchgpipe.GPipe(peer_model, balance=[len(peer_model) // 2] * 2, devices=["cuda:0", "cuda:0"],
+                                    chunks=chunks, checkpoint="never")
             sides["torchgpipe"] = lambda: _cuda_seconds(lambda: nn.functional.mse_loss(peer(x), y).backward())
         timed = dict(zip(sides, _alternate(list(sides.values()), repeats)))
-        config = {"width": width, "depth": depth, "samples": samples, "dtype": dtype_name, "chunks": chunks,
+        config = {"width": width, "layers": 2 * blocks, "samples": samples, "dtype": dtype_name, "chunks": chunks,
                   "stages": 2, "devices": "cuda:0 x 2", "rounds": repeats}
         for name in [*GPU_SCHEDULES, *(["torchgpipe"] if torchgpipe is not None else [])]:
             row = _row(f"GPU: {name} step / plain accumulation, width {width} {dtype_name}",
@@ -552,16 +560,14 @@ def gpu_cases(quick: bool) -> list[dict]:
     return out
 
 
-def gpu_memory_cases(width: int = 2048, depth: int = 16, samples: int = 512, chunks: int = 8) -> list[dict]:
+def gpu_memory_cases(width: int = 2048, blocks: int = 8, samples: int = 512) -> list[dict]:
     """Peak CUDA memory above the weights over one step, per checkpoint mode, beside the bytes the activation
-    meter counts (summed over the stages' meters): what the meter leaves out is the difference."""
-    from .pipeline import GPipe
-
+    meter counts (summed over the stages' meters): what the meter leaves out is the difference. 16 layers
+    (8 blocks) in 2 stages, 8 micro-batches, as on the first GPU run."""
     x, y = (t.cuda() for t in regression_data(samples=samples, width=width, seed=0))
     rows = []
     for mode in ("never", "except_last", "always"):
-        pipe = GPipe(mlp(width=width, depth=depth, seed=0), [depth // 2] * 2, devices=["cuda:0", "cuda:0"],
-                     chunks=chunks, checkpoint=mode)
+        pipe = gpu_pipe(width, blocks, torch.float32, "gpipe", ["cuda:0", "cuda:0"], checkpoint=mode)
         pipe.step(x, y, nn.MSELoss())  # the gradients exist from here on, as in training
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -571,7 +577,7 @@ def gpu_memory_cases(width: int = 2048, depth: int = 16, samples: int = 512, chu
         peak = torch.cuda.max_memory_allocated() - before
         counted = sum(pipe.timeline.peak_memory.values())
         row = _row(f"GPU: peak CUDA memory vs the activation meter, checkpoint={mode}",
-                   {"width": width, "depth": depth, "samples": samples, "chunks": chunks, "stages": 2},
+                   {"width": width, "layers": 2 * blocks, "samples": samples, "chunks": 8, "stages": 2},
                    [0.0], None)
         row.update(ours_s=None, ratio=peak / counted if counted else None, peak_bytes=peak, counted_bytes=counted,
                    target="stated")

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import ROOT
 
 import gpipe_ref.bench
@@ -51,6 +53,23 @@ def test_the_gpu_rows_are_named_and_skipped_without_cuda(monkeypatch):
     assert all(KEYS <= set(row) and row["skipped"] == "no CUDA on this machine" for row in rows)
     assert gpipe_ref.bench.format_row(rows[0]) == \
         "GPU: gpipe step / plain accumulation, width 256 float32: skipped (no CUDA on this machine)"
+
+
+@pytest.mark.parametrize("schedule", gpipe_ref.bench.GPU_SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_the_gpu_rows_pipes_build_and_train_like_the_plain_model_on_cpu(schedule, checkpoint):
+    """What the GPU rows build, on two CPU devices: the balance fits the model, and a step's gradients are the
+    plain model's accumulated over the same 8 micro-batches (the rows' reference)."""
+    from gpipe_ref.models import mlp, regression_data
+
+    x, y = regression_data(samples=32, width=16, seed=0)
+    pipe = gpipe_ref.bench.gpu_pipe(16, 4, torch.float32, schedule, ["cpu", "cpu"], checkpoint=checkpoint)
+    reference = mlp(width=16, depth=4, seed=0)
+    pipe.step(x, y, torch.nn.MSELoss())
+    gpipe_ref.bench.accumulate_gradients(reference, x, y, 8)
+    assert pipe.balance == [4, 4] and pipe.chunks == 8
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_launch_timings_come_from_a_process_that_had_not_launched_yet():

@@ -419,3 +419,40 @@ def test_importing_gpipe_ref_touches_no_cuda():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_KILLED_CALLER = '''
+import os, sys, time
+sys.path.insert(0, {root!r})
+from gpipe_ref import launch
+
+def sleeper(rank, world_size, folder):
+    import subprocess
+    helper = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(folder, f"rank{{rank}}"), "w") as f:
+        f.write(f"{{os.getpid()}} {{helper.pid}}")
+    time.sleep(300)
+
+launch(sleeper, 2, {folder!r}, timeout=300)
+'''
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ranks_and_what_they_started_end_when_the_caller_is_killed(tmp_path):
+    script = tmp_path / "caller.py"
+    script.write_text(_KILLED_CALLER.format(root=str(Path(__file__).resolve().parent.parent), folder=str(tmp_path)))
+    caller = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("rank*")):
+            assert time.monotonic() < deadline and caller.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        pids = [int(pid) for p in sorted(tmp_path.glob("rank*")) for pid in p.read_text().split()]
+        caller.kill()  # SIGKILL: the caller cannot clean up; each rank's watchdog must
+        caller.wait()
+        assert all(_wait_ended(pid) for pid in pids), [pid for pid in pids if not _ended(pid)]
+    finally:
+        for pid in pids:
+            if not _ended(pid):
+                os.kill(pid, signal.SIGKILL)

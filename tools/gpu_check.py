@@ -5,7 +5,8 @@
 It uses the machine's own python and torch (any torch >= 2.4) and installs nothing from the network. With
 ``--wheels DIR`` the pure-Python dependencies carried as wheels (``tools/gpu_wheels.sh`` downloads them where
 there is network) are installed into a folder of ``--out`` with ``pip --no-index --no-deps --target`` and put
-on PYTHONPATH. Each part runs in its own processes, with a throw-away HOME:
+on PYTHONPATH (the wheels are for Python 3.12 on x86-64 Linux, as the script downloads them). Each part runs
+in its own processes, with a throw-away HOME:
 
   suite      the whole test suite, less the browser tests and tests/test_gpu.py (xdist with --jobs > 1)
   gpu        tests/test_gpu.py (marked gpu)
@@ -62,8 +63,12 @@ def environment(out: Path, site: Path | None) -> dict[str, str]:
 def install_wheels(wheels: Path, out: Path) -> Path:
     site = out / "site"
     found = sorted(wheels.glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--upgrade", "--target", str(site), *map(str, found)], check=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--upgrade", "--target", str(site), *map(str, found)], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"gpu_check: error: --wheels: pip could not install the {len(found)} wheels in {wheels} into this "
+                 f"Python {sys.version.split()[0]} (tools/gpu_wheels.sh downloads them for Python 3.12):\n"
+                 f"{done.stderr[-2000:]}")
     print(f"wheels: {len(found)} installed into {site}", flush=True)
     return site
 

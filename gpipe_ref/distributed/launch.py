@@ -8,8 +8,9 @@ instead: multiprocessing's forkserver, started once per caller with torch and
 ``gpipe_ref.distributed`` preloaded, so a launch costs a fork, not an interpreter
 start. The function and its arguments travel by value (cloudpickle): a function
 defined in a notebook cell, and the globals it uses, run as a rank. The caller's
-environment variables, working directory and ``sys.path`` travel with them. One
-path for gloo and NCCL: a rank may use CUDA.
+environment variables, working directory and ``sys.path`` travel with them (a
+setting torch reads when it is imported keeps the value it had when the server
+started). One path for gloo and NCCL: a rank may use CUDA.
 
 The default backend is gloo on CPU and NCCL (with gloo for CPU tensors) when
 every rank can have its own GPU. Under torchrun the same worker code runs
@@ -27,7 +28,9 @@ The launcher watches the ranks' result pipes and their processes together, and
 after a first failure waits a moment (``_GRACE``) for an earlier cause to show.
 Each rank leads its own process group (POSIX), so whatever it starts (a
 ``subprocess``, a forked helper) ends with it: on success, error and timeout
-alike each group gets SIGTERM, then SIGKILL.
+alike each group gets SIGTERM, then SIGKILL; and when the caller itself dies, a
+watchdog in each rank kills its group. A helper that leaves the group (a new
+session) is outside this reach.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import site
 import socket
 import sys
 import sysconfig
@@ -66,7 +70,7 @@ _POSIX = os.name == "posix"  # process groups, SIGUSR1 stack dumps
 # What the process server imports once, before it forks any rank: nothing here may touch CUDA.
 _PRELOAD = ["torch", "torch.distributed", "gpipe_ref.distributed"]
 _PICKLE_LOCK = threading.Lock()  # cloudpickle's by-value registry is process-wide
-_RANK_CONTEXTS: list = []  # entered around fn in every rank launched meanwhile (ranks_run_inside)
+_RANK_CONTEXTS: list = []  # entered around fn in every rank launched meanwhile, from any thread (ranks_run_inside)
 _GRACE = 1.0  # seconds to wait, after a first failure, for an earlier death to show
 _STOP_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 
@@ -104,6 +108,7 @@ def _installed(module_name: str) -> bool:
     if module is None or path is None:
         return module is not None and module_name in sys.builtin_module_names
     roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.update(site.getsitepackages() + [site.getusersitepackages()])  # Debian's dist-packages, the user's
     return any(os.path.realpath(path).startswith(os.path.realpath(root) + os.sep) for root in roots)
 
 
@@ -151,9 +156,9 @@ def _start_rank(**kwargs):
 
 @contextlib.contextmanager
 def ranks_run_inside(context):
-    """While the block runs, every rank that ``launch`` starts runs its function inside ``context``, a context
-    manager sent by value. A rank starts clean, so what the caller set up in its own process (a profiler that
-    refuses calls, say: the grader's guard) does not reach it otherwise."""
+    """While the block runs, every rank that ``launch`` starts, from any thread of this process, runs its function
+    inside ``context``, a context manager sent by value. A rank starts clean, so what the caller set up in its own
+    process (a profiler that refuses calls, say: the grader's guard) does not reach it otherwise."""
     _RANK_CONTEXTS.append(context)
     try:
         yield context
@@ -169,15 +174,13 @@ def _pack(fn: Callable, args: tuple) -> bytes:
     with _PICKLE_LOCK:
         registered = []
         try:
-            for name in sorted(own):
-                try:
-                    cloudpickle.register_pickle_by_value(sys.modules[name])
-                    registered.append(name)
-                except ValueError:  # already registered by someone else: leave it as it is
-                    pass
+            for name in sorted(own - set(cloudpickle.list_registry_pickle_by_value())):  # the caller's stay
+                cloudpickle.register_pickle_by_value(sys.modules[name])
+                registered.append(name)
             return cloudpickle.dumps((fn, args, list(_RANK_CONTEXTS)))
         except Exception as exc:
-            raise TypeError(f"launch sends fn and args to each rank by value (cloudpickle), and this one cannot "
+            what = "fn and args" if not _RANK_CONTEXTS else "fn, args and the contexts of ranks_run_inside"
+            raise TypeError(f"launch sends {what} to each rank by value (cloudpickle), and this one cannot "
                             f"be pickled: {type(exc).__name__}: {exc}") from exc
         finally:
             for name in registered:
@@ -192,10 +195,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _end_with_the_caller() -> None:
+    """A watchdog thread: when the caller dies (killed, a kernel restarted), end this rank's process group. The
+    caller holds the write end of the pipe multiprocessing gives the rank as its parent's sentinel."""
+    caller = mp.parent_process()
+    if caller is None or not _POSIX:
+        return
+
+    def watch() -> None:
+        wait([caller.sentinel])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="gpipe-rank-watchdog", daemon=True).start()
+
+
 def _child(packed, environ, rank, world_size, backend, port, timeout, writer, stack_dir) -> None:
     """A rank, in a process forked from the clean server: the caller's environment, then its function."""
     if _POSIX:
         os.setpgid(0, 0)  # lead a process group: what this rank starts is stopped with it
+    _end_with_the_caller()
     os.environ.clear()
     os.environ.update(environ)  # the caller's, as it is now (the server has the one it started with)
     torch.set_num_threads(1)  # ranks share the machine's cores
