@@ -28,7 +28,7 @@ from .schedule import (
 )
 from .simulator import CostModel, bubble_formula, simulate
 from .timeline import Event, Timeline, Transfer
-from .memory import ActivationMeter
+from .meter import ActivationMeter
 from .batchnorm import (DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d,
                         convert_deferred_batch_norm)
 from .partition import balance_by_params, balance_by_size, balance_by_time

@@ -16,7 +16,6 @@ import platform
 import statistics
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -25,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import integer, positive_int
+from .checks import positive_int
+from .measure import spread
 from .microbatch import scatter
 from .models import mlp, regression_data
 
@@ -583,105 +583,6 @@ def gpu_memory_cases(width: int = 2048, blocks: int = 8, samples: int = 512) -> 
                    target="stated")
         rows.append(row)
         del pipe
-    return rows
-
-
-# -- measurements the notebooks take: warmed up, repeated, the thread count put back -------------------------
-
-BUSY_SPREAD = 1.5  # slowest / fastest of repeated steps above this: the machine was busy while measuring
-
-
-@contextmanager
-def torch_threads(count: int):
-    """Run the block with ``count`` intra-op threads, then put back the count found (also on error)."""
-    positive_int("count", count)
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def spread(samples: list[float]) -> float:
-    """Slowest over fastest of repeated measurements: 1.0 on a quiet machine, large when it was busy."""
-    if not samples or min(samples) <= 0:
-        raise ValueError(f"samples must be positive durations, at least one, got {samples!r}")
-    return max(samples) / min(samples)
-
-
-def action_noise(timeline) -> float:
-    """The timeline's summed action times over what they would sum to if every action took the median of its
-    (stage, op) group: near 1 when every action took its usual time, large when other programs slowed some down."""
-    groups: dict = {}
-    for e in timeline.events:
-        groups.setdefault((e.stage, e.op), []).append(e.duration)
-    typical = sum(len(times) * statistics.median(times) for times in groups.values())
-    if not groups or typical <= 0:
-        raise ValueError("timeline must hold actions with positive durations")
-    return sum(sum(times) for times in groups.values()) / typical
-
-
-def timed_steps(pipe, inputs, targets, loss_fn, *, warmup: int = 2, repeats: int = 5) -> list:
-    """Run ``warmup`` steps (one-time costs: allocation, autograd start-up), then ``repeats`` steps;
-    return the measured timeline of each of those, in order."""
-    integer("warmup", warmup, 0)
-    positive_int("repeats", repeats)
-    for _ in range(warmup):
-        pipe.step(inputs, targets, loss_fn)
-    timelines = []
-    for _ in range(repeats):
-        pipe.step(inputs, targets, loss_fn)
-        timelines.append(pipe.timeline)
-    return timelines
-
-
-def median_run(timelines: list):
-    """The timeline whose makespan is the median (the lower middle one for an even count)."""
-    if not timelines:
-        raise ValueError("timelines must hold at least one Timeline, got none")
-    ranked = sorted(timelines, key=lambda t: t.makespan)
-    return ranked[(len(ranked) - 1) // 2]
-
-
-def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int = 512, depth: int = 8,
-                     stages: int = 4, warmup: int = 1, repeats: int = 3, threads: int = 1) -> list[dict]:
-    """GPipe on :func:`~gpipe_ref.models.mlp` with a fixed ``batch`` cut into micro-batches of each size
-    ``b`` in ``micro_batches`` (``m = batch / b``), one row per ``b``:
-
-    * ``step_s``: the median makespan of ``repeats`` steps (placed timeline: what ``stages`` parallel
-      devices would take), and ``spread``, slowest / fastest of them;
-    * ``forward_s``, ``backward_s``: the whole model's time on one micro-batch, the sum over stages of each
-      stage's median F and B duration: the costs Megatron's eq. 1 takes (see :mod:`gpipe_ref.microbatch_size`);
-    * ``noise``: :func:`action_noise` of each step, the median over the steps.
-
-    Runs with ``threads`` intra-op threads (1: one core per simulated device) and restores the count after."""
-    from .pipeline import GPipe
-
-    positive_int("stages", stages)
-    if (2 * depth) % stages:
-        raise ValueError(f"stages must divide the model's {2 * depth} layers (depth={depth}), got {stages}")
-    for b in micro_batches:
-        positive_int("micro_batches entry", b)
-        if batch % b:
-            raise ValueError(f"micro_batches entries must divide batch={batch}, got {b}")
-    x, y = regression_data(samples=batch, width=width, seed=0)
-    rows = []
-    with torch_threads(threads):
-        for b in micro_batches:
-            model = mlp(width=width, depth=depth, seed=0)
-            pipe = GPipe(model, [len(model) // stages] * stages, chunks=batch // b, checkpoint="never",
-                         track_memory=False)
-            runs = timed_steps(pipe, x, y, nn.MSELoss(), warmup=warmup, repeats=repeats)
-            spans = [t.makespan for t in runs]
-
-            def cost(op: str) -> float:
-                return sum(statistics.median(e.duration for t in runs for e in t.events
-                                             if e.op == op and e.stage == s) for s in range(stages))
-
-            rows.append({"micro_batch": b, "microbatches": batch // b, "step_s": statistics.median(spans),
-                         "spread": spread(spans), "forward_s": cost("F"), "backward_s": cost("B"),
-                         "noise": statistics.median(action_noise(t) for t in runs)})
     return rows
 
 

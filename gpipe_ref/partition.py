@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .checks import integer, non_negative, one_of, positive_int
-from .memory import ActivationMeter
+from .meter import ActivationMeter
 from .schedule import gpipe
 from .simulator import CostModel, simulate
 from .timeline import Timeline
@@ -270,7 +270,7 @@ def layer_sizes(module: nn.Sequential, sample: torch.Tensor, *, param_scale: flo
     the activations its forward saves for the backward plus ``param_scale`` times its
     parameter bytes. The model is left as it was (see :func:`profiling`).
 
-    Activations are counted by :class:`~gpipe_ref.memory.ActivationMeter`: the tensors
+    Activations are counted by :class:`~gpipe_ref.meter.ActivationMeter`: the tensors
     autograd saves during the layer's own forward, each storage once, leaving out the
     layer's parameters and buffers (a Linear's transposed weight, a BatchNorm's running
     statistics), which exist anyway. Each layer is measured on its own (its input is the

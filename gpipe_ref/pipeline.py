@@ -39,13 +39,14 @@ from torch import nn
 
 from .batchnorm import convert_deferred_batch_norm
 from .devices import describe_placement, resolve_devices, runs_in_parallel
-from .memory import ActivationMeter
+from .meter import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
 from .checks import one_of, positive_int
 from .schedule import (Action, Schedule, dependencies, execution_order, make_schedule, schedule_names, schedule_spec,
                        validate)
-from .simulator import gc_paused, place
+from .measure import gc_paused
+from .simulator import place
 from .timeline import Event, Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -301,7 +302,7 @@ class GPipe(nn.Module):
         of the stage's buffers (GPipe sec. 2.3). ``pipe.eval()`` or ``torch.no_grad()`` never
         checkpoints. The micro-batches run one after the other here (the autograd engine runs
         the backward); ``step`` runs the schedule. With ``track_memory``, ``forward_meters``
-        holds one :class:`~gpipe_ref.memory.ActivationMeter` per device for the last training
+        holds one :class:`~gpipe_ref.meter.ActivationMeter` per device for the last training
         forward and its backward (read ``meter.peak`` after the backward)."""
         micro, _ = self._scatter_inputs(inputs)
         training = self.training and torch.is_grad_enabled()

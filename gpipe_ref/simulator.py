@@ -9,10 +9,8 @@ formula in the course (GPipe, Huang et al. 2019, sec. 2.3; Narayanan et al.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import abc
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
@@ -20,6 +18,7 @@ from operator import attrgetter
 from typing import Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int
+from .measure import gc_paused
 from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, encode, execution_order, walk,
                        weight_versions)
 from .timeline import Event, Timeline
@@ -69,21 +68,6 @@ class CostModel:
         if self.stage_scale is not None:
             base *= self.stage_scale[stage]
         return base
-
-
-@contextmanager
-def gc_paused():
-    """Pause the cyclic garbage collector for the block (restored after, even on error; left off if it was
-    off). A big schedule creates ~10^5 acyclic objects, and the collections they trigger cost about a third
-    of a simulation; a training step's short-lived objects (states, tuples, autograd's Python wrappers) would
-    make them scan every object of the process, a few percent of a step."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def simulate(schedule: Schedule, cost_model: CostModel | None = None, *, weight_stashing: bool = True,

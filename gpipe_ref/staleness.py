@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .bench import torch_threads
+from .measure import torch_threads
 from .partition import check_balance, split
 from .checks import integer, positive, positive_int
 from .schedule import Action, Schedule, gpipe, one_f_one_b, pipedream_async, schedule_names, weight_versions

@@ -57,7 +57,7 @@ from ..microbatch import Batch
 from ..partition import split
 from ..pipeline import GPipe, StepRun
 from ..schedule import Schedule
-from ..simulator import gc_paused
+from ..measure import gc_paused
 from ..timeline import Event, Timeline
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

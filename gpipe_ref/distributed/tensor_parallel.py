@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..memory import ActivationMeter
+from ..meter import ActivationMeter
 from ..models import Residual, attend, mlp_block
 from ..sharding import ring_bytes_per_rank
 
@@ -492,7 +492,7 @@ class ParallelMLPSubBlock(nn.Module):
 def saved_bytes_by_child(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
     """Run ``module(x)`` and count the bytes autograd keeps for the backward, by direct child of ``module`` (its
     name; ``"other"``: what the module's own forward saves between them), with a
-    :class:`gpipe_ref.memory.ActivationMeter` each. Parameters are not counted. Returns the output, whose graph
+    :class:`gpipe_ref.meter.ActivationMeter` each. Parameters are not counted. Returns the output, whose graph
     holds the tensors counted, and the bytes."""
     ignore = list(module.parameters())
     meters = {name: ActivationMeter(ignore) for name, _ in module.named_children()}

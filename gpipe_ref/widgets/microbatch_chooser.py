@@ -77,7 +77,7 @@ class MicrobatchChooser(Dashboard):
     """Choose the micro-batch size b for a global batch B on d pipelines of p stages (Megatron eq. 1).
 
     ``measured``, if given, is ``{b: (forward_s, backward_s)}``: the whole model's time on one micro-batch
-    of b samples, measured (:func:`gpipe_ref.bench.microbatch_sweep`); the sliders of the model start at the
+    of b samples, measured (:func:`gpipe_ref.microbatch_size.microbatch_sweep`); the sliders of the model start at the
     line fitted to it (:func:`~gpipe_ref.microbatch_size.fit_linear_cost`). Times are shown in ms.
     """
 
