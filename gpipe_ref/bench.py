@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import positive_int
 from .measure import spread
 from .microbatch import scatter
 from .models import mlp, regression_data

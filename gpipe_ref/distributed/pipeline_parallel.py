@@ -6,7 +6,7 @@ stages its device owns (moved to its device, and the only ones ``parameters()``,
 longer referenced, so they are freed once the caller drops its model), and
 runs its device's action list from the
 :class:`~gpipe_ref.schedule.Schedule` in order. The actions are the
-in-process executor's (``gpipe_ref.pipeline``); only the stage boundaries
+in-process executor's (``gpipe_ref.executor``); only the stage boundaries
 change: an activation or a gradient whose neighbour stage lives on another
 rank travels by ``isend``/``irecv``, one message per hand-over: a small
 header (dtype and shape) and the data together. Shapes are not known in
@@ -55,7 +55,8 @@ from torch import nn
 
 from ..microbatch import Batch
 from ..partition import split
-from ..pipeline import GPipe, StepRun
+from ..executor import StepRun
+from ..pipeline import GPipe
 from ..schedule import Schedule
 from ..measure import gc_paused
 from ..timeline import Event, Timeline
@@ -505,7 +506,7 @@ class RankStepRun(StepRun):
         for i, action in enumerate(actions):
             began, self.waited = time.perf_counter(), 0.0
             self.run(action)
-            self._sync(action)
+            self.sync(action)
             if timed:
                 ended = time.perf_counter()
                 # the bar covers the compute (recomputation included), not the wait for messages
