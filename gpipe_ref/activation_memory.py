@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING
 
 from .checks import one_of, positive_int
 
+__all__ = ["CORE_INPUT", "LABELS", "LAYER_INPUT", "RECOMPUTE", "TERMS", "Term", "layer_activation_bytes", "layer_terms",
+           "measure_layer", "paper_formula", "pytorch_extra_bytes"]
+
 if TYPE_CHECKING:  # the formulas need no torch (the planner uses them); measure_layer imports it
     import torch
     from torch import nn
