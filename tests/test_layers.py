@@ -26,7 +26,7 @@ LAYERS = [
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size"]),
     ("pictures", ["viz", "viz.*", "widgets", "widgets.*"]),
-    ("harnesses", ["bench", "grading", "grading.*"]),
+    ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
     ("entry points", ["__main__", ""]),  # "": the package root, gpipe_ref/__init__.py
 ]
 # Imports that go up on purpose, each with its reason. Keep this short.
