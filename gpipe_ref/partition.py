@@ -63,8 +63,7 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
 
 
 def _check_partitions(partitions: object, layers: int) -> None:
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= layers:
-        raise ValueError(f"partitions must be an integer from 1 to the number of layers {layers}, got {partitions!r}")
+    integer("partitions", partitions, 1, layers)  # at most one stage per layer
 
 
 def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:

@@ -166,8 +166,7 @@ class Timeline:
 
     def _check_span(self, item: Event | Transfer, kind: str) -> None:
         device, start, end = item.device, item.start, item.end
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
-            raise ValueError(f"{kind} {item} is on device {device!r}, but devices are 0..{self.num_devices - 1}")
+        integer(f"the device of {kind} {item}", device, 0, self.num_devices - 1)
         if not (_is_finite(start) and _is_finite(end)):
             raise ValueError(f"{kind} {item} must start and end at finite times, got start={start!r}, end={end!r}")
         if end < start:
@@ -193,9 +192,7 @@ class Timeline:
         return self._cache
 
     def _device(self, device: object, name: str = "device") -> int:
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
-            raise ValueError(f"{name} must be an integer in 0..{self.num_devices - 1}, got {device!r}")
-        return device
+        return integer(name, device, 0, self.num_devices - 1)
 
     def __repr__(self) -> str:
         comm = f", {len(self.comm)} transfers" if self.comm else ""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import probability
 from ..meter import ActivationMeter
 from ..models import Residual, attend, mlp_block
 from ..sharding import ring_bytes_per_rank
@@ -407,8 +408,7 @@ class SeededDropout(nn.Module):
 
     def __init__(self, p: float = 0.0, seed: int = 0, sequence_parallel: bool = False, group=None) -> None:
         super().__init__()
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-            raise ValueError(f"p must be a number from 0 (no dropout) up to but not including 1, got {p!r}")
+        probability("p", p)
         self.p, self.seed, self.sequence_parallel, self.group = float(p), seed, sequence_parallel, group
         self.generator = torch.Generator().manual_seed(seed)
 

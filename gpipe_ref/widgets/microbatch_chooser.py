@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import math
 
+from ..checks import integer
 from ..microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
                                micro_batch_sizes, microbatch_choices)
 from .base import Dashboard
@@ -90,8 +91,7 @@ class MicrobatchChooser(Dashboard):
             raise ValueError(f"global_batch must be one of {BATCHES}, got {global_batch!r}")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
-        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 16:
-            raise ValueError(f"stages must be an integer from 1 to 16, got {stages!r}")
+        integer("stages", stages, 1, 16)
         self.measured = None
         if measured is not None:
             self.measured = MeasuredCost({b: (f * 1e3, bwd * 1e3) for b, (f, bwd) in dict(measured).items()})
