@@ -15,6 +15,8 @@ import torch
 
 from .checks import integer
 
+__all__ = ["Batch", "batch_size", "scatter", "gather", "sizes"]
+
 Batch = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 

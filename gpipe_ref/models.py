@@ -11,6 +11,9 @@ from torch import nn
 
 from .checks import positive_int, probability
 
+__all__ = ["mlp", "regression_data", "SelfAttention", "attend", "mlp_block", "Residual", "MaskDropout",
+           "AttentionScores", "AttendValues", "CoreAttention", "TransformerLayer"]
+
 
 def mlp(width: int = 64, depth: int = 8, *, seed: int = 0, activation: type[nn.Module] = nn.ReLU) -> nn.Sequential:
     """``depth`` blocks of (Linear(width, width), activation) as one flat ``nn.Sequential``

@@ -25,6 +25,10 @@ from .schedule import gpipe
 from .simulator import CostModel, simulate
 from .timeline import Timeline
 
+__all__ = ["check_balance", "split", "partition_costs", "balance_by_params", "profiling", "layer_times",
+           "stage_times", "balance_by_time", "layer_sizes", "balance_by_size", "uniform_balance", "stage_sums",
+           "stage_cost_model", "BalanceReport", "balance_report"]
+
 
 def _check_sequential(module: object) -> nn.Sequential:
     if not isinstance(module, nn.Sequential):

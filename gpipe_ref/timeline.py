@@ -25,6 +25,8 @@ from typing import Iterable, Mapping, NamedTuple
 from .checks import integer, non_negative, one_of, positive_int
 from .schedule import OPS, Action
 
+__all__ = ["TEXT_MAX_DEVICES", "TEXT_MAX_ACTIONS", "Event", "Transfer", "Timeline"]
+
 # Chrome-trace timestamps are microseconds. Measured runs are in seconds; a
 # simulated cost unit is drawn as one millisecond so Perfetto's ruler reads well.
 _US_PER_UNIT = {"s": 1e6, "cost": 1e3}

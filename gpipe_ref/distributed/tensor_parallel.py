@@ -34,6 +34,11 @@ from ..meter import ActivationMeter
 from ..models import Residual, attend, mlp_block
 from ..sharding import ring_bytes_per_rank
 
+__all__ = ["ALL_REDUCES", "CollectiveCall", "record_collectives", "ring_bytes_sent", "count_all_reduces",
+           "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region", "gather_sequence",
+           "reduce_scatter_sequence", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+           "ParallelSelfAttention", "SeededDropout", "mlp_sub_block", "ParallelMLPSubBlock", "saved_bytes_by_child"]
+
 ALL_REDUCES: Counter = Counter()  # ("forward" | "backward") -> all-reduces issued by this process
 
 
