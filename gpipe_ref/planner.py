@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .activation_memory import layer_activation_bytes
-from .checks import fraction, one_of, positive, positive_int
+from .checks import fraction, instance, one_of, positive, positive_int
 from .model_states import PRECISIONS, state_bytes_per_parameter
 from .schedule import Schedule, make_schedule, schedule_names, schedule_spec
 from .simulator import CostModel, simulate
@@ -234,10 +234,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_configs(model: object, cluster: object) -> None:
-    if not isinstance(model, ModelConfig):
-        raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
-    if not isinstance(cluster, ClusterConfig):
-        raise TypeError(f"cluster must be a ClusterConfig, got {type(cluster).__name__}")
+    instance("model", model, ModelConfig)
+    instance("cluster", cluster, ClusterConfig)
 
 
 def _options(name: str, values: Iterable, check) -> tuple:
@@ -353,8 +351,7 @@ def plan(model: ModelConfig, cluster: ClusterConfig, *, top: int | None = 10, **
 
 def pipeline_timeline(chosen: Plan, max_microbatches: int = 32) -> tuple[Schedule, Timeline]:
     """The chosen plan's pipeline, simulated with its per-stage costs (at most ``max_microbatches`` shown)."""
-    if not isinstance(chosen, Plan):
-        raise TypeError(f"chosen must be a Plan, got {type(chosen).__name__}")
+    instance("chosen", chosen, Plan)
     positive_int("max_microbatches", max_microbatches)
     m = min(chosen.num_microbatches, max_microbatches)
     v = chosen.stages_per_device
@@ -392,8 +389,7 @@ MEGATRON_TABLE_1 = (
 
 def compare_with_megatron(cluster: ClusterConfig | None = None) -> list[dict]:
     """The planner's teraFLOP/s per GPU for each row of Narayanan et al. 2021's Table 1, beside the paper's."""
-    if cluster is not None and not isinstance(cluster, ClusterConfig):
-        raise TypeError(f"cluster must be a ClusterConfig or None, got {type(cluster).__name__}")
+    instance("cluster", cluster, ClusterConfig, type(None))
     rows = []
     for layers, hidden, heads, tp, pp, gpus, batch, b, v, published in MEGATRON_TABLE_1:
         model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=batch)

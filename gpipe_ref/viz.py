@@ -24,7 +24,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
-from .checks import integer, positive_int
+from .checks import instance, integer, positive_int
 from .figures import plot_linear_splits, plot_parallelism_overview
 from .loss_curves import CURVE_STYLES, loss_curves_svg, plot_convergence, running_mean
 from .timeline import Timeline
@@ -143,8 +143,7 @@ def _check_color_by(color_by: str) -> None:
 
 
 def _check_timeline(timeline: object) -> None:
-    if not isinstance(timeline, Timeline):
-        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+    instance("timeline", timeline, Timeline)
 
 
 def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from ..checks import integer
+from ..checks import instance, integer
 from ..partition import balance_report, partition_costs, uniform_balance
 from ..viz import timeline_svg
 from .base import Dashboard
@@ -117,8 +117,7 @@ class BalanceExplorer(Dashboard):
 
         self.models = dict(PRESETS)
         if measured is not None:
-            if not isinstance(measured, ModelCosts):
-                raise TypeError(f"measured must be a ModelCosts, got {type(measured).__name__}")
+            instance("measured", measured, ModelCosts)
             self.models["measured"] = measured
             preset = "measured"
         if preset not in self.models:
