@@ -34,8 +34,8 @@ def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "sa
     Each curve gets its own line style and marker (``CURVE_STYLES``), the markers of curve k
     shifted by k / len(results) of their spacing, so two curves that coincide exactly are both
     seen: the dashes of one over the other, and both sets of markers. ``markers`` is about how
-    many markers each curve carries (past 7 curves the styles repeat, the colours do not). The legend sits right of the axes, off the data
-    (``legend=False`` leaves it out, e.g. for all but one of several panels)."""
+    many markers each curve carries (past 7 curves the styles repeat, the colours do not). The legend sits
+    right of the axes, off the data (``legend=False`` leaves it out, e.g. for all but one of several panels)."""
     import matplotlib.pyplot as plt
 
     if x not in ("samples", "times"):

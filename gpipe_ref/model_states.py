@@ -1,7 +1,8 @@
-"""Bytes per parameter of the model states (weights, gradients, Adam's state) by precision and ZeRO stage (Rajbhandari et al. 2020, ZeRO, sec. 3.1 and 5).
+"""The model states' bytes per parameter by precision and ZeRO stage (Rajbhandari et al. 2020, sec. 3.1, 5).
 
-The one place the package counts them: ``memory`` (the memory anatomy), ``planner`` and
-``distributed.zero`` all read :data:`PRECISIONS` and :func:`model_state_bytes`.
+The model states are the weights, their gradients and Adam's state. This is the one place the package counts
+them: ``memory`` (the memory anatomy), ``planner`` and ``distributed.zero`` all read :data:`PRECISIONS` and
+:func:`model_state_bytes` (or :func:`state_bytes_per_parameter`).
 """
 
 from __future__ import annotations
