@@ -16,7 +16,8 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 3), made explic
 * memory: 16 bytes per parameter for mixed-precision Adam (16-bit weights and gradients, fp32 master weights
   and two moments; Rajbhandari et al. 2020, ZeRO, sec. 3.1; ``model_states``), activations of
   s b h (10 + 24 / t + 5 a s / (h t)) bytes per layer and micro-batch, or 2 s b h with full recomputation
-  (Korthikanti et al. 2022, sec. 4; ``activation_memory.layer_activation_bytes``), times the micro-batches the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved);
+  (Korthikanti et al. 2022, sec. 4; ``activation_memory.layer_activation_bytes``), times the micro-batches
+  the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved);
 * fit: a configuration fits when its memory per GPU is at most ``ClusterConfig.usable_memory`` (0.9 by
   default) x the GPU's memory; :func:`plan` drops the others. The 10% kept back is this planner's allowance
   for what the framework itself takes (CUDA context, communication buffers, allocator fragmentation), not a
