@@ -1,5 +1,7 @@
-"""The course's explanatory figures: three ways to share a model between two devices, and a Linear split by its
-outputs and by its inputs (Shoeybi et al. 2019, Megatron-LM, sec. 3)."""
+"""The course's figures: three ways to share a model between two devices; a Linear split two ways (Shoeybi et al. 2019).
+
+The split Linear is Megatron-LM's (sec. 3): by its outputs (concatenate) and by its inputs (sum).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Loss curves: training runs compared against samples seen or simulated time (``staleness.convergence``'s
-results; PipeDream's weight staleness, Narayanan et al. 2019, sec. 3.3), and a small SVG chart of them for widgets."""
+"""Loss curves of training runs compared, and a small SVG chart of them for widgets (Narayanan et al. 2019, sec. 3.3).
+
+The runs are ``staleness.convergence``'s (PipeDream's weight staleness), against samples seen or simulated time.
+"""
 
 from __future__ import annotations
 

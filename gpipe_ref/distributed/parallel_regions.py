@@ -1,5 +1,6 @@
-"""The communication operators of tensor parallelism as autograd functions, each collective recorded (Shoeybi et al.
-2019, Megatron-LM, sec. 3; Korthikanti et al. 2022, sec. 4.2.2).
+"""Tensor parallelism's communication operators as autograd functions, each collective recorded (Shoeybi et al. 2019).
+
+Megatron-LM's f and g (sec. 3), and sequence parallelism's pair (Korthikanti et al. 2022, sec. 4.2.2).
 
 ``f`` (:func:`copy_to_region`) is the identity forward and an all-reduce backward, ``g``
 (:func:`reduce_from_region`) the reverse; :func:`gather_from_region` and :func:`scatter_to_region` move a

@@ -1,6 +1,8 @@
-"""The memory-anatomy explorer: what one device holds (weights, gradients, optimizer state, activations)
-as the model is split dp x tp x pp, scheduled GPipe or 1F1B, recomputed or not, in fp32 or mixed bf16, with
-or without ZeRO sharding the model states over the dp ranks (stages 1-3).
+"""The memory-anatomy explorer: what one device holds as the model is split, scheduled, recomputed and sharded.
+
+Weights, gradients, optimizer state and activations, as the model is split dp x tp x pp, scheduled by one of the
+memory model's schedules, recomputed or not, in fp32 or mixed bf16, with or without ZeRO sharding the model
+states over the dp ranks (stages 1-3).
 
 The numbers come from :func:`gpipe_ref.memory.memory_anatomy`, which the tests hold equal to the bytes of a
 real step's tensors (:func:`gpipe_ref.memory.measure_anatomy`).

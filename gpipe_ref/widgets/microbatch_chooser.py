@@ -1,5 +1,7 @@
-"""The micro-batch chooser: global batch B, data-parallel d, stages p and micro-batch size b in; the
-number of micro-batches, the bubble, the step time by Megatron-LM's eq. 1 and the best b out.
+"""The micro-batch chooser: B, d, p and b in; m, the bubble, the step time and the best b out (Megatron-LM, eq. 1).
+
+In: the global batch B, data-parallel d, stages p and micro-batch size b. Out: the number of micro-batches, the
+bubble, the step time by Narayanan et al. 2021's eq. 1 and the best b.
 
 The model is :mod:`gpipe_ref.microbatch_size` (Narayanan et al. 2021, SC21, sec. 3.4): the cost of one
 micro-batch is either a fixed overhead plus a per-sample cost, set with sliders, or a table measured in
