@@ -25,6 +25,10 @@ from .schedule import gpipe
 from .simulator import CostModel, simulate
 from .timeline import Timeline
 
+__all__ = ["check_balance", "split", "partition_costs", "balance_by_params", "profiling", "layer_times",
+           "stage_times", "balance_by_time", "layer_sizes", "balance_by_size", "uniform_balance", "stage_sums",
+           "stage_cost_model", "BalanceReport", "balance_report"]
+
 
 def _check_sequential(module: object) -> nn.Sequential:
     if not isinstance(module, nn.Sequential):
@@ -63,8 +67,7 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
 
 
 def _check_partitions(partitions: object, layers: int) -> None:
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= layers:
-        raise ValueError(f"partitions must be an integer from 1 to the number of layers {layers}, got {partitions!r}")
+    integer("partitions", partitions, 1, layers)  # at most one stage per layer
 
 
 def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:

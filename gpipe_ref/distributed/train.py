@@ -240,4 +240,4 @@ def config_from_args(args) -> TrainConfig:
 
 
 __all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "seed_value", "MAX_SEED",
-           "checkpoint_modes", "config_from_args", "train_reference", "train_worker", "train", "run", "asdict"]
+           "checkpoint_modes", "config_from_args", "train_reference", "train_worker", "train", "run"]
