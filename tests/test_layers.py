@@ -18,14 +18,15 @@ PACKAGE = ROOT / "gpipe_ref"
 # Lowest first. A name ending in ".*" covers a subpackage: its __init__ and every module in it.
 LAYERS = [
     # sharding: the bytes each tensor-parallel collective moves, closed forms the library's layers also count
-    ("foundations", ["checks", "microbatch", "devices", "models", "measure", "meter", "sharding"]),
+    ("foundations", ["checks", "microbatch", "devices", "models", "measure", "meter", "sharding",
+                     "model_states"]),
     ("schedules", ["schedule", "schedule.*"]),
-    ("timelines", ["timeline", "simulator"]),
+    ("timelines", ["timeline", "chrome_trace", "simulator"]),
     ("stages", ["partition", "batchnorm", "stage_ops", "rematerialization", "activation_memory"]),
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size"]),
-    ("pictures", ["viz", "viz.*", "widgets", "widgets.*"]),
+    ("pictures", ["viz", "figures", "loss_curves", "widgets", "widgets.*"]),
     ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
     ("entry points", ["__main__", ""]),  # "": the package root, gpipe_ref/__init__.py
 ]
