@@ -153,7 +153,7 @@ def _newest_versions(schedule: Schedule, policy: WeightPolicy) -> dict[Action, i
             versions[a] = versions[Action("F", 0, i)] if vertical_sync and s > 0 else updates[s]
             continue
         versions[a] = versions[Action("F", s, i)] if stashed else updates[s]
-        if a.op == "B" and i % every == every - 1:
+        if a.op == "B" and (every == 1 or i % every == every - 1):  # 1 first: PipeDream's case, kept fast
             updates[s] += 1
     return versions
 
