@@ -9,11 +9,13 @@ The main classes are importable from here, as torch's and torchgpipe's are:
 """
 
 from .schedule import (
+    POLICIES,
     SCHEDULES,
     Action,
     Schedule,
     ScheduleError,
     ScheduleSpec,
+    WeightPolicy,
     execution_order,
     gpipe,
     interleaved_1f1b,
@@ -42,7 +44,8 @@ from .distributed.zero import ZeRO
 __version__ = "0.1.0"
 
 __all__ = [
-    "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "execution_order", "gpipe", "interleaved_1f1b",
+    "POLICIES", "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "WeightPolicy", "execution_order",
+    "gpipe", "interleaved_1f1b",
     "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate", "zero_bubble_h1",
     "CostModel", "bubble_formula", "simulate", "Event", "Timeline", "Transfer",
     "ActivationMeter", "DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",

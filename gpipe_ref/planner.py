@@ -36,7 +36,7 @@ from typing import Iterable
 from .activation_memory import layer_activation_bytes
 from .checks import fraction, instance, one_of, positive, positive_int
 from .model_states import PRECISIONS, state_bytes_per_parameter
-from .schedule import Schedule, make_schedule, schedule_names, schedule_spec
+from .schedule import Schedule, default_schedule, make_schedule, schedule_names, schedule_spec
 from .simulator import CostModel, simulate
 from .timeline import Timeline
 
@@ -395,7 +395,7 @@ def compare_with_megatron(cluster: ClusterConfig | None = None) -> list[dict]:
         model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=batch)
         base = cluster or ClusterConfig(gpus=gpus)
         here = ClusterConfig(**{**base.__dict__, "gpus": gpus})
-        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+        schedule = default_schedule(v)
         est = estimate(model, here, dp=gpus // (tp * pp), tp=tp, pp=pp, microbatch_size=b, schedule=schedule,
                        stages_per_device=v, recompute=True)
         rows.append({"parameters_b": round(model.parameters / 1e9, 1), "tp": tp, "pp": pp, "gpus": gpus,
