@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..microbatch import scatter
+from ..schedule import schedule_names, schedule_spec
 
-__all__ = ["accumulate_gradients", "alternate", "result_row", "summary", "timed_ranks"]
+__all__ = ["accumulate_gradients", "alternate", "one_stage_flush_schedules", "result_row", "summary", "timed_ranks"]
 
 
 def summary(samples: list[float]) -> dict:
@@ -58,3 +59,10 @@ def accumulate_gradients(model: nn.Module, x, y, chunks: int) -> None:
     n = x.shape[0]
     for xi, yi in zip(scatter(x, chunks), scatter(y, chunks)):
         (nn.functional.mse_loss(model(xi), yi) * (xi.shape[0] / n)).backward()
+
+
+def one_stage_flush_schedules(*, split_backward: bool | None = None) -> tuple[str, ...]:
+    """The registered flush schedules with one stage per device (GPipe, 1F1B, zero bubble, ...): those an
+    executor runs on the benchmarks' 4-stage or 2-stage models."""
+    return tuple(name for name in schedule_names(flush=True, split_backward=split_backward)
+                 if not schedule_spec(name).multi_stage)

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..measure import spread
 from ..models import mlp, regression_data
-from .common import accumulate_gradients, alternate, result_row
+from .common import accumulate_gradients, alternate, one_stage_flush_schedules, result_row
 
 __all__ = ["GPU_SCHEDULES", "GPU_SIZES", "gpu_cases", "gpu_memory_cases", "gpu_pipe"]
 
@@ -18,7 +18,7 @@ __all__ = ["GPU_SCHEDULES", "GPU_SIZES", "gpu_cases", "gpu_memory_cases", "gpu_p
 GPU_SIZES = [(256, 512, "float32"), (2048, 512, "float32"), (4096, 512, "bfloat16"), (8192, 4096, "bfloat16")]
 
 
-GPU_SCHEDULES = ("gpipe", "1f1b", "zero_bubble_h1")
+GPU_SCHEDULES = one_stage_flush_schedules()  # gpipe, 1f1b, zero_bubble_h1
 
 
 def _gpu_skipped(reason: str) -> list[dict]:
@@ -94,7 +94,7 @@ def gpu_memory_cases(width: int = 2048, blocks: int = 8, samples: int = 512) -> 
     x, y = (t.cuda() for t in regression_data(samples=samples, width=width, seed=0))
     rows = []
     for mode in ("never", "except_last", "always"):
-        pipe = gpu_pipe(width, blocks, torch.float32, "gpipe", ["cuda:0", "cuda:0"], checkpoint=mode)
+        pipe = gpu_pipe(width, blocks, torch.float32, GPU_SCHEDULES[0], ["cuda:0", "cuda:0"], checkpoint=mode)
         pipe.step(x, y, nn.MSELoss())  # the gradients exist from here on, as in training
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..models import mlp, regression_data
-from .common import accumulate_gradients, alternate, result_row, timed_ranks
+from ..schedule import make_schedule, schedule_names, schedule_spec
+from .common import accumulate_gradients, alternate, one_stage_flush_schedules, result_row, timed_ranks
 
 __all__ = ["concurrency_case", "executor_cases", "pipeline_cases", "simulator_cases", "speedup_profile",
            "torch_pipelining_cases"]
@@ -23,7 +24,7 @@ def _pipeline_rank(rank: int, world: int, width: int, rows: int, ms: list[int], 
     x, y = regression_data(samples=rows, width=width, seed=0)
     single = mlp(width=width, depth=4, seed=0)
     results = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in one_stage_flush_schedules(split_backward=False):  # gpipe, 1f1b
         for m in ms:
             # Each step records its timeline (a barrier and one all_gather_object: ~2 ms of a ~400 ms step), so
             # the profile and the simulator's calibration come from the very steps that were timed.
@@ -96,7 +97,6 @@ def pipeline_cases(quick: bool) -> list[dict]:
     """Case 1 (speedup vs one process, theory 2m/(m+1)) and case 3 (simulator fidelity)."""
     from ..distributed import launch
     from ..partition import balance_by_time
-    from ..schedule import make_schedule
     from ..simulator import calibrate, simulate
     from ..timeline import Event, Timeline
 
@@ -185,7 +185,7 @@ def torch_pipelining_cases(quick: bool) -> list[dict]:
     measured = launch(_torch_pipelining_rank, 2, width, rows, m, 3 if quick else 15, timeout=900)[0]
     return [result_row("ours vs torch.distributed.pipelining, 2 gloo ranks",
                  {"schedule": name, "microbatches": m, "width": width, "rows": rows}, a, b,
-                 target=1.10 if name == "interleaved_1f1b" else 1.00)
+                 target=1.10 if schedule_spec(name).multi_stage else 1.00)
             for name, a, b in measured]
 
 
@@ -194,8 +194,8 @@ def executor_cases(quick: bool) -> list[dict]:
 
     torch.set_num_threads(1)
     repeats = 3 if quick else 15  # a step takes 15-70 ms here: 15 rounds keep the medians steady at little cost
-    schedules = ("gpipe", "1f1b", "zero_bubble_h1")
-    cases = [(512, 512, 8, "gpipe"), (512, 512, 8, "1f1b")] if quick else \
+    schedules = one_stage_flush_schedules()  # gpipe, 1f1b, zero_bubble_h1
+    cases = [(512, 512, 8, s) for s in schedules[:2]] if quick else \
         [(512, 512, 8, s) for s in schedules] + [(256, 256, 16, s) for s in schedules]
     try:
         import torchgpipe
@@ -216,7 +216,7 @@ def executor_cases(quick: bool) -> list[dict]:
         sides = [lambda: timed(lambda: ours.step(x, y, nn.MSELoss())),
                  lambda: timed(lambda: accumulate_gradients(reference, x, y, chunks))]
         peer_pipe = None
-        if torchgpipe is not None and schedule == "gpipe":
+        if torchgpipe is not None and schedule == schedules[0]:  # torchgpipe runs fill-drain only
             peer_pipe = torchgpipe.GPipe(mlp(width=width, depth=8, seed=0), balance=[4] * 4, devices=["cpu"] * 4,
                                          chunks=chunks, checkpoint="never")
 
@@ -240,13 +240,11 @@ def executor_cases(quick: bool) -> list[dict]:
 
 
 def simulator_cases(quick: bool) -> list[dict]:
-    from ..schedule import make_schedule
     from ..simulator import simulate
 
-    cases = [("gpipe", 64, 1024, 1), ("1f1b", 64, 1024, 1), ("zero_bubble_h1", 64, 1024, 1),
-             ("pipedream_async", 64, 1024, 1), ("interleaved_1f1b", 32, 1024, 2)]
-    if not quick:
-        cases.append(("interleaved_1f1b", 64, 1024, 2))
+    cases = [(name, 64, 1024, 1) for name in schedule_names() if not schedule_spec(name).multi_stage]
+    multi = [name for name in schedule_names() if schedule_spec(name).multi_stage]
+    cases += [(name, p, 1024, 2) for name in multi for p in ((32,) if quick else (32, 64))]
     out = []
     for name, p, m, v in cases:
         schedule = make_schedule(name, p, m, v)
