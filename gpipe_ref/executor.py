@@ -17,7 +17,7 @@ from .meter import ActivationMeter
 from .microbatch import batch_size
 from .rematerialization import Snapshot, captured, rematerializes, replayed
 from .schedule import Action
-from .stage_ops import (backward_into, check_activation, check_loss, detached, grads_of, input_grads,
+from .stage_ops import (backward_into, check_activation, check_loss, detached, fusable_linear, grads_of, input_grads,
                         linear_weight_grads, received, run_layers, to_device)
 from .timeline import Timeline
 
@@ -62,8 +62,9 @@ class StepRun:
         self.last_stage = schedule.num_stages - 1
         self.stage_devices = [pipe.stage_device(s) for s in range(schedule.num_stages)]
         self.layers = [tuple(stage) if stage is not None else () for stage in pipe.stages]
-        # for W: (index, trainable parameters) of each stage's layers that have some
-        self.weight_layers = [[(j, params) for j, params in
+        # for W: (index, trainable parameters, whether its W is its own matrix products) of each stage's layers
+        # that have trainable parameters
+        self.weight_layers = [[(j, params, fusable_linear(layers[j])) for j, params in
                                ((j, [p for p in layer.parameters() if p.requires_grad]) for j, layer in enumerate(layers))
                                if params] for layers in self.layers] if self.split_backward else []
         mode, m = pipe.checkpoint, schedule.num_microbatches
@@ -197,7 +198,7 @@ class StepRun:
         inputs = st.inputs if isinstance(st.inputs, tuple) else (st.inputs,)
         wants = [t.requires_grad for t in inputs]  # an integer activation has no gradient
         chain = st.chain
-        wanted = [j for j, _ in self.weight_layers[stage] if chain[j] is not root]
+        wanted = [j for j, _, _ in self.weight_layers[stage] if chain[j] is not root]
         outputs = {j: chain[j] if isinstance(chain[j], tuple) else (chain[j],) for j in wanted}
         targets = [t for t, w in zip(inputs, wants) if w] + [t for j in wanted for t in outputs[j] if t.requires_grad]
         differentiable = isinstance(root, tuple) or root.requires_grad
@@ -218,7 +219,7 @@ class StepRun:
             layer_grads = tuple(next(found) if t.requires_grad else None for t in outputs[j])
             grads.append(layer_grads if isinstance(chain[j], tuple) else layer_grads[0])
         st.chain_grads = dict(zip(wanted, grads))
-        for j, _ in self.weight_layers[stage]:  # layers whose output is the stage output itself (later layers
+        for j, _, _ in self.weight_layers[stage]:  # layers whose output is the stage output itself (later layers
             if chain[j] is root:  # may be identities): its gradient is the one that came from the next stage
                 st.chain_grads[j] = grad
 
@@ -226,11 +227,12 @@ class StepRun:
         """W: each layer's weight gradients from its output's gradient (kept by B)."""
         st = self.state[(stage, microbatch)]
         layers, chain = self.layers[stage], st.chain
-        for j, params in self.weight_layers[stage]:
+        for j, params, fusable in self.weight_layers[stage]:
             g = st.chain_grads.get(j)
             if g is None:
                 continue
-            if not isinstance(g, torch.Tensor) or not linear_weight_grads(layers[j], chain[j - 1] if j else st.inputs, g):
+            if not (fusable and type(g) is torch.Tensor
+                    and linear_weight_grads(layers[j], chain[j - 1] if j else st.inputs, g)):
                 backward_into(chain[j], g, params)  # into .grad as loss.backward() would; post-accumulate hooks fire
         self._release(stage, microbatch)
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from .microbatch import Batch
 
-__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "grads_of", "input_grads",
-           "linear_weight_grads", "received", "requires_grad", "run_layers", "to_device"]
+__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "fusable_linear", "grads_of",
+           "input_grads", "linear_weight_grads", "received", "requires_grad", "run_layers", "to_device"]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -113,34 +113,42 @@ def grads_of(root: Batch, targets: Sequence[torch.Tensor], grad: Batch | None) -
         (root,), (torch.ones_like(root) if grad is None else grad,), True, False, tuple(targets), True, False)
 
 
-def linear_weight_grads(layer: nn.Module, x, g: torch.Tensor) -> bool:
-    """W of a plain ``nn.Linear`` as the matrix products themselves: for z = x A^T + b, dA = g^T x and
-    db = the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run apart
-    from B). From the second micro-batch on, the product accumulates straight into ``.grad``
-    (``addmm_``, as Megatron-LM's gradient-accumulation fusion does), where autograd would form it and
-    then add it: on a CPU that saves a pass over the weight and the autograd call, a sixth of a small
-    model's zero bubble step. The sum then rounds differently from loss.backward()'s, in the last bits.
-    Returns False, and leaves the work to autograd, for anything else: another layer type, hooks on a
-    parameter, mixed dtypes (autocast), a sparse gradient."""
-    if type(layer) is not nn.Linear or not isinstance(x, torch.Tensor):
+def fusable_linear(layer: nn.Module) -> bool:
+    """Whether W of ``layer`` may run as its own matrix products (:func:`linear_weight_grads`): a plain
+    ``nn.Linear`` whose trainable parameters have no hooks and dense gradients. W of anything else (another
+    layer type, hooks on a parameter, a sparse gradient) is left to autograd."""
+    if type(layer) is not nn.Linear:
         return False
     params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
-    if any(p._backward_hooks or p._post_accumulate_grad_hooks or (p.grad is not None and p.grad.layout != torch.strided)
-           or p.dtype != g.dtype for p in params) or x.dtype != g.dtype:
-        return False
-    g2, x2 = g.reshape(-1, g.shape[-1]), x.detach().reshape(-1, x.shape[-1])
+    return bool(params) and not any(
+        p._backward_hooks or p._post_accumulate_grad_hooks or (p.grad is not None and p.grad.layout != torch.strided)
+        for p in params)
+
+
+def linear_weight_grads(layer: nn.Linear, x, g: torch.Tensor) -> bool:
+    """W of a :func:`fusable_linear` layer as the matrix products themselves: for z = x A^T + b, dA = g^T x
+    and db = the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run apart
+    from B). From the second micro-batch on, the product accumulates straight into ``.grad`` (``addmm_``, as
+    Megatron-LM's gradient-accumulation fusion does), where autograd would form it and then add it: on a CPU
+    that saves a pass over the weight and the autograd call, a sixth of a small model's zero bubble step. The
+    sum then rounds differently from loss.backward()'s, in the last bits. None of these tensors requires
+    grad, so no graph is built. Returns False, and leaves the work to autograd, when the input, the gradient
+    and the weight do not share one dtype (autocast)."""
     weight, bias = layer.weight, layer.bias
-    with torch.no_grad():
-        if weight.requires_grad:
-            if weight.grad is None:
-                weight.grad = g2.t() @ x2
-            else:  # the product adds itself into .grad: no temporary, one pass over it (see above)
-                weight.grad.addmm_(g2.t(), x2)
-        if bias is not None and bias.requires_grad:
-            if bias.grad is None:
-                bias.grad = g2.sum(0)
-            else:
-                bias.grad.add_(g2.sum(0))
+    if not isinstance(x, torch.Tensor) or not x.dtype == g.dtype == weight.dtype:
+        return False
+    g2 = g if g.dim() == 2 else g.reshape(-1, g.shape[-1])
+    x2 = x.detach() if x.dim() == 2 else x.detach().reshape(-1, x.shape[-1])
+    if weight.requires_grad:
+        if weight.grad is None:
+            weight.grad = g2.t() @ x2
+        else:  # the product adds itself into .grad: no temporary, one pass over it (see above)
+            weight.grad.addmm_(g2.t(), x2)
+    if bias is not None and bias.requires_grad:
+        if bias.grad is None:
+            bias.grad = g2.sum(0)
+        else:
+            bias.grad.add_(g2.sum(0))
     return True
 
 
