@@ -10,7 +10,7 @@ import pytest
 
 from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.ex01_data_parallel import measure_traffic
+from gpipe_ref.grading.exercises.ex01_data_parallel import measure_traffic
 
 PRELUDE = """
 import torch

@@ -9,7 +9,7 @@ import pytest
 
 from planted import assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.core import THINKING
+from gpipe_ref.grading.cases import THINKING
 
 PRELUDE = """
 from gpipe_ref import Action

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.ex04_gpipe import design_held, design_step_time, judge_design, reference_design
+from gpipe_ref.grading.exercises.ex04_gpipe import design_held, design_step_time, judge_design, reference_design
 from gpipe_ref.memory import microbatches_in_flight
 from gpipe_ref.microbatch_size import LinearCost, megatron_step_time
 

@@ -13,7 +13,7 @@ import pytest
 
 from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
+from gpipe_ref.grading.exercises.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
 from gpipe_ref.memory import MemorySetup, measure_anatomy, memory_anatomy
 
 ROOT = Path(__file__).resolve().parent.parent

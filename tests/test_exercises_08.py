@@ -10,7 +10,7 @@ import pytest
 
 from planted import GRADE_LIMIT_S, assert_caught, run_answer
 from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.ex08_zero import fewest_gpus
+from gpipe_ref.grading.exercises.ex08_zero import fewest_gpus
 
 PRELUDE = """
 import torch

@@ -15,8 +15,8 @@ import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS
-from gpipe_ref.grading.classroom import grade_paths
-from gpipe_ref.grading.grader import MAX_TIMEOUT, grade_notebook
+from gpipe_ref.grading.grader_side.classroom import grade_paths
+from gpipe_ref.grading.grader_side.grader import MAX_TIMEOUT, grade_notebook
 from gpipe_ref.grading.notebooks import COURSE, exercise_of
 from test_grading import planted_answers
 
@@ -158,7 +158,7 @@ def test_grader_bad_inputs_give_clear_errors(tmp_path):
 ])
 def test_time_limits_are_refused_before_any_notebook_runs(limits, message, tmp_path, monkeypatch):
     graded = []
-    monkeypatch.setattr("gpipe_ref.grading.grader.read", lambda path, data=None: graded.append(path))
+    monkeypatch.setattr("gpipe_ref.grading.grader_side.grader.read", lambda path, data=None: graded.append(path))
     for grade_one in (lambda: grade_notebook(tmp_path / "a.ipynb", **limits),
                       lambda: grade_paths([tmp_path], **limits)):
         with pytest.raises(ValueError) as refused:

@@ -16,11 +16,12 @@ import torch
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
-from gpipe_ref.grading.common import judge_fill_drain, schedule_generators
-from gpipe_ref.grading.core import Case, Exercise, forbidden_use, judge, run_cases, same
+from gpipe_ref.grading.exercises.common import judge_one_stage_per_device, schedule_generators
+from gpipe_ref.grading.cases import Case, Exercise
+from gpipe_ref.grading.judge import forbidden_use, judge, run_cases, same
 from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
-from gpipe_ref.grading.runner import run_one
-from gpipe_ref.grading.wire import dumps, loads
+from gpipe_ref.grading.kernel_side.runner import run_one
+from gpipe_ref.grading.kernel_side.wire import dumps, loads
 from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister
 
 SOLUTIONS = ROOT / "solutions"
@@ -465,19 +466,19 @@ def test_a_schedule_registered_later_is_refused_too():
     assert f"{__name__}.my_fill_drain" not in EXERCISES["04.1"].forbidden_names()
 
 
-def test_judge_fill_drain_accepts_gpipe_and_names_what_is_wrong():
-    schedule = judge_fill_drain([list(a) for a in gpipe(3, 2).per_device], 3, 2)
+def test_judge_one_stage_per_device_accepts_gpipe_and_names_what_is_wrong():
+    schedule = judge_one_stage_per_device([list(a) for a in gpipe(3, 2).per_device], 3, 2)
     assert schedule.per_device == gpipe(3, 2).per_device
-    assert judge_fill_drain([[]], 2, 2) == "expected a list of 2 per-device lists, got list of length 1"
-    assert judge_fill_drain("x", 2, 2) == "expected a list of 2 per-device lists, got str of length 1"
+    assert judge_one_stage_per_device([[]], 2, 2) == "expected a list of 2 per-device lists, got list of length 1"
+    assert judge_one_stage_per_device("x", 2, 2) == "expected a list of 2 per-device lists, got str of length 1"
     wrong = [list(a) for a in gpipe(2, 2).per_device]
     wrong[1] = wrong[1][:-1]
-    assert judge_fill_drain(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for micro-batches 0..1 "
+    assert judge_one_stage_per_device(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for micro-batches 0..1 "
                                                     "once each; missing ['1B1']")
     swapped = [list(a) for a in gpipe(2, 2).per_device]
     swapped[0][1], swapped[0][2] = swapped[0][2], swapped[0][1]
-    assert judge_fill_drain(swapped, 2, 2).startswith("device 0 runs a backward before its last forward")
-    assert judge_fill_drain(swapped, 2, 2, forwards_first=False) == (
+    assert judge_one_stage_per_device(swapped, 2, 2).startswith("device 0 runs a backward before its last forward")
+    assert judge_one_stage_per_device(swapped, 2, 2, forwards_first=False) == (
         "the schedule does not run: deadlock, cycle: device 0 waits at 0B0 for 1B0 (device 1); "
         "device 1 waits at 1F1 for 0F1 (device 0)")
 
@@ -602,7 +603,7 @@ def test_build_refuses_a_folder_without_solutions_and_makes_nothing(tmp_path):
 
 
 def test_an_exercise_names_a_known_category():
-    from gpipe_ref.grading.core import CATEGORIES, Exercise
+    from gpipe_ref.grading.cases import CATEGORIES, Exercise
 
     with pytest.raises(ValueError, match=r"category must be one of .*'design'.*got 'quiz'"):
         Exercise("99.1", "t", "answer", 1, list, list, category="quiz")

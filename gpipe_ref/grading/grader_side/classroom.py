@@ -29,12 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import NOTEBOOKS
-from .core import Verdict
-from .notebooks import NotebookError, read
+from ..cases import Verdict
+from ..exercises.catalog import NOTEBOOKS
+from ..notebooks import NotebookError, read
 from . import grader
 from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, suspicious
-from .kernel import become_private, become_subreaper, end_processes, live_processes
+from .processes import become_private, become_subreaper, end_processes, live_processes
+
+__all__ = ["PACKAGE", "PackageChanged", "Submission", "Worker", "changed_files", "collect", "grade_paths",
+           "package_hashes", "preload", "result_of"]
 
 PACKAGE = Path(__file__).resolve().parents[1]
 

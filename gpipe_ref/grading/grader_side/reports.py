@@ -10,8 +10,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import EXERCISES
+from ..exercises.catalog import EXERCISES
 from .grader import NotebookResult
+
+__all__ = ["by_exercise", "feedback_markdown", "feedback_name", "format_by_exercise", "format_table", "gradebook_csv",
+           "summary"]
 
 
 def format_table(result: NotebookResult) -> str:

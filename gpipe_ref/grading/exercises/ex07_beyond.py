@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import re
 
-from ..planner import ClusterConfig, ModelConfig, estimate
-from ..playground import PLAYGROUND_COST, analyse
-from ..schedule import Action, Schedule, ScheduleError, make_schedule, validate, zero_bubble_h1
-from ..simulator import CostModel, simulate
+from ...planner import ClusterConfig, ModelConfig, estimate
+from ...playground import PLAYGROUND_COST, analyse
+from ...schedule import Action, Schedule, ScheduleError, make_schedule, validate, zero_bubble_h1
+from ...simulator import CostModel, simulate
+from ..cases import Case, Exercise
+from ..judge import short_repr
 from .common import schedule_generators
-from .core import Case, Exercise, short_repr
+
+__all__ = ["EXERCISES", "INTERLEAVED", "LAYOUT", "OWN_SCHEDULE", "ZB_COST", "ZB_DEBUG", "best_layout"]
 
 # -- 07.1 the interleaved bubble ------------------------------------------------------------------------------
 
@@ -157,7 +160,7 @@ def _layout_hidden() -> list[Case]:
 LAYOUT = Exercise(
     "07.3", "A layout for a memory budget", "pick_layout", 3, _layout_cases, _layout_hidden,
     forbidden=("gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
-               "gpipe_ref.grading.ex07_beyond.best_layout"), category="design")
+               "gpipe_ref.grading.exercises.ex07_beyond.best_layout"), category="design")
 
 # -- 07.4 find the bug in a zero-bubble generator ------------------------------------------------------------------
 

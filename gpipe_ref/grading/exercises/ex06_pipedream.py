@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from ..schedule import Action, one_f_one_b, pipedream_async, weight_versions
-from ..simulator import simulate
-from .common import judge_fill_drain, schedule_generators
-from .core import Case, Exercise, same, short_repr
+from ...schedule import Action, one_f_one_b, pipedream_async, weight_versions
+from ...simulator import simulate
+from ..cases import Case, Exercise
+from ..judge import same, short_repr
+from .common import dict_or_type, judge_one_stage_per_device, schedule_generators
+
+__all__ = ["EXERCISES", "ONE_F_ONE_B", "PREDICT_VERSIONS", "STASHED", "TWO_BW", "VARIANTS", "WARMUP"]
 
 # -- 06.1 forwards before the first backward ---------------------------------------------------------------
 
@@ -42,7 +45,7 @@ def _one_f_one_b_case(p: int, m: int) -> Case:
         return {"held": [min(m, p - d) for d in range(p)], "bubble": round((p - 1) / (m + p - 1), 12)}
 
     def compare(actual, expected):
-        schedule = judge_fill_drain(actual, p, m, "yours", forwards_first=False)
+        schedule = judge_one_stage_per_device(actual, p, m, "yours", forwards_first=False)
         if isinstance(schedule, str):
             return schedule
         timeline = simulate(schedule)
@@ -121,7 +124,7 @@ VARIANTS = {"stashing": {}, "vertical_sync": {"vertical_sync": True}}
 def _measured(p: int, m: int) -> dict:
     """What a real run of PipeDream's schedule with m micro-batches records, per variant: each stage's peak
     versions held and the largest staleness of any micro-batch on it."""
-    from ..staleness import version_table
+    from ...staleness import version_table
 
     out = {}
     for name, options in VARIANTS.items():
@@ -134,11 +137,11 @@ def _measured(p: int, m: int) -> dict:
 def _prediction_case(p: int, m: int, shown: bool = True) -> Case:
     def compare(actual, expected):
         if not isinstance(actual, dict) or set(actual) != set(VARIANTS):
-            return f"expected a dict with the keys {sorted(VARIANTS)}, got {_describe(actual)}"
+            return f"expected a dict with the keys {sorted(VARIANTS)}, got {dict_or_type(actual)}"
         for name in VARIANTS:
             entry = actual[name]
             if not isinstance(entry, dict) or set(entry) != {"held", "staleness"}:
-                return f"{name}: expected a dict with the keys ['held', 'staleness'], got {_describe(entry)}"
+                return f"{name}: expected a dict with the keys ['held', 'staleness'], got {dict_or_type(entry)}"
             for key in ("held", "staleness"):
                 values = entry[key]
                 if not isinstance(values, list) or len(values) != p:
@@ -161,10 +164,6 @@ def _prediction_case(p: int, m: int, shown: bool = True) -> Case:
                      "vertical sync, whose choice of version does a later stage follow, and how long must it keep it?")
 
 
-def _describe(value) -> str:
-    return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__
-
-
 PREDICT_VERSIONS = Exercise(
     "06.4", "Predict, then check: versions held and staleness", "predict_pipedream", 3,
     lambda: [_prediction_case(4, 3), _prediction_case(2, 5)],
@@ -182,7 +181,7 @@ PREDICT_VERSIONS = Exercise(
 def _two_bw_expected(p: int, batch: int, n: int):
     """The library's 2BW run: None when the order does not suit 2BW, else each device's versions (one per action,
     in order) and staleness (one per backward, in order)."""
-    from ..staleness import double_buffered_versions, version_table
+    from ...staleness import double_buffered_versions, version_table
 
     schedule = pipedream_async(p, n)
     try:
@@ -206,11 +205,11 @@ def _two_bw_case(p: int, batch: int, batches: int) -> Case:
         if expected is None:
             return None if actual is None else (f"2BW cannot run batches of {batch} micro-batches on {p} stages "
                                                 f"(Narayanan et al. 2021, sec. 3.1): expected None, got "
-                                                f"{_describe(actual)}")
+                                                f"{dict_or_type(actual)}")
         if actual is None:
             return f"returned None, but 2BW runs batches of {batch} micro-batches on {p} stages"
         if not isinstance(actual, dict) or set(actual) != {"versions", "staleness"}:
-            return f"expected a dict with the keys ['staleness', 'versions'], got {_describe(actual)}"
+            return f"expected a dict with the keys ['staleness', 'versions'], got {dict_or_type(actual)}"
         actions = pipedream_async(p, n).per_device
         for key in ("versions", "staleness"):
             if not isinstance(actual[key], list) or len(actual[key]) != p:
