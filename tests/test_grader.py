@@ -18,7 +18,7 @@ from gpipe_ref.grading import EXERCISES, NOTEBOOKS
 from gpipe_ref.grading.grader_side.classroom import grade_paths
 from gpipe_ref.grading.grader_side.grader import MAX_TIMEOUT, grade_notebook
 from gpipe_ref.grading.notebooks import COURSE, exercise_of
-from test_grading import planted_answers
+from planted import planted_answers
 
 SOLUTIONS = ROOT / "solutions"
 EXERCISE_DIR = ROOT / "exercises"

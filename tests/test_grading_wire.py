@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from gpipe_ref.grading import EXERCISES, grade, wire
+from gpipe_ref.grading import EXERCISES, grade
+from gpipe_ref.grading.kernel_side import wire
 from gpipe_ref.grading.cases import Case, Exercise, Verdict
 from gpipe_ref.grading.judge import judge, run_cases
 from gpipe_ref.grading.kernel_side.guard import EXPECTED_VALUES
