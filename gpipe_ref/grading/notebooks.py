@@ -1,5 +1,6 @@
-"""Exercise notebooks: finding exercise and check cells, building exercises/ from solutions/,
-and copying exercises/ into a learner's work folder.
+"""Exercise notebooks: their exercise and check cells, exercises/ built from solutions/, a learner's copy.
+
+A learner's copy goes into a work folder (:func:`start`).
 
 A solution cell starts with ``# Exercise NN.K · title`` and holds its answer
 between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers).

@@ -15,7 +15,8 @@ def schedule_generators() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*names, "gpipe_ref.schedule.make_schedule"]))
 
 
-def judge_one_stage_per_device(actions, p: int, m: int, name: str = "gpipe", forwards_first: bool = True) -> Schedule | str:
+def judge_one_stage_per_device(actions, p: int, m: int, name: str = "gpipe",
+                               forwards_first: bool = True) -> Schedule | str:
     """The validated Schedule when ``actions`` (per-device lists) is a valid one-stage-per-device schedule of
     ``p`` stages and ``m`` micro-batches (all forwards before any backward when ``forwards_first``), else why not."""
     if not isinstance(actions, (list, tuple)) or len(actions) != p:

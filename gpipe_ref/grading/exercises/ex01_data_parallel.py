@@ -1,5 +1,4 @@
-"""Exercises for notebook 01: averaging gradients, the ring's chunk order, the bug in a bucket assignment (DDP,
-simplified), the bytes each rank sends (predicted, then measured)."""
+"""Exercises for notebook 01: averaged gradients, the ring's chunks, a bucket bug, the bytes each rank sends."""
 
 from __future__ import annotations
 

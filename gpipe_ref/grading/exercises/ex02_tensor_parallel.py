@@ -1,5 +1,4 @@
-"""Exercises for notebook 02: column and row splits of a Linear, the f operator's backward, and a prediction of
-the bytes a Megatron MLP block sends."""
+"""Exercises for notebook 02: column and row splits, the f operator's backward, a Megatron MLP block's bytes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Exercises for notebook 03: naive model parallelism's idle time, balancing, cutting a model, the backward
-across stage boundaries."""
+"""Exercises for notebook 03: naive model parallelism's idle time, balancing, cutting a model, stage boundaries."""
 
 from __future__ import annotations
 

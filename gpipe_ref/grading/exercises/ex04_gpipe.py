@@ -1,5 +1,7 @@
-"""Exercises for notebook 04: the GPipe schedule as data, its bubble, uneven micro-batches, a broken gradient
-accumulation, and a micro-batch size chosen under a step-time target and a memory budget."""
+"""Exercises for notebook 04: GPipe's schedule and bubble, uneven micro-batches, accumulation, a micro-batch size.
+
+The last asks for a micro-batch size chosen under a step-time target and a memory budget.
+"""
 
 from __future__ import annotations
 

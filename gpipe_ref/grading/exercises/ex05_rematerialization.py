@@ -1,5 +1,7 @@
-"""Exercises for notebook 05: activation memory per checkpoint mode, a checkpointed forward,
-how many micro-batches a device holds, a design under a memory budget and a step-time target."""
+"""Exercises for notebook 05: activation memory per checkpoint mode, a checkpointed forward, micro-batches held.
+
+The last asks for a design under a memory budget and a step-time target.
+"""
 
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def _peak_hidden() -> list[Case]:
 
 
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
-                _peak_shown, _peak_hidden, forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.measured_peaks",
+                _peak_shown, _peak_hidden,
+                forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.measured_peaks",
                            "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
                            "gpipe_ref.memory.measure_anatomy"), category="formula")
 

@@ -25,6 +25,7 @@ from .processes import end_processes
 
 __all__ = ["Kernel", "Trouble"]
 
+RUNNER = "gpipe_ref.grading.kernel_side.runner"  # the module the kernel runs each case with
 # the reply's text: the repr of one base64 string, checked before anything parses it
 BASE64_LITERAL = re.compile(r"'([A-Za-z0-9+/=]*)'")
 
@@ -108,8 +109,9 @@ class Kernel:
         """The kernel's reply for case ``index`` of ``exercise_id`` (decoded data), or what went wrong.
 
         The request is a user expression of the grader's own execute request: the reply comes back in the
-        execute reply, never on stdout. Raises :class:`..kernel_side.wire.Malformed` for a reply that is not data."""
-        expression = (f"__import__('base64').b64encode(__import__('gpipe_ref.grading.kernel_side.runner', fromlist=['reply'])"
+        execute reply, never on stdout. Raises
+        :class:`..kernel_side.wire.Malformed` for a reply that is not data."""
+        expression = (f"__import__('base64').b64encode(__import__('{RUNNER}', fromlist=['reply'])"
                       f".reply({exercise_id!r}, {int(index)}, {float(case_timeout)!r}).encode()).decode()")
         content = self._request("", case_timeout + slack, {"reply": expression})
         if isinstance(content, Trouble):

@@ -1,5 +1,4 @@
-"""What the grader writes: a table per notebook, the JSON summary, a CSV gradebook, Markdown feedback per
-notebook, and per exercise what the class missed."""
+"""What the grader writes: tables, the JSON summary, a CSV gradebook, Markdown feedback, what the class missed."""
 
 from __future__ import annotations
 
