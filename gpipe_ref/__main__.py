@@ -398,6 +398,7 @@ def _check_exercises_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_start_arguments(args: argparse.Namespace, exercises: Path) -> None:
+    """``exercises start``: notebooks to copy, and a work folder (DIR) that is not exercises/ and can be written."""
     given = args.work if args.work is not None else "work"
     work = Path(given)
     if not any(exercises.glob("[0-9][0-9]_*.ipynb")):
