@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -243,3 +244,17 @@ def test_bad_class_options_are_refused_before_grading(tmp_path):
         result = _grade_cli(EXERCISE_DIR / "04_gpipe.ipynb", *args, timeout=60)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+def test_the_grader_hashes_and_preloads_the_whole_package():
+    """The integrity check and the preload cover every file of gpipe_ref, not only grading/ (the class grader sits
+    two folders below the package)."""
+    import gpipe_ref
+    from gpipe_ref.grading.grader_side.classroom import PACKAGE, package_hashes, preload
+
+    assert PACKAGE == Path(gpipe_ref.__file__).resolve().parent
+    hashes = package_hashes()
+    assert {"__init__.py", "__main__.py", "checks.py", "grading/judge.py",
+            "grading/grader_side/classroom.py"} <= set(hashes), sorted(hashes)[:10]
+    preload()
+    assert {"gpipe_ref.viz", "gpipe_ref.distributed.launch", "gpipe_ref.grading.exercises.ex08_zero"} <= set(sys.modules)

@@ -1,3 +1,3 @@
 """The grader's side: start and end kernels (kernel, processes), grade a notebook, a class, and report."""
 
-__all__: list[str] = []
+__all__ = []
