@@ -9,11 +9,13 @@ The main classes are importable from here, as torch's and torchgpipe's are:
 """
 
 from .schedule import (
+    POLICIES,
     SCHEDULES,
     Action,
     Schedule,
     ScheduleError,
     ScheduleSpec,
+    WeightPolicy,
     execution_order,
     gpipe,
     interleaved_1f1b,
@@ -28,7 +30,7 @@ from .schedule import (
 )
 from .simulator import CostModel, bubble_formula, simulate
 from .timeline import Event, Timeline, Transfer
-from .memory import ActivationMeter
+from .meter import ActivationMeter
 from .batchnorm import (DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d,
                         convert_deferred_batch_norm)
 from .partition import balance_by_params, balance_by_size, balance_by_time
@@ -42,7 +44,8 @@ from .distributed.zero import ZeRO
 __version__ = "0.1.0"
 
 __all__ = [
-    "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "execution_order", "gpipe", "interleaved_1f1b",
+    "POLICIES", "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "WeightPolicy", "execution_order",
+    "gpipe", "interleaved_1f1b",
     "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate", "zero_bubble_h1",
     "CostModel", "bubble_formula", "simulate", "Event", "Timeline", "Transfer",
     "ActivationMeter", "DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",

@@ -432,7 +432,7 @@ def _grade(args: argparse.Namespace) -> int:
 
 
 def _staleness(args: argparse.Namespace) -> int:
-    from .schedule import pipedream_async
+    from .schedule import POLICIES, WeightPolicy, pipedream_async
     from .staleness import VARIANTS, convergence, default_model, version_table
 
     layers = len(default_model())
@@ -446,9 +446,13 @@ def _staleness(args: argparse.Namespace) -> int:
           f"{args.steps} x {args.microbatches} micro-batches")
     print(f"{'variant':26}" + "".join(f"{'lr ' + str(lr):>12}" for lr in args.lr))
     for variant in VARIANTS:
-        if variant == "pipedream_2bw" and args.microbatches < args.stages:
-            print(f"{variant:26}   skipped: PipeDream-2BW needs micro-batches >= stages (sec. 3.1)")
-            continue
+        if variant in POLICIES:
+            label, policy = POLICIES[variant]
+            try:
+                policy.per_batch(args.microbatches).check(pipedream_async(args.stages, args.microbatches))
+            except ValueError as error:  # a policy this run's shape cannot follow
+                print(f"{variant:26}   skipped: {label}: {error}")
+                continue
         row = []
         for lr in args.lr:
             result = convergence(variant, stages=args.stages, microbatches=args.microbatches, steps=args.steps, lr=lr)
@@ -457,9 +461,10 @@ def _staleness(args: argparse.Namespace) -> int:
             row.append(sum(result["losses"][-args.microbatches:]) / args.microbatches)
         print(f"{variant:26}" + "".join(f"{v:>12.4g}" for v in row))
     print("\nPipeDream with weight stashing: (forward version, backward version, staleness) per micro-batch")
+    bound = WeightPolicy().held_bound(args.stages)
     for s in range(args.stages):
         print(f"stage {s}: " + " ".join(str(record.versions[(s, i)]) for i in range(args.microbatches))
-              + f"   versions held: {record.stash_peak[s]} (bound {args.stages - s})")
+              + f"   versions held: {record.stash_peak[s]} (bound {bound[s]})")
     return output.finish(results)
 
 

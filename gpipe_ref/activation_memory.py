@@ -18,7 +18,7 @@ terms (sec. 5); full recomputation keeps only the layer's input, 2 s b h (Table 
 parallelism each rank keeps its own s / t tokens of it).
 
 :data:`TERMS` writes each term down with the :class:`gpipe_ref.models.TransformerLayer` step that saves it;
-:func:`measure_layer` counts what each step of a real layer saves, with :class:`gpipe_ref.memory.ActivationMeter`.
+:func:`measure_layer` counts what each step of a real layer saves, with :class:`gpipe_ref.meter.ActivationMeter`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .checks import one_of, positive_int
+
+__all__ = ["CORE_INPUT", "LABELS", "LAYER_INPUT", "RECOMPUTE", "TERMS", "Term", "layer_activation_bytes", "layer_terms",
+           "measure_layer", "paper_formula", "pytorch_extra_bytes"]
 
 if TYPE_CHECKING:  # the formulas need no torch (the planner uses them); measure_layer imports it
     import torch
@@ -129,12 +132,12 @@ def pytorch_extra_bytes(s: int, b: int, element_size: int = 2) -> dict[str, int]
 
 def measure_layer(layer: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Bytes each submodule of ``layer`` saved for the backward during one forward pass of ``x`` (its own
-    saves, not its children's), by :class:`~gpipe_ref.memory.ActivationMeter`; key "" for the layer's own code.
+    saves, not its children's), by :class:`~gpipe_ref.meter.ActivationMeter`; key "" for the layer's own code.
     Every key is present, zeros included, and the values add up to the meter's total."""
     import torch
     from torch import nn
 
-    from .memory import ActivationMeter
+    from .meter import ActivationMeter
 
     if not isinstance(layer, nn.Module):
         raise TypeError(f"layer must be an nn.Module, got {type(layer).__name__}")

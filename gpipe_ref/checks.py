@@ -11,15 +11,19 @@ import math
 import os
 from typing import Any, Iterable, TypeVar
 
-__all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "one_of", "probe_writable"]
+__all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "probability", "instance",
+           "one_of", "probe_writable"]
 
 T = TypeVar("T")
 
 
-def integer(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def integer(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum`` (and ``<= maximum`` when given), else ValueError:
+    ``"stages must be an integer >= 1, got 0"``, ``"stage must be an integer in [0, 3], got 4"``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
     return value
 
 
@@ -55,6 +59,25 @@ def fraction(name: str, value: object) -> float:
     """A number in (0, 1] (an efficiency, a usable share); NaN fails the comparison."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return value
+
+
+def probability(name: str, value: object) -> float:
+    """A number in [0, 1) (a dropout probability: 1 would drop everything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return value
+
+
+def instance(name: str, value: T, *types: type) -> T:
+    """``value`` if it is an instance of one of ``types``, else TypeError: ``"setup must be a MemorySetup, got
+    dict"`` (``"... a Tensor or None, got ..."`` with ``type(None)`` among them)."""
+    if not types:
+        raise TypeError("instance needs at least one type")
+    if not isinstance(value, types):
+        names = [t.__name__ for t in types if t is not type(None)] + (["None"] if type(None) in types else [])
+        wanted = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise TypeError(f"{name} must be a {wanted}, got {type(value).__name__}")
     return value
 
 

@@ -1,108 +1,31 @@
-"""Count the activation memory a stage keeps for its backward pass.
+"""The memory anatomy of one device: weights, gradients, optimizer state and activations, modelled and measured.
 
-Autograd saves tensors during the forward pass (a Linear's input, a ReLU's
-output, ...) and frees them when the backward has used them. A
-``torch.autograd.graph.saved_tensors_hooks`` pair sees every such tensor; the
-meter counts the bytes of each distinct storage while any saved reference to
-it is alive: a tensor is known by its start address and byte size, so a
-tensor saved twice counts once, while two micro-batches cut from one batch
-(views of one storage) count separately. Parameters (and views of them, such
-as the transposed weight a Linear saves, which starts at the same address) are
-not activations and are not counted. This is the
-quantity GPipe's re-materialization trades for compute (Huang et al. 2019,
-sec. 2.3: O(N x L) activations without it, O(N + L/K x N/M) with it).
+The model counts the model states' bytes per parameter by precision and ZeRO stage (``model_states``; Rajbhandari
+et al. 2020, sec. 3.1 and 5) and the activations a stage holds under a schedule (the registry's peak, GPipe: Huang
+et al. 2019, sec. 2.3; 1F1B: Narayanan et al. 2021, sec. 2.2); :func:`measure_anatomy` holds it equal to a real
+step's tensors.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
+from torch import nn
 
-from .checks import one_of, positive_int
+from .checks import instance, one_of, positive_int
+from .distributed import launch
+from .distributed.tensor_parallel import ParallelMLP
+from .meter import ActivationMeter
+from .model_states import MODEL_STATES, PRECISIONS, ZERO_STAGES, Precision, model_state_bytes
+from .models import mlp_block, regression_data
+from .pipeline import GPipe
+from .schedule import schedule_names, schedule_spec
 
-
-class _Saved:
-    """What autograd stores instead of the tensor: the tensor plus a release on deletion."""
-
-    __slots__ = ("tensor", "meter", "key", "version")
-
-    def __init__(self, tensor: torch.Tensor, meter: "ActivationMeter", key: int, version: int = 0) -> None:
-        self.tensor, self.meter, self.key, self.version = tensor, meter, key, version
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
-
-
-class ActivationMeter:
-    """Live and peak bytes of saved activations on one device.
-
-    Use ``with meter.recording():`` around forward (and recomputation) code;
-    ``hold`` counts a tensor the executor keeps itself, such as a
-    checkpointed stage's input, while its token lives.
-    """
-
-    def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
-        self._ignore = {t.data_ptr() for t in ignore}  # views such as weight.t() share the address
-        self._refs: dict[tuple[int, int], int] = {}  # (address, bytes) -> live references
-        self._bytes: dict[tuple[int, int], int] = {}
-        self._lock = threading.Lock()
-        self.live = 0
-        self.peak = 0
-
-    def _acquire(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        nbytes, address = tensor.nbytes, tensor.data_ptr()
-        if nbytes == 0 or address in self._ignore:
-            return None
-        key = (address, nbytes)
-        with self._lock:
-            if key in self._refs:
-                self._refs[key] += 1
-            else:
-                self._refs[key] = 1
-                self._bytes[key] = nbytes
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-        return key
-
-    def _release(self, key: tuple[int, int] | None) -> None:
-        if key is None:
-            return
-        with self._lock:
-            self._refs[key] -= 1
-            if self._refs[key] == 0:
-                del self._refs[key]
-                self.live -= self._bytes.pop(key)
-
-    def hold(self, tensor: torch.Tensor) -> object:
-        """Count ``tensor`` for as long as the returned token is alive (drop every reference to it)."""
-        return _Saved(tensor, self, self._acquire(tensor))
-
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Count every tensor autograd saves inside the block until it is freed."""
-
-        def pack(tensor: torch.Tensor):
-            # detach(): a node that saves its own output would otherwise hold the
-            # output, whose grad_fn is the node: a cycle that outlives the graph.
-            return _Saved(tensor.detach(), self, self._acquire(tensor), tensor._version)
-
-        def unpack(saved: _Saved) -> torch.Tensor:
-            # Hooks replace autograd's own check that a saved tensor was not modified in place
-            # after it was saved (a silently wrong gradient otherwise): make the same check.
-            if saved.tensor._version != saved.version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: a saved tensor of shape {tuple(saved.tensor.shape)} is at version "
-                    f"{saved.tensor._version}; expected version {saved.version} instead")
-            return saved.tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+__all__ = ["CATEGORIES", "MEMORY_SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "Precision", "PRECISIONS",
+           "MemorySetup", "DeviceMemory", "block_parameters", "stage_parameters", "sharded_parameters",
+           "state_bytes", "saved_per_microbatch", "microbatches_in_flight", "activation_bytes", "memory_anatomy",
+           "measure_anatomy", "ActivationMeter"]
 
 
 # -- The memory anatomy: what one device holds, by category --------------------------------------------------------
@@ -112,38 +35,11 @@ class ActivationMeter:
 # does, ``ParallelMLP``), trained with Adam on an MSE loss. Every device of one pipeline stage holds the same
 # (data- and tensor-parallel ranks are alike), so the anatomy has one entry per stage.
 
-CATEGORIES = ("weights", "gradients", "optimizer state", "activations")
-MEMORY_SCHEDULES = ("gpipe", "1f1b")
+CATEGORIES = (*MODEL_STATES, "activations")
+# The schedules the model counts: one stage per device, flush, the backward one action (what GPipe runs here).
+MEMORY_SCHEDULES = tuple(name for name in schedule_names(flush=True, split_backward=False)
+                         if not schedule_spec(name).multi_stage)
 RECOMPUTE_MODES = ("never", "always")  # checkpoint nothing / every stage input (GPipe's checkpoint modes)
-ZERO_STAGES = (0, 1, 2, 3)  # which model states ZeRO shards over dp: none / optimizer / + gradients / + weights
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per element of each kind of tensor. Adam's state is a master copy of the weights (mixed precision
-    only) and two moments (Kingma & Ba 2015); ZeRO's accounting (Rajbhandari et al. 2020, sec. 3.1)."""
-
-    label: str
-    weight: int
-    gradient: int
-    master_weight: int
-    moment: int
-    activation: int
-
-    @property
-    def optimizer(self) -> int:
-        """Optimizer-state bytes per parameter: the master weight and Adam's two moments."""
-        return self.master_weight + 2 * self.moment
-
-    @property
-    def per_parameter(self) -> int:
-        return self.weight + self.gradient + self.optimizer
-
-
-PRECISIONS = {
-    "fp32": Precision("fp32", weight=4, gradient=4, master_weight=0, moment=4, activation=4),
-    "mixed": Precision("mixed bf16", weight=2, gradient=2, master_weight=4, moment=4, activation=2),
-}
 
 
 @dataclass(frozen=True)
@@ -241,16 +137,10 @@ def state_bytes(setup: MemorySetup) -> dict[str, int]:
     three; ZeRO stage 1 keeps 1/dp of the optimizer state, stage 2 also of the gradients, stage 3 also of the
     weights (sec. 5), every ZeRO buffer padded as :func:`sharded_parameters` says. The whole weights a stage-3
     rank gathers for one layer at a time, and the whole gradient of one layer before its reduce-scatter, are
-    passing buffers that ZeRO's accounting, and this, leave out."""
-    params, precision = stage_parameters(setup), PRECISIONS[setup.precision]
-    shard = sharded_parameters(setup)
-    whole = setup.dp * shard if setup.zero_stage else params  # ZeRO's flat buffers are padded, DDP's tensors not
-
-    def kept(stage: int) -> int:  # the parameters whose state of this kind a rank keeps
-        return shard if setup.zero_stage >= stage else whole
-
-    return {"weights": kept(3) * precision.weight, "gradients": kept(2) * precision.gradient,
-            "optimizer": kept(1) * precision.optimizer}
+    passing buffers that ZeRO's accounting, and this, leave out. Keyed by ``model_states.MODEL_STATES``."""
+    # ZeRO's flat buffers are padded to dp equal shards, DDP's tensors not.
+    whole = setup.dp * sharded_parameters(setup) if setup.zero_stage else stage_parameters(setup)
+    return model_state_bytes(whole, setup.precision, setup.zero_stage, setup.dp)
 
 
 def saved_per_microbatch(setup: MemorySetup, stage: int) -> tuple[int, int]:
@@ -264,20 +154,14 @@ def saved_per_microbatch(setup: MemorySetup, stage: int) -> tuple[int, int]:
 
 
 def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> list[int]:
-    """The most micro-batches each stage holds at once (forward done, backward not), as the simulator counts them:
-    all ``m`` under GPipe, ``min(m, p - stage)`` under 1F1B (notebook 05, section 3)."""
-    one_of("schedule", schedule, MEMORY_SCHEDULES)
-    return list(_peaks_in_flight(schedule, positive_int("pp", pp), positive_int("microbatches", microbatches)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _peaks_in_flight(schedule: str, pp: int, microbatches: int) -> tuple[int, ...]:
-    """:func:`microbatches_in_flight`, simulated once per (schedule, pp, microbatches): searches ask often."""
-    from .schedule import make_schedule
-    from .simulator import simulate
-
-    timeline = simulate(make_schedule(schedule, pp, microbatches))
-    return tuple(timeline.peak_in_flight(stage) for stage in range(pp))
+    """The most micro-batches each stage holds at once (forward done, backward not): all ``m`` under GPipe,
+    ``min(m, p - stage)`` under 1F1B (notebook 05, section 3). The registry's ``peak_held`` is the first stage's;
+    under these schedules stage s runs as the first stage of the last ``p - s`` stages' own pipeline would, so it
+    holds ``peak_held(p - s, m)`` (``tests/test_memory.py`` holds both equal to the simulator's count)."""
+    peak_held = schedule_spec(one_of("schedule", schedule, MEMORY_SCHEDULES)).peak_held
+    positive_int("pp", pp)
+    positive_int("microbatches", microbatches)
+    return [int(peak_held(pp - stage, microbatches, 1)) for stage in range(pp)]
 
 
 def activation_bytes(setup: MemorySetup, stage: int, held: int | None = None) -> int:
@@ -292,11 +176,10 @@ def activation_bytes(setup: MemorySetup, stage: int, held: int | None = None) ->
 
 def memory_anatomy(setup: MemorySetup) -> list[DeviceMemory]:
     """Predicted bytes per device of each pipeline stage, by category (see :data:`CATEGORIES`)."""
-    if not isinstance(setup, MemorySetup):
-        raise TypeError(f"setup must be a MemorySetup, got {type(setup).__name__}")
+    instance("setup", setup, MemorySetup)
     states = state_bytes(setup)
     in_flight = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches)
-    return [DeviceMemory(states["weights"], states["gradients"], states["optimizer"],
+    return [DeviceMemory(states["weights"], states["gradients"], states["optimizer state"],
                          activation_bytes(setup, s, in_flight[s])) for s in range(setup.pp)]
 
 
@@ -305,18 +188,11 @@ def memory_anatomy(setup: MemorySetup) -> list[DeviceMemory]:
 def _measure_stages(setup: MemorySetup, seed: int, group=None) -> list[DeviceMemory]:
     """Run one step of the setup on this process (one data-parallel replica's rows; with a ``group`` this process
     is one tensor-parallel rank) and count the bytes of the tensors each stage holds."""
-    from torch import nn
-
-    from .models import mlp_block, regression_data
-    from .pipeline import GPipe
-
     precision = PRECISIONS[setup.precision]
     dtype = torch.float32 if precision.weight == 4 else torch.bfloat16
     torch.manual_seed(seed)
     blocks = [mlp_block(setup.hidden, setup.ffn * setup.hidden) for _ in range(setup.layers)]
     if group is not None:
-        from .distributed.tensor_parallel import ParallelMLP
-
         blocks = [ParallelMLP.from_dense(block, group=group) for block in blocks]
     model = nn.Sequential(*blocks).to(dtype)
     x, y = regression_data(samples=setup.batch // setup.dp, width=setup.hidden, seed=seed)
@@ -357,13 +233,10 @@ def measure_anatomy(setup: MemorySetup, seed: int = 0, timeout: float = 120.0) -
     mixed precision; its step counter, one scalar per tensor, is left out); activations are the peak the
     :class:`ActivationMeter` records. A data-parallel rank is a whole replica on ``batch / dp`` rows: it is
     measured as one replica on its rows (no all-reduce changes what it holds)."""
-    if not isinstance(setup, MemorySetup):
-        raise TypeError(f"setup must be a MemorySetup, got {type(setup).__name__}")
+    instance("setup", setup, MemorySetup)
     if setup.zero_stage:
         raise ValueError(f"measure_anatomy measures zero_stage 0 (one replica); got zero_stage={setup.zero_stage}: "
                          "ZeRO's sharded bytes are measured on dp ranks by distributed.zero.ZeRO.held_bytes")
     if setup.tp == 1:
         return [_measure_stages(setup, seed)]
-    from .distributed import launch
-
     return launch(_measure_tensor_parallel_rank, setup.tp, setup, seed, backend="gloo", timeout=timeout)

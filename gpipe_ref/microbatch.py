@@ -13,6 +13,10 @@ from typing import Sequence, Union
 
 import torch
 
+from .checks import integer
+
+__all__ = ["Batch", "batch_size", "scatter", "gather", "sizes"]
+
 Batch = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
@@ -36,8 +40,7 @@ def scatter(batch: Batch, chunks: int) -> list[Batch]:
     """Split ``batch`` (a tensor or a tuple of tensors) into ``chunks``
     micro-batches along dim 0; sizes differ by at most one."""
     size = batch_size(batch)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= max(size, 1):
-        raise ValueError(f"chunks must be an integer from 1 to the batch size {size}, got {chunks!r}")
+    integer("chunks", chunks, 1, max(size, 1))  # at most the batch size
     if isinstance(batch, tuple):
         pieces = [torch.tensor_split(t, chunks) for t in batch]
         return [tuple(parts) for parts in zip(*pieces)]

@@ -21,9 +21,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .checks import non_negative, positive, positive_int
+from torch import nn
 
-__all__ = ["LinearCost", "MeasuredCost", "MicrobatchChoice", "microbatch_count", "micro_batch_sizes",
+from .checks import non_negative, positive, positive_int
+from .measure import action_noise, spread, timed_steps, torch_threads
+from .models import mlp, regression_data
+from .pipeline import GPipe
+
+__all__ = ["LinearCost", "MeasuredCost", "MicrobatchChoice", "microbatch_count", "microbatch_sweep", "micro_batch_sizes",
            "megatron_step_time", "microbatch_choices", "best_choice", "fit_linear_cost", "linear_optimum", "fill_drain_bubble"]
 
 Cost = Callable[[int], tuple[float, float]]
@@ -187,3 +192,42 @@ def fill_drain_bubble(stage_times: list[float], microbatches: int) -> float:
         raise ValueError(f"stage_times must hold at least one positive time, got {stage_times!r}")
     p, total = len(times), sum(times)
     return 1 - microbatches * total / (p * (total + (microbatches - 1) * max(times)))
+
+
+def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int = 512, depth: int = 8,
+                     stages: int = 4, warmup: int = 1, repeats: int = 3, threads: int = 1) -> list[dict]:
+    """GPipe on :func:`~gpipe_ref.models.mlp` with a fixed ``batch`` cut into micro-batches of each size
+    ``b`` in ``micro_batches`` (``m = batch / b``), one row per ``b``:
+
+    * ``step_s``: the median makespan of ``repeats`` steps (placed timeline: what ``stages`` parallel
+      devices would take), and ``spread``, slowest / fastest of them;
+    * ``forward_s``, ``backward_s``: the whole model's time on one micro-batch, the sum over stages of each
+      stage's median F and B duration: the costs Megatron's eq. 1 takes (see :mod:`gpipe_ref.microbatch_size`);
+    * ``noise``: :func:`action_noise` of each step, the median over the steps.
+
+    Runs with ``threads`` intra-op threads (1: one core per simulated device) and restores the count after."""
+    positive_int("stages", stages)
+    if (2 * depth) % stages:
+        raise ValueError(f"stages must divide the model's {2 * depth} layers (depth={depth}), got {stages}")
+    for b in micro_batches:
+        positive_int("micro_batches entry", b)
+        if batch % b:
+            raise ValueError(f"micro_batches entries must divide batch={batch}, got {b}")
+    x, y = regression_data(samples=batch, width=width, seed=0)
+    rows = []
+    with torch_threads(threads):
+        for b in micro_batches:
+            model = mlp(width=width, depth=depth, seed=0)
+            pipe = GPipe(model, [len(model) // stages] * stages, chunks=batch // b, checkpoint="never",
+                         track_memory=False)
+            runs = timed_steps(pipe, x, y, nn.MSELoss(), warmup=warmup, repeats=repeats)
+            spans = [t.makespan for t in runs]
+
+            def cost(op: str) -> float:
+                return sum(statistics.median(e.duration for t in runs for e in t.events
+                                             if e.op == op and e.stage == s) for s in range(stages))
+
+            rows.append({"micro_batch": b, "microbatches": batch // b, "step_s": statistics.median(spans),
+                         "spread": spread(spans), "forward_s": cost("F"), "backward_s": cost("B"),
+                         "noise": statistics.median(action_noise(t) for t in runs)})
+    return rows

@@ -9,7 +9,10 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .checks import positive_int
+from .checks import positive_int, probability
+
+__all__ = ["mlp", "regression_data", "SelfAttention", "attend", "mlp_block", "Residual", "MaskDropout",
+           "AttentionScores", "AttendValues", "CoreAttention", "TransformerLayer"]
 
 
 def mlp(width: int = 64, depth: int = 8, *, seed: int = 0, activation: type[nn.Module] = nn.ReLU) -> nn.Sequential:
@@ -84,8 +87,7 @@ class MaskDropout(nn.Module):
 
     def __init__(self, p: float) -> None:
         super().__init__()
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+        probability("p", p)
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

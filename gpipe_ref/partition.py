@@ -20,10 +20,14 @@ import torch
 from torch import nn
 
 from .checks import integer, non_negative, one_of, positive_int
-from .memory import ActivationMeter
+from .meter import ActivationMeter
 from .schedule import gpipe
 from .simulator import CostModel, simulate
 from .timeline import Timeline
+
+__all__ = ["check_balance", "split", "partition_costs", "balance_by_params", "profiling", "layer_times",
+           "stage_times", "balance_by_time", "layer_sizes", "balance_by_size", "uniform_balance", "stage_sums",
+           "stage_cost_model", "BalanceReport", "balance_report"]
 
 
 def _check_sequential(module: object) -> nn.Sequential:
@@ -63,8 +67,7 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
 
 
 def _check_partitions(partitions: object, layers: int) -> None:
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= layers:
-        raise ValueError(f"partitions must be an integer from 1 to the number of layers {layers}, got {partitions!r}")
+    integer("partitions", partitions, 1, layers)  # at most one stage per layer
 
 
 def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
@@ -270,7 +273,7 @@ def layer_sizes(module: nn.Sequential, sample: torch.Tensor, *, param_scale: flo
     the activations its forward saves for the backward plus ``param_scale`` times its
     parameter bytes. The model is left as it was (see :func:`profiling`).
 
-    Activations are counted by :class:`~gpipe_ref.memory.ActivationMeter`: the tensors
+    Activations are counted by :class:`~gpipe_ref.meter.ActivationMeter`: the tensors
     autograd saves during the layer's own forward, each storage once, leaving out the
     layer's parameters and buffers (a Linear's transposed weight, a BatchNorm's running
     statistics), which exist anyway. Each layer is measured on its own (its input is the

@@ -13,11 +13,11 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 3), made explic
   plus a point-to-point transfer of b s h / t activations per stage boundary in the fill and the drain
   (the scatter/gather optimisation, sec. 4.1; the steady-state transfers are assumed overlapped);
 * data parallelism: one ring all-reduce of the gradients per step, not overlapped with the backward;
-* memory: 16 bytes per parameter for mixed-precision Adam (fp16 weights and gradients, fp32 master weights
-  and two moments; Rajbhandari et al. 2020, ZeRO, sec. 3.1), activations of s b h (10 + 24 / t + 5 a s / (h t))
-  bytes per layer and micro-batch, or 2 s b h with full recomputation (Korthikanti et al. 2022, sec. 4;
-  ``activation_memory.layer_activation_bytes``), times
-  the micro-batches the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved);
+* memory: 16 bytes per parameter for mixed-precision Adam (16-bit weights and gradients, fp32 master weights
+  and two moments; Rajbhandari et al. 2020, ZeRO, sec. 3.1; ``model_states``), activations of
+  s b h (10 + 24 / t + 5 a s / (h t)) bytes per layer and micro-batch, or 2 s b h with full recomputation
+  (Korthikanti et al. 2022, sec. 4; ``activation_memory.layer_activation_bytes``), times the micro-batches
+  the first stage holds (m for GPipe, p for 1F1B, p (1 + (p - 1) / (p v)) interleaved);
 * fit: a configuration fits when its memory per GPU is at most ``ClusterConfig.usable_memory`` (0.9 by
   default) x the GPU's memory; :func:`plan` drops the others. The 10% kept back is this planner's allowance
   for what the framework itself takes (CUDA context, communication buffers, allocator fragmentation), not a
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .activation_memory import layer_activation_bytes
-from .checks import fraction, one_of, positive, positive_int
-from .schedule import Schedule, make_schedule, schedule_names, schedule_spec
+from .checks import fraction, instance, one_of, positive, positive_int
+from .model_states import PRECISIONS, state_bytes_per_parameter
+from .schedule import Schedule, default_schedule, make_schedule, schedule_names, schedule_spec
 from .simulator import CostModel, simulate
 from .timeline import Timeline
 
-BYTES_PER_PARAMETER = 16  # mixed-precision Adam (ZeRO, sec. 3.1)
-ACTIVATION_BYTES = 2  # fp16 activations
+PRECISION = "mixed"  # 16-bit weights, gradients and activations, Adam in fp32 (model_states.PRECISIONS)
 
 
 # The memory keys of Plan.memory (per GPU, bytes).
@@ -160,9 +160,9 @@ def held_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
     return spec.peak_held(p, m, v)
 
 
-def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
-             schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False) -> Plan:
-    """The cost model's step time, bubble and memory per GPU for one configuration."""
+def _check_estimate(model: ModelConfig, cluster: ClusterConfig, dp: int, tp: int, pp: int, microbatch_size: int,
+                    schedule: str, stages_per_device: int, recompute: bool) -> tuple[int, int]:
+    """Refuse a configuration :func:`estimate` cannot time; return its (stages per device v, micro-batches m)."""
     _check_configs(model, cluster)
     _boolean("recompute", recompute)
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size),
@@ -182,40 +182,45 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     if v > 1 and m % pp:
         raise ValueError(f"the planner models interleaved_1f1b with micro-batches a multiple of pp (the paper's "
                          f"rounds of pp, Narayanan et al. 2021, sec. 2.2), got {m} micro-batches for pp={pp}")
+    return v, m
+
+
+def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
+             schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False) -> Plan:
+    """The cost model's step time, bubble and memory per GPU for one configuration."""
+    v, m = _check_estimate(model, cluster, dp, tp, pp, microbatch_size, schedule, stages_per_device, recompute)
     b, s, h, a, l = microbatch_size, model.seq_len, model.hidden, model.heads, model.layers
-    rate = cluster.peak_flops * cluster.efficiency
+    node, activation_bytes = cluster.gpus_per_node, PRECISIONS[PRECISION].activation
 
     # Compute per micro-batch on one GPU (one pipeline stage's layers, 1/t of each).
     layer_forward = 24 * b * s * h * h * (1 + s / (6 * h)) / tp
     logits_forward = 2 * b * s * h * model.vocab / tp / pp  # spread over the stages (simplification)
     forward = (l / pp) * layer_forward + logits_forward
-    per_microbatch = forward * (4 if recompute else 3) / rate  # F + 2F backward (+ F recomputed)
+    per_microbatch = forward * (4 if recompute else 3) / (cluster.peak_flops * cluster.efficiency)  # F + 2F (+ F)
     compute_time = m * per_microbatch
 
     # Tensor parallelism: 4 all-reduces of b s h per layer (6 with the recomputed forward).
-    tp_bandwidth = cluster.intra_node_bandwidth if tp <= cluster.gpus_per_node else cluster.inter_node_bandwidth
-    tp_one = _all_reduce_time(b * s * h * ACTIVATION_BYTES, tp, tp_bandwidth)
-    tp_per_microbatch = (l / pp) * (6 if recompute else 4) * tp_one
+    tp_bandwidth = cluster.intra_node_bandwidth if tp <= node else cluster.inter_node_bandwidth
+    tp_per_microbatch = (l / pp) * (6 if recompute else 4) * _all_reduce_time(b * s * h * activation_bytes, tp,
+                                                                              tp_bandwidth)
     tp_comm_time = m * tp_per_microbatch
 
     # Pipeline: the bubble, and the transfers of the fill and the drain.
-    stage_time = per_microbatch + tp_per_microbatch
-    bubble_time = (pp - 1) / v * stage_time
-    crosses_nodes = tp * pp > cluster.gpus_per_node
-    p2p_bandwidth = cluster.inter_node_bandwidth if crosses_nodes else cluster.intra_node_bandwidth
-    pp_comm_time = 2 * (pp - 1) * (b * s * h * ACTIVATION_BYTES / tp) / p2p_bandwidth if pp > 1 else 0.0
+    bubble_time = (pp - 1) / v * (per_microbatch + tp_per_microbatch)
+    p2p_bandwidth = cluster.inter_node_bandwidth if tp * pp > node else cluster.intra_node_bandwidth
+    pp_comm_time = 2 * (pp - 1) * (b * s * h * activation_bytes / tp) / p2p_bandwidth if pp > 1 else 0.0
 
     # Data parallelism: the gradients of one GPU's share of the model, all-reduced once.
     params_per_gpu = model.parameters / (tp * pp)
-    dp_bandwidth = cluster.inter_node_bandwidth if tp * pp * dp > cluster.gpus_per_node and \
-        tp * pp >= cluster.gpus_per_node else cluster.intra_node_bandwidth
-    dp_comm_time = _all_reduce_time(params_per_gpu * 2, dp, dp_bandwidth)
+    dp_bandwidth = cluster.inter_node_bandwidth if tp * pp * dp > node and tp * pp >= node \
+        else cluster.intra_node_bandwidth
+    dp_comm_time = _all_reduce_time(params_per_gpu * PRECISIONS[PRECISION].gradient, dp, dp_bandwidth)
 
     step_time = compute_time + tp_comm_time + bubble_time + pp_comm_time + dp_comm_time
 
     per_layer = layer_activation_bytes(s, b, h, a, tp=tp, recompute="full" if recompute else "none")
     activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
-    states = params_per_gpu * BYTES_PER_PARAMETER
+    states = params_per_gpu * sum(state_bytes_per_parameter(PRECISION).values())
     memory = {STATE_MEMORY: states, ACTIVATION_MEMORY: activations, TOTAL_MEMORY: states + activations}
     achieved = model.flops_per_step(recompute=recompute) / (step_time * cluster.gpus)  # hardware FLOPs
     model_flops = model.flops_per_step(recompute=False) / (step_time * cluster.gpus)  # recomputation excluded
@@ -229,10 +234,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_configs(model: object, cluster: object) -> None:
-    if not isinstance(model, ModelConfig):
-        raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
-    if not isinstance(cluster, ClusterConfig):
-        raise TypeError(f"cluster must be a ClusterConfig, got {type(cluster).__name__}")
+    instance("model", model, ModelConfig)
+    instance("cluster", cluster, ClusterConfig)
 
 
 def _options(name: str, values: Iterable, check) -> tuple:
@@ -348,8 +351,7 @@ def plan(model: ModelConfig, cluster: ClusterConfig, *, top: int | None = 10, **
 
 def pipeline_timeline(chosen: Plan, max_microbatches: int = 32) -> tuple[Schedule, Timeline]:
     """The chosen plan's pipeline, simulated with its per-stage costs (at most ``max_microbatches`` shown)."""
-    if not isinstance(chosen, Plan):
-        raise TypeError(f"chosen must be a Plan, got {type(chosen).__name__}")
+    instance("chosen", chosen, Plan)
     positive_int("max_microbatches", max_microbatches)
     m = min(chosen.num_microbatches, max_microbatches)
     v = chosen.stages_per_device
@@ -387,14 +389,13 @@ MEGATRON_TABLE_1 = (
 
 def compare_with_megatron(cluster: ClusterConfig | None = None) -> list[dict]:
     """The planner's teraFLOP/s per GPU for each row of Narayanan et al. 2021's Table 1, beside the paper's."""
-    if cluster is not None and not isinstance(cluster, ClusterConfig):
-        raise TypeError(f"cluster must be a ClusterConfig or None, got {type(cluster).__name__}")
+    instance("cluster", cluster, ClusterConfig, type(None))
     rows = []
     for layers, hidden, heads, tp, pp, gpus, batch, b, v, published in MEGATRON_TABLE_1:
         model = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=batch)
         base = cluster or ClusterConfig(gpus=gpus)
         here = ClusterConfig(**{**base.__dict__, "gpus": gpus})
-        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+        schedule = default_schedule(v)
         est = estimate(model, here, dp=gpus // (tp * pp), tp=tp, pp=pp, microbatch_size=b, schedule=schedule,
                        stages_per_device=v, recompute=True)
         rows.append({"parameters_b": round(model.parameters / 1e9, 1), "tp": tp, "pp": pp, "gpus": gpus,

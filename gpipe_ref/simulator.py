@@ -9,10 +9,8 @@ formula in the course (GPipe, Huang et al. 2019, sec. 2.3; Narayanan et al.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import abc
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
@@ -20,9 +18,12 @@ from operator import attrgetter
 from typing import Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int
-from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, encode, execution_order, walk,
+from .measure import gc_paused
+from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, WeightPolicy, encode, execution_order, walk,
                        weight_versions)
 from .timeline import Event, Timeline
+
+__all__ = ["CostModel", "simulate", "place", "time_one_at_a_time", "bubble_formula", "calibrate"]
 
 @dataclass(frozen=True)
 class CostModel:
@@ -71,29 +72,15 @@ class CostModel:
         return base
 
 
-@contextmanager
-def gc_paused():
-    """Pause the cyclic garbage collector for the block (restored after, even on error; left off if it was
-    off). A big schedule creates ~10^5 acyclic objects, and the collections they trigger cost about a third
-    of a simulation; a training step's short-lived objects (states, tuples, autograd's Python wrappers) would
-    make them scan every object of the process, a few percent of a step."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def simulate(schedule: Schedule, cost_model: CostModel | None = None, *, weight_stashing: bool = True,
-             vertical_sync: bool = False) -> Timeline:
+def simulate(schedule: Schedule, cost_model: CostModel | None = None, *,
+             policy: WeightPolicy | None = None) -> Timeline:
     """Place every action of ``schedule`` on its device's clock.
 
     The schedule is validated on the way (the rules of :func:`validate`);
     raises :class:`ScheduleError` for an invalid or deadlocking schedule.
-    Each event carries the weight version its action computes with
-    (:func:`~gpipe_ref.schedule.weight_versions`; all 0 for flush schedules).
+    Each event carries the weight version its action computes with under the
+    weight-update ``policy`` (:func:`~gpipe_ref.schedule.weight_versions`; default
+    PipeDream with stashing; all 0 for flush schedules).
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
@@ -106,17 +93,17 @@ def simulate(schedule: Schedule, cost_model: CostModel | None = None, *, weight_
             f"got {len(cost.stage_scale)}"
         )
     with gc_paused():
-        return _simulate(schedule, cost, weight_stashing, vertical_sync)
+        return _simulate(schedule, cost, policy)
 
 
-def _simulate(schedule: Schedule, cost: CostModel, stashing: bool, vertical_sync: bool) -> Timeline:
+def _simulate(schedule: Schedule, cost: CostModel, policy: WeightPolicy | None) -> Timeline:
     p, m, split = schedule.num_stages, schedule.num_microbatches, schedule.has_weight_actions
     per_key: list[float] = []  # one duration per action key, in key order (op, stage, micro-batch)
     for op in "FBW":
         for s in range(p):
             per_key += [cost.duration(op, s, split)] * m
     encoded = encode(schedule)
-    versions = None if schedule.flush else weight_versions(schedule, stashing=stashing, vertical_sync=vertical_sync)
+    versions = None if schedule.flush and policy is None else weight_versions(schedule, policy)
     return _place(encoded, per_key, cost.comm, cost.unit, versions=versions)
 
 

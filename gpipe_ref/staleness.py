@@ -25,6 +25,10 @@ the course's micro-batch.)
   backward), so ``W(t+1) = W(t) - lr * grad(W(t-1))``: staleness 1 on every
   stage, and two versions per stage (*double-buffered weights*).
 
+Each is a :class:`~gpipe_ref.schedule.WeightPolicy`, named in
+:data:`~gpipe_ref.schedule.POLICIES`; the trainer and the simulator read its
+versions from :func:`~gpipe_ref.schedule.weight_versions`.
+
 The trainer here keeps each stage's weights as plain tensors and runs the
 stage with ``torch.func.functional_call``, so an update makes a new version
 and older ones stay intact for stashing at no copying cost.
@@ -40,12 +44,16 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .bench import torch_threads
+from .measure import torch_threads
 from .partition import check_balance, split
 from .checks import integer, positive, positive_int
-from .schedule import Action, Schedule, gpipe, one_f_one_b, pipedream_async, schedule_names, weight_versions
-from .simulator import CostModel, place, simulate, time_one_at_a_time
+from .schedule import (POLICIES, Action, Schedule, WeightPolicy, gpipe, one_f_one_b, pipedream_async, schedule_names,
+                       weight_versions)
+from .simulator import CostModel, simulate, time_one_at_a_time
 from .timeline import Timeline
+
+__all__ = ["StepRecord", "StagedTrainer", "VARIANTS", "ASYNC_VARIANTS", "default_model", "convergence",
+           "version_table", "final_loss", "diverged", "gradient_agreement"]
 
 
 @dataclass
@@ -62,71 +70,22 @@ class StepRecord:
     applied_to: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = field(default_factory=dict)
 
 
-def double_buffered_versions(schedule: Schedule, batch: int) -> dict[Action, int]:
-    """PipeDream-2BW's weight version for every action (Narayanan et al. 2021, sec. 3.1).
-
-    Micro-batch ``i`` belongs to batch ``t = i // batch``; its forward and backward use
-    version ``max(t - 1, 0)`` on every stage, where version ``k`` is a stage's weights
-    after ``k`` of its once-per-batch updates. Needs an asynchronous schedule whose
-    micro-batches fill whole batches, and ``batch >= num_stages`` (the paper's m >= d):
-    then each stage has made version ``t - 1`` before its first forward of batch ``t``
-    (checked here, in each device's own order).
-    """
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
-    if schedule.flush or schedule.has_weight_actions or schedule.num_devices != schedule.num_stages:
-        raise ValueError(f"schedule must be an asynchronous one-stage-per-device schedule without W actions "
-                         f"(pipedream_async), got {schedule.name!r}")
-    positive_int("batch", batch)
-    p, m = schedule.num_stages, schedule.num_microbatches
-    if batch < p:
-        raise ValueError(f"batch must be >= num_stages={p} (PipeDream-2BW needs m >= d, sec. 3.1), got {batch}")
-    if m % batch:
-        raise ValueError(f"batch must divide the schedule's {m} micro-batches, got {batch}")
-    versions = {a: max(a.microbatch // batch - 1, 0) for _, a in schedule.actions()}
-    for acts in schedule.per_device:
-        made = 0  # updates this stage has made so far, in its own order
-        for a in acts:
-            if versions[a] > made:
-                raise ValueError(f"{a} needs version {versions[a]} but stage {a.stage} has made only {made}: "
-                                 f"this order does not suit PipeDream-2BW")
-            if a.op == "B" and a.microbatch % batch == batch - 1:
-                made += 1
-    return versions
-
-
-def double_buffered_timeline(num_stages: int, batch: int, batches: int, cost: CostModel | None = None) -> Timeline:
-    """PipeDream-2BW's 1F1B run of ``batches`` batches of ``batch`` micro-batches, placed by the
-    simulator's rule with ``cost`` (default unit costs); each event carries its 2BW version."""
-    schedule = pipedream_async(num_stages, batch * positive_int("batches", batches))
-    cost = cost or CostModel()
-    if not isinstance(cost, CostModel):
-        raise TypeError(f"cost must be a CostModel or None, got {type(cost).__name__}")
-    durations = {a: cost.duration(a.op, a.stage, False) for _, a in schedule.actions()}
-    return place(schedule, durations, cost.comm, unit=cost.unit, versions=double_buffered_versions(schedule, batch))
-
-
 class StagedTrainer:
-    """A model cut into stages, each with its own weights, versions and SGD updates.
-
-    ``coalesce=m`` trains as PipeDream-2BW: gradients summed over batches of ``m``
-    micro-batches, one update per batch, the versions of :func:`double_buffered_versions`.
-    """
+    """A model cut into stages, each with its own weights, versions and SGD updates; an asynchronous
+    schedule updates as ``policy`` says (:class:`~gpipe_ref.schedule.WeightPolicy`, default PipeDream
+    with stashing)."""
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], lr: float, *,
-                 weight_stashing: bool = True, vertical_sync: bool = False, coalesce: int | None = None) -> None:
+                 policy: WeightPolicy | None = None) -> None:
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
         positive("lr", lr)
-        if coalesce is not None:
-            positive_int("coalesce", coalesce)
-            if vertical_sync or not weight_stashing:
-                raise ValueError(f"coalesce (PipeDream-2BW) always stashes and needs no vertical sync, got "
-                                 f"weight_stashing={weight_stashing}, vertical_sync={vertical_sync}")
-        self.coalesce = coalesce
+        policy = WeightPolicy() if policy is None else policy
+        if not isinstance(policy, WeightPolicy):
+            raise TypeError(f"policy must be a WeightPolicy or None, got {type(policy).__name__}")
+        self.policy = policy
         self.stages = split(module, check_balance(module, balance))
         self.lr = float(lr)
-        self.weight_stashing, self.vertical_sync = bool(weight_stashing), bool(vertical_sync)
         # version k of stage s: a dict name -> tensor; updates build new tensors, old versions stay valid
         self.history = [{0: {n: p.detach().clone() for n, p in stage.named_parameters()}} for stage in self.stages]
         self.version = [0] * len(self.stages)
@@ -178,13 +137,18 @@ class StagedTrainer:
         step.record.timeline = timeline
         return step.record
 
+    def _versions_needed(self, stage: int, in_flight: dict[int, int], awaiting: dict[int, int]) -> set[int]:
+        """Versions ``stage`` must keep now: its current one, the one its next forwards use under a lag,
+        those stashed for its in-flight micro-batches and, under vertical sync, those stage 0 chose for
+        micro-batches still on their way."""
+        current = self.version[stage]
+        return {current, max(current - self.policy.lag, 0), *in_flight.values(), *awaiting.values()}
+
     def _forget_old_versions(self, stage: int, in_flight: dict[int, int], awaiting: dict[int, int]) -> None:
         """Drop versions no in-flight or announced micro-batch still needs. Under vertical
         sync a future micro-batch may ask for stage 0's current version, so keep that too."""
-        future = [self.version[0]] if self.vertical_sync else []
-        if self.coalesce:  # 2BW: the next batch's forwards use the version before the newest
-            future = [self.version[stage] - 1]
-        oldest = min([self.version[stage], *in_flight.values(), *awaiting.values(), *future])
+        future = [self.version[0]] if self.policy.vertical_sync else []
+        oldest = min([*self._versions_needed(stage, in_flight, awaiting), *future])
         for v in [v for v in self.history[stage] if v < oldest]:
             del self.history[stage][v]
 
@@ -195,19 +159,13 @@ class _TrainerStep:
     def __init__(self, trainer: StagedTrainer, schedule: Schedule, inputs, targets, loss_fn, record_grads: bool):
         self.trainer, self.schedule, self.record_grads = trainer, schedule, record_grads
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
-        p = schedule.num_stages
-        total = sum(len(x) for x in inputs)
-        self.scale = [len(x) / total if schedule.flush else 1.0 for x in inputs]
-        batch = trainer.coalesce
-        if batch:  # 2BW: each micro-batch's share of its batch, so a batch's summed gradient is its mean
-            if schedule.flush:
-                raise ValueError(f"coalesce (PipeDream-2BW) needs an asynchronous schedule, got {schedule.name!r}")
-            relative = double_buffered_versions(schedule, batch)
-            sizes = [sum(len(x) for x in inputs[k:k + batch]) for k in range(0, len(inputs), batch)]
-            self.scale = [len(x) / sizes[i // batch] for i, x in enumerate(inputs)]
-        else:
-            relative = weight_versions(schedule, stashing=trainer.weight_stashing,
-                                       vertical_sync=trainer.vertical_sync)
+        p, policy = schedule.num_stages, trainer.policy
+        relative = weight_versions(schedule, policy)  # refuses a policy that cannot run this schedule
+        # each micro-batch's share of the micro-batches one update sums (the step under a flush), so a summed
+        # gradient is their mean
+        group = schedule.num_microbatches if schedule.flush else policy.updates_every
+        sizes = [sum(len(x) for x in inputs[k:k + group]) for k in range(0, len(inputs), group)]
+        self.scale = [len(x) / sizes[i // group] for i, x in enumerate(inputs)]
         # absolute version = the stage's version when the run starts + the step's relative version
         self.versions = {a: trainer.version[a.stage] + v for a, v in relative.items()}
         self.kept: dict[tuple[int, int], tuple] = {}
@@ -226,7 +184,7 @@ class _TrainerStep:
     def forward(self, s: int, i: int) -> None:
         trainer, record = self.trainer, self.record
         version = self.versions[Action("F", s, i)]
-        if s == 0 and trainer.vertical_sync:
+        if s == 0 and trainer.policy.vertical_sync:
             for later in range(1, self.schedule.num_stages):
                 self.awaiting[later][i] = version
         self.awaiting[s].pop(i, None)
@@ -246,16 +204,12 @@ class _TrainerStep:
             record.used_weights[(s, i)] = weights
 
     def _count_versions_held(self, s: int) -> None:
-        """Versions stage ``s`` must keep now: its current one, those stashed for its in-flight
-        micro-batches and, under vertical sync, those stage 0 chose for micro-batches still on
-        their way. Without stashing a stage keeps only its current weights. Under 2BW: the
-        versions the trainer really holds (every one it has not yet forgotten)."""
-        if self.trainer.coalesce:
-            held = len(self.trainer.history[s])
-        elif self.schedule.flush or not (self.trainer.weight_stashing or self.trainer.vertical_sync):
+        """Versions stage ``s`` must keep now (:meth:`StagedTrainer._versions_needed`); without stashing
+        a stage keeps only its current weights."""
+        if self.schedule.flush or not self.trainer.policy.stashes:
             held = 1
         else:
-            held = len({self.trainer.version[s], *self.in_flight[s].values(), *self.awaiting[s].values()})
+            held = len(self.trainer._versions_needed(s, self.in_flight[s], self.awaiting[s]))
         self.record.stash_peak[s] = max(self.record.stash_peak[s], held)
 
     def backward(self, s: int, i: int) -> None:
@@ -275,18 +229,16 @@ class _TrainerStep:
         if self.record_grads:
             record.grads[(s, i)] = list(grads)
             record.applied_to[(s, i)] = [trainer.weights(t) for t in range(self.schedule.num_stages)]
-        batch = trainer.coalesce
-        if self.schedule.flush or batch:
-            for n, g in named.items():
-                self.accumulated[s][n] = self.accumulated[s][n] + g if n in self.accumulated[s] else g
+        accumulated = self.accumulated[s]
+        for n, g in named.items():
+            accumulated[n] = accumulated[n] + g if n in accumulated else g
         if self.schedule.flush:
             staleness = 0
         else:
             staleness = trainer.version[s] - forward_version
-            if not batch:
-                trainer._update(s, named)
-            elif i % batch == batch - 1:  # 2BW: the batch's last backward on this stage makes the next version
-                trainer._update(s, self.accumulated[s])
+            every = trainer.policy.updates_every
+            if i % every == every - 1:  # the last backward of an update's micro-batches makes the next version
+                trainer._update(s, accumulated)
                 self.accumulated[s] = {}
         del self.in_flight[s][i]
         record.versions[(s, i)] = (forward_version, backward_version, staleness)
@@ -303,9 +255,8 @@ class _TrainerStep:
 
 
 # -- the comparison ------------------------------------------------------------------------------
-VARIANTS = ("gpipe", "1f1b", "sync_microbatch", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync",
-            "pipedream_2bw")
-ASYNC_VARIANTS = VARIANTS[3:6]  # PipeDream (2019): an update after every backward
+VARIANTS = ("gpipe", "1f1b", "sync_microbatch", *POLICIES)  # the synchronous baselines, then the named policies
+ASYNC_VARIANTS = tuple(name for name, row in POLICIES.items() if row.policy.updates_every == 1)  # PipeDream (2019)
 
 
 def default_model(width: int = 16, hidden: int = 64, seed: int = 0) -> nn.Sequential:
@@ -328,9 +279,10 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     ``sync_microbatch`` is synchronous SGD that updates after every micro-batch (a
     pipeline of one micro-batch per step, so no two stages ever work at once): as many
     updates as PipeDream, none of them stale, the fair baseline for staleness's cost.
-    The PipeDream variants run all ``steps * microbatches`` micro-batches without a flush;
-    ``pipedream_2bw`` too, with one update per batch of ``microbatches`` (as many as GPipe's,
-    each one batch stale), which needs ``microbatches >= stages``.
+    The named policies (:data:`~gpipe_ref.schedule.POLICIES`) run all ``steps * microbatches``
+    micro-batches without a flush; one that updates once per mini-batch (PipeDream-2BW) sums
+    ``microbatches`` micro-batches into each update (as many updates as GPipe's, each one batch
+    stale), which needs ``microbatches >= stages``.
     """
     from .models import regression_data
 
@@ -346,11 +298,10 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     if len(model) % stages:
         raise ValueError(f"stages must divide the model's {len(model)} layers, got {stages}")
     balance = [len(model) // stages] * stages
-    if variant == "pipedream_2bw" and microbatches < stages:
-        raise ValueError(f"pipedream_2bw needs microbatches >= stages={stages} (sec. 3.1: m >= d), got {microbatches}")
-    trainer = StagedTrainer(model, balance, lr, weight_stashing=variant != "pipedream_no_stash",
-                            vertical_sync=variant == "pipedream_vertical_sync",
-                            coalesce=microbatches if variant == "pipedream_2bw" else None)
+    policy = POLICIES[variant].policy.per_batch(microbatches) if variant in POLICIES else None
+    if policy is not None:  # refused before any training
+        policy.check(pipedream_async(stages, microbatches))
+    trainer = StagedTrainer(model, balance, lr, policy=policy)
     total = steps * microbatches
     x, y = regression_data(total * microbatch_size, 16, seed=seed + 1)
     xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
@@ -388,11 +339,10 @@ def _train(variant: str, trainer: StagedTrainer, xs, ys, stages: int, microbatch
     return losses, times
 
 
-def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_sync: bool = False,
-                  coalesce: int | None = None, seed: int = 0) -> StepRecord:
+def version_table(schedule: Schedule, *, policy: WeightPolicy | None = None, seed: int = 0) -> StepRecord:
     """Run ``schedule`` once on the default model with random data; its record holds the
-    (forward version, backward version, staleness) of every (stage, micro-batch).
-    ``coalesce=m``: as PipeDream-2BW with batches of ``m`` micro-batches."""
+    (forward version, backward version, staleness) of every (stage, micro-batch) under the
+    weight-update ``policy`` (default: PipeDream with stashing)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     integer("seed", seed, 0)
@@ -401,8 +351,7 @@ def version_table(schedule: Schedule, *, weight_stashing: bool = True, vertical_
     stages = schedule.num_stages
     if len(model) % stages:
         raise ValueError(f"the schedule's stages must divide the model's {len(model)} layers, got {stages}")
-    trainer = StagedTrainer(model, [len(model) // stages] * stages, 0.05, weight_stashing=weight_stashing,
-                            vertical_sync=vertical_sync, coalesce=coalesce)
+    trainer = StagedTrainer(model, [len(model) // stages] * stages, 0.05, policy=policy)
     xs = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
     ys = [torch.randn(4, 16) for _ in range(schedule.num_microbatches)]
     with torch_threads(1):  # as in convergence
@@ -464,9 +413,7 @@ def gradient_agreement(variant: str, *, stages: int = 4, microbatches: int = 160
     model = default_model(seed=seed)
     if len(model) % stages:
         raise ValueError(f"stages must divide the model's {len(model)} layers, got {stages}")
-    trainer = StagedTrainer(model, [len(model) // stages] * stages, lr,
-                            weight_stashing=variant != "pipedream_no_stash",
-                            vertical_sync=variant == "pipedream_vertical_sync")
+    trainer = StagedTrainer(model, [len(model) // stages] * stages, lr, policy=POLICIES[variant].policy)
     x, y = regression_data(microbatches * microbatch_size, 16, seed=seed + 1)
     xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
     with torch_threads(1):  # as in convergence
@@ -487,22 +434,3 @@ def _agreement(trainer: StagedTrainer, stages: int, microbatches: int, skip: int
             for key, reference in (("forward", at_forward[s]), ("applied_to", now)):
                 sums[key][s] += torch.nn.functional.cosine_similarity(applied, reference, dim=0).item()
     return {key: [total / (microbatches - skip) for total in values] for key, values in sums.items()}
-
-
-def versions_held_bound(num_stages: int, *, weight_stashing: bool = True, vertical_sync: bool = False,
-                        double_buffered: bool = False) -> list[int]:
-    """Most weight versions each stage keeps at once in PipeDream's steady state (sec. 3.3).
-
-    Stashing: stage ``s`` keeps one per in-flight micro-batch, ``p - s``. Vertical sync
-    (which stashes too): every stage keeps ``p``, because stage 0's forward hands out a
-    version ``p - 1`` updates old and each later stage must keep that version of its own
-    weights until the micro-batch's backward has passed it. No stashing: the current one.
-    PipeDream-2BW (``double_buffered``, Narayanan et al. 2021, sec. 3.1): two on every stage,
-    the version in-flight micro-batches use and the newest (from the second batch on).
-    """
-    p = positive_int("num_stages", num_stages)
-    if double_buffered:
-        return [2] * p
-    if vertical_sync:
-        return [p] * p
-    return [p - s for s in range(p)] if weight_stashing else [1] * p

@@ -15,20 +15,17 @@ sec. 2.3); time a device only communicates counts as bubble.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import operator
 from operator import attrgetter
 from typing import Iterable, Mapping, NamedTuple
 
-from .checks import integer, non_negative, one_of, positive_int
+from .checks import integer, one_of, positive_int
+from .chrome_trace import US_PER_UNIT, read_chrome_trace, write_chrome_trace
 from .schedule import OPS, Action
 
-# Chrome-trace timestamps are microseconds. Measured runs are in seconds; a
-# simulated cost unit is drawn as one millisecond so Perfetto's ruler reads well.
-_US_PER_UNIT = {"s": 1e6, "cost": 1e3}
-_COMM_CATEGORY = "comm"  # the Chrome-trace category of a Transfer
+__all__ = ["TEXT_MAX_DEVICES", "TEXT_MAX_ACTIONS", "Event", "Transfer", "Timeline"]
 
 # Timeline.to_text refuses more than this: a grid of more rows, or more actions, is unreadable and slow to build.
 TEXT_MAX_DEVICES = 64
@@ -120,7 +117,7 @@ class Timeline:
     def __init__(self, events: Iterable[Event], num_devices: int, *, unit: str = "s",
                  peak_memory: Mapping[int, int] | None = None, comm: Iterable[Transfer] = ()) -> None:
         positive_int("num_devices", num_devices)
-        one_of("unit", unit, tuple(_US_PER_UNIT))
+        one_of("unit", unit, tuple(US_PER_UNIT))
         self.events = list(events)
         self.comm = list(comm)
         self.num_devices = num_devices
@@ -166,8 +163,7 @@ class Timeline:
 
     def _check_span(self, item: Event | Transfer, kind: str) -> None:
         device, start, end = item.device, item.start, item.end
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
-            raise ValueError(f"{kind} {item} is on device {device!r}, but devices are 0..{self.num_devices - 1}")
+        integer(f"the device of {kind} {item}", device, 0, self.num_devices - 1)
         if not (_is_finite(start) and _is_finite(end)):
             raise ValueError(f"{kind} {item} must start and end at finite times, got start={start!r}, end={end!r}")
         if end < start:
@@ -193,9 +189,7 @@ class Timeline:
         return self._cache
 
     def _device(self, device: object, name: str = "device") -> int:
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.num_devices:
-            raise ValueError(f"{name} must be an integer in 0..{self.num_devices - 1}, got {device!r}")
-        return device
+        return integer(name, device, 0, self.num_devices - 1)
 
     def __repr__(self) -> str:
         comm = f", {len(self.comm)} transfers" if self.comm else ""
@@ -354,38 +348,11 @@ class Timeline:
             header += f"; {hidden} actions not shown (each shares its cells with a later action)"
         return header + "\n" + "\n".join(rows)
 
-    # -- Chrome trace (Perfetto, chrome://tracing) ---------------------------------
+    # -- Chrome trace (Perfetto, chrome://tracing): the file format is chrome_trace's ----------------------
     def to_chrome_trace(self, path: str | os.PathLike) -> None:
         """Write a Chrome trace JSON file: one track (thread) per device for compute,
         and one more per device that communicates (after every compute track)."""
-        scale = _US_PER_UNIT[self.unit]
-        origin = self.origin
-        trace = [{"ph": "M", "pid": 0, "name": "process_name",
-                  "args": {"name": f"gpipe_ref pipeline ({self.unit})"}}]
-        tracks = [(d, f"device {d}") for d in range(self.num_devices)]
-        tracks += [(self._comm_track(d), f"device {d} comm") for d in sorted({t.device for t in self.comm})]
-        for tid, name in tracks:
-            trace.append({"ph": "M", "pid": 0, "tid": tid, "name": "thread_name", "args": {"name": name}})
-            trace.append({"ph": "M", "pid": 0, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
-        for e in self.events:
-            trace.append({
-                "name": e.label, "cat": e.op, "ph": "X", "pid": 0, "tid": e.device,
-                "ts": (e.start - origin) * scale, "dur": e.duration * scale,
-                "args": {"stage": e.stage, "op": e.op, "microbatch": e.microbatch,
-                         "weight_version": e.weight_version},
-            })
-        for t in self.comm:
-            trace.append({"name": t.name, "cat": _COMM_CATEGORY, "ph": "X", "pid": 0, "tid": self._comm_track(t.device),
-                          "ts": (t.start - origin) * scale, "dur": t.duration * scale,
-                          "args": {"device": t.device, "bytes": t.bytes}})
-        doc = {"traceEvents": trace, "displayTimeUnit": "ms",
-               "otherData": {"gpipe_ref": {"unit": self.unit, "num_devices": self.num_devices}}}
-        with open(path, "w") as f:
-            json.dump(doc, f)
-
-    def _comm_track(self, device: int) -> int:
-        """The Chrome-trace thread id of the device's comm track."""
-        return self.num_devices + device
+        write_chrome_trace(path, self.events, self.comm, self.num_devices, self.unit, self.origin)
 
     @classmethod
     def from_chrome_trace(cls, path: str | os.PathLike) -> "Timeline":
@@ -396,136 +363,6 @@ class Timeline:
         ValueError naming the path and the field: ``"t.json: traceEvents[3].ts must
         be a finite number, got nan"``.
         """
-        where = str(path)
-        raw, meta, list_name = _load_trace(path)
-        unit = one_of(f"{where}: otherData.gpipe_ref.unit", meta.get("unit", "s"), tuple(_US_PER_UNIT))
-        num_devices = meta.get("num_devices")
-        if num_devices is not None:
-            positive_int(f"{where}: otherData.gpipe_ref.num_devices", num_devices)
-        scale = _US_PER_UNIT[unit]
-        events, comm = [], []
-        for i, item in enumerate(raw):
-            name = f"{where}: {list_name}[{i}]"
-            if not isinstance(item, dict):
-                raise ValueError(f"{name} must be an object (a trace event), got {_kind(item)}")
-            if item.get("ph") != "X":
-                continue  # metadata, instant and other events carry no pipeline action
-            span = _transfer_from_trace(item, scale, name) if item.get("cat") == _COMM_CATEGORY \
-                else _event_from_trace(item, scale, name)
-            if num_devices is not None and span.device >= num_devices:
-                field = "args.device" if isinstance(span, Transfer) else "tid"
-                raise ValueError(f"{name}.{field} is device {span.device}, but otherData.gpipe_ref.num_devices "
-                                 f"is {num_devices} (devices 0..{num_devices - 1})")
-            (comm if isinstance(span, Transfer) else events).append(span)
-        if not events and not comm:
-            raise ValueError(f"{where}: holds no pipeline events (complete 'X' events named like '1F0')")
-        if num_devices is None:
-            num_devices = max(e.device for e in [*events, *comm]) + 1
-        return cls(events, num_devices, unit=unit, comm=comm)
-
-
-def _kind(value: object) -> str:
-    """How an error names a JSON value's type."""
-    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(
-        type(value), "a number")
-
-
-def _load_trace(path: str | os.PathLike) -> tuple[list, dict, str]:
-    """The trace's event list, its gpipe_ref metadata (empty for other tools' traces) and
-    the list's name in messages ("traceEvents", or "" for a bare list)."""
-    where = str(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot read the file: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not a Chrome trace (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not a Chrome trace (not JSON: {exc})") from None
-    except RecursionError:  # json recurses once per nested list or object
-        raise ValueError(f"{where}: not a Chrome trace (JSON nested too deep)") from None
-    if isinstance(doc, list):
-        return doc, {}, ""
-    if not isinstance(doc, dict) or "traceEvents" not in doc:
-        got = "an object without 'traceEvents'" if isinstance(doc, dict) else _kind(doc)
-        raise ValueError(f"{where}: not a Chrome trace: expected a list of events or an object with "
-                         f"'traceEvents', got {got}")
-    if not isinstance(doc["traceEvents"], list):
-        raise ValueError(f"{where}: traceEvents must be a list of events, got {_kind(doc['traceEvents'])}")
-    other = doc.get("otherData", {})
-    if not isinstance(other, dict):
-        raise ValueError(f"{where}: otherData must be an object, got {_kind(other)}")
-    meta = other.get("gpipe_ref", {})
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where}: otherData.gpipe_ref must be an object, got {_kind(meta)}")
-    return doc["traceEvents"], meta, "traceEvents"
-
-
-def _field(item: dict, key: str, name: str) -> object:
-    """``item[key]``, or a ValueError naming the missing field."""
-    if key not in item:
-        raise ValueError(f"{name} has no {key!r}")
-    return item[key]
-
-
-def _finite(name: str, value: object) -> float:
-    """A finite number of any sign (a Chrome-trace timestamp)."""
-    if not _is_finite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return value
-
-
-def _args(item: dict, name: str) -> dict:
-    args = item.get("args")
-    if args is None:
-        return {}
-    if not isinstance(args, dict):
-        raise ValueError(f"{name}.args must be an object, got {_kind(args)}")
-    return args
-
-
-def _times(item: dict, scale: float, name: str) -> tuple[float, float]:
-    """Start and end in the timeline's unit from the event's ``ts`` and ``dur`` (microseconds)."""
-    ts = _finite(f"{name}.ts", _field(item, "ts", name))
-    dur = non_negative(f"{name}.dur", _field(item, "dur", name))
-    if not math.isfinite(ts + dur):
-        raise ValueError(f"{name}: ts + dur must be a finite number, got {ts + dur!r}")
-    return ts / scale, (ts + dur) / scale
-
-
-def _event_from_trace(item: dict, scale: float, name: str) -> Event:
-    """A compute event from a complete ('X') trace event, by its args or its ``1F0`` name."""
-    args = _args(item, name)
-    device = integer(f"{name}.tid", _field(item, "tid", name), 0)
-    if "op" in args:
-        op = one_of(f"{name}.args.op", args["op"], OPS)
-        stage = integer(f"{name}.args.stage", _field(args, "stage", f"{name}.args"), 0)
-        microbatch = integer(f"{name}.args.microbatch", _field(args, "microbatch", f"{name}.args"), 0)
-    else:
-        label = _field(item, "name", name)
-        try:
-            action = Action.parse(label)
-        except ValueError:
-            raise ValueError(f"{name}.name must name a pipeline action like '1F0' (stage, F/B/W, micro-batch), "
-                             f"got {label!r}") from None
-        op, stage, microbatch = action.op, action.stage, action.microbatch
-    version = args.get("weight_version")
-    if version is not None:
-        integer(f"{name}.args.weight_version", version, 0)
-    start, end = _times(item, scale, name)
-    return Event(device, stage, op, microbatch, start, end, version)
-
-
-def _transfer_from_trace(item: dict, scale: float, name: str) -> Transfer:
-    """A transfer from a complete ('X') trace event of the comm category."""
-    args = _args(item, name)
-    device = integer(f"{name}.args.device", _field(args, "device", f"{name}.args"), 0)
-    label = _field(item, "name", name)
-    if not isinstance(label, str):
-        raise ValueError(f"{name}.name must be a string, got {label!r}")
-    size = args.get("bytes")
-    if size is not None:
-        integer(f"{name}.args.bytes", size, 0)
-    start, end = _times(item, scale, name)
-    return Transfer(device, label, start, end, size)
+        trace = read_chrome_trace(path)
+        return cls([Event(*fields) for fields in trace.events], trace.num_devices, unit=trace.unit,
+                   comm=[Transfer(*fields) for fields in trace.comm])

@@ -12,6 +12,9 @@ bar as drawn: a colour per micro-batch would repeat after ten and could not
 be read off a legend. Idle time is one hatched grey band per row under the
 bars (hatching thousands of small gaps one by one is what makes matplotlib
 slow).
+
+The course's other figures (``figures``) and its loss curves (``loss_curves``) are drawn in modules of their
+own; their names are importable from here too.
 """
 
 from __future__ import annotations
@@ -21,11 +24,19 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
-from .checks import integer, positive_int
+from .checks import instance, integer, positive_int
+from .figures import plot_linear_splits, plot_parallelism_overview
+from .loss_curves import CURVE_STYLES, loss_curves_svg, plot_convergence, running_mean
 from .timeline import Timeline
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
     from matplotlib.axes import Axes
+
+__all__ = ["KIND_COLORS", "microbatch_color", "version_colors", "plot_timeline", "bar_labels", "plot_bucket_overlap",
+           "svg_text_width", "timeline_svg", "plot_in_flight", "plot_staleness",
+           # re-exported: the course's other figures and the loss curves, drawn in their own modules
+           "plot_parallelism_overview", "plot_linear_splits", "CURVE_STYLES", "running_mean", "plot_convergence",
+           "loss_curves_svg"]
 
 _COMM = "comm"  # the bar kind of a Transfer
 _KINDS = ("F", "B", "W", _COMM)  # drawing and legend order
@@ -44,13 +55,6 @@ def microbatch_color(microbatch: int) -> tuple[float, float, float]:
     integer("microbatch", microbatch, 0)
 
     return colormaps["tab10"].colors[microbatch % 10]
-
-
-def running_mean(values: list[float], window: int = 8) -> list[float]:
-    """The mean of each value and the up to ``window - 1`` before it (loss curves are noisy)."""
-    positive_int("window", window)
-    return [sum(values[max(0, k - window + 1):k + 1]) / len(values[max(0, k - window + 1):k + 1])
-            for k in range(len(values))]
 
 
 def _hex(rgb: Sequence[float]) -> str:
@@ -139,8 +143,7 @@ def _check_color_by(color_by: str) -> None:
 
 
 def _check_timeline(timeline: object) -> None:
-    if not isinstance(timeline, Timeline):
-        raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
+    instance("timeline", timeline, Timeline)
 
 
 def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,
@@ -429,46 +432,6 @@ def _svg_legend(legend: list[tuple[str, str]], left: int, width: int, y: int, id
     return out, 16 * (line + 1)
 
 
-def plot_parallelism_overview(layers: int = 4):
-    """Three ways to share one model between two devices, side by side:
-    data parallel (whole model on each, half the batch each), tensor parallel
-    (every layer split in two), pipeline parallel (consecutive layers per device)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyBboxPatch, Rectangle
-
-    positive_int("layers", layers)
-
-    colors = ("#4c72b0", "#dd8452")  # device 0, device 1
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    titles = ("data parallel:\nwhole model on each device,\nhalf the batch each",
-              "tensor parallel:\nevery layer split across devices,\nwhole batch on each",
-              "pipeline parallel:\nconsecutive layers per device,\nbatch flows through")
-    for ax, title in zip(axes, titles):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlim(0, 10)
-        ax.set_ylim(-1.2, layers + 0.3)
-        ax.axis("off")
-    for row in range(layers):  # layer 0 at the bottom, like a forward pass going up
-        y = row + 0.1
-        for dev, x in enumerate((0.6, 5.4)):  # data parallel: a full copy on each device
-            axes[0].add_patch(Rectangle((x, y), 4.0, 0.7, color=colors[dev]))
-            axes[0].text(x + 2.0, y + 0.35, f"layer {row}", ha="center", va="center", color="white", fontsize=8)
-        for dev, x in enumerate((1.0, 5.0)):  # tensor parallel: each layer in two halves
-            axes[1].add_patch(Rectangle((x, y), 4.0, 0.7, color=colors[dev]))
-            axes[1].text(x + 2.0, y + 0.35, f"layer {row}, half {dev}", ha="center", va="center",
-                         color="white", fontsize=8)
-        dev = 0 if row < layers / 2 else 1  # pipeline: bottom half on device 0, top half on device 1
-        axes[2].add_patch(Rectangle((2.5, y), 5.0, 0.7, color=colors[dev]))
-        axes[2].text(5.0, y + 0.35, f"layer {row}", ha="center", va="center", color="white", fontsize=8)
-    for dev, label in enumerate(("device 0", "device 1")):
-        for ax in axes:
-            ax.add_patch(FancyBboxPatch((0.5 + 5.2 * dev, -1.0), 3.8, 0.5, boxstyle="round,pad=0.05",
-                                        color=colors[dev]))
-            ax.text(2.4 + 5.2 * dev, -0.75, label, ha="center", va="center", color="white", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
 def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None) -> "Axes":
     """Activation sets held per device over time (``Timeline.in_flight``), one step line per device."""
     import matplotlib.pyplot as plt
@@ -487,48 +450,6 @@ def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | No
     ax.set_title(title or "activations held per device")
     ax.legend(fontsize=8, loc="upper right")
     return ax
-
-
-def plot_linear_splits():
-    """A Linear y = x W^T split two ways across two devices: by output columns
-    (each device computes a slice of y; concatenate) and by input rows (each
-    device computes a partial y from its slice of x; sum)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
-    colors = ("#4c72b0", "#dd8452")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
-    for ax, title in zip(axes, ("column-parallel: split W's outputs\ny = [x W0 | x W1]  (concatenate)",
-                                "row-parallel: split W's inputs\ny = x0 W0 + x1 W1  (sum: all-reduce)")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlim(0, 12)
-        ax.set_ylim(0, 5)
-        ax.axis("off")
-    # column split: x whole, W^T cut vertically, y cut vertically
-    a = axes[0]
-    a.add_patch(Rectangle((0.3, 1.5), 2.0, 2.0, color="#999999"))
-    a.text(1.3, 2.5, "x", ha="center", va="center", color="white")
-    for d in range(2):
-        a.add_patch(Rectangle((3.2 + 1.2 * d, 1.0), 1.2, 3.0, color=colors[d]))
-        a.text(3.8 + 1.2 * d, 2.5, f"W{d}", ha="center", va="center", color="white")
-        a.add_patch(Rectangle((7.5 + 1.2 * d, 1.5), 1.2, 2.0, color=colors[d]))
-        a.text(8.1 + 1.2 * d, 2.5, f"y{d}", ha="center", va="center", color="white")
-    a.text(2.75, 2.5, "x", ha="center", va="center")
-    a.text(6.5, 2.5, "=", ha="center", va="center", fontsize=14)
-    # row split: x cut vertically, W^T cut horizontally, partial ys summed
-    b = axes[1]
-    for d in range(2):
-        b.add_patch(Rectangle((0.3 + 1.0 * d, 1.5), 1.0, 2.0, color=colors[d]))
-        b.text(0.8 + 1.0 * d, 2.5, f"x{d}", ha="center", va="center", color="white")
-        b.add_patch(Rectangle((3.2, 2.5 - 1.5 * d), 2.4, 1.5, color=colors[d]))
-        b.text(4.4, 3.25 - 1.5 * d, f"W{d}", ha="center", va="center", color="white")
-        b.add_patch(Rectangle((7.2 + 2.3 * d, 1.5), 2.0, 2.0, color=colors[d], alpha=0.85))
-        b.text(8.2 + 2.3 * d, 2.5, f"x{d} W{d}", ha="center", va="center", color="white", fontsize=9)
-    b.text(2.75, 2.5, "x", ha="center", va="center")
-    b.text(6.4, 2.5, "=", ha="center", va="center", fontsize=14)
-    b.text(9.35, 2.5, "+", ha="center", va="center", fontsize=14)
-    fig.tight_layout()
-    return fig
 
 
 def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "Axes | None" = None,
@@ -564,72 +485,3 @@ def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "
                   "backward": "weight version used in the backward"}[field], fontsize=10)
     ax.figure.colorbar(image, ax=ax)
     return ax
-
-
-# One (line style, marker) per curve: curves that coincide (GPipe and 1F1B train identically) stay visible.
-CURVE_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ((0, (6, 2, 1, 2, 1, 2)), "v"),
-                ((0, (1, 1)), "P"), ((0, (8, 3)), "X"))
-
-
-def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "samples", smooth: int = 8,
-                     legend: bool = True, markers: int = 8) -> "Axes":
-    """Loss curves of ``staleness.convergence`` results against samples seen or simulated time
-    (a running mean over ``smooth`` micro-batches).
-
-    Each curve gets its own line style and marker (``CURVE_STYLES``), the markers of curve k
-    shifted by k / len(results) of their spacing, so two curves that coincide exactly are both
-    seen: the dashes of one over the other, and both sets of markers. ``markers`` is about how
-    many markers each curve carries (past 7 curves the styles repeat, the colours do not). The legend sits right of the axes, off the data
-    (``legend=False`` leaves it out, e.g. for all but one of several panels)."""
-    import matplotlib.pyplot as plt
-
-    if x not in ("samples", "times"):
-        raise ValueError(f"x must be 'samples' or 'times', got {x!r}")
-    positive_int("smooth", smooth)
-    positive_int("markers", markers)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.5))
-    for k, result in enumerate(results):
-        linestyle, marker = CURVE_STYLES[k % len(CURVE_STYLES)]  # with colour: distinct up to 70
-        every = max(1, len(result[x]) // markers)
-        ax.plot(result[x], running_mean(result["losses"], smooth), linestyle=linestyle, marker=marker,
-                markersize=5, markevery=(k * every // max(1, len(results)), every), markerfacecolor="none",
-                linewidth=1.4, label=f"{result['variant']} (lr {result['lr']})")
-    ax.set_yscale("log")
-    starts = [r["losses"][0] for r in results if r["losses"] and math.isfinite(r["losses"][0])]
-    if starts:  # a diverging run would otherwise squash every other curve
-        ax.set_ylim(top=3 * max(starts))
-    ax.set_xlabel("samples seen" if x == "samples" else "simulated time (cost units)")
-    ax.set_ylabel("training loss")
-    if legend:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    return ax
-
-
-def loss_curves_svg(curves: dict[str, list[float]], width: int = 420, height: int = 200) -> str:
-    """Small SVG line chart of named loss curves (log scale), for widgets."""
-    integer("width", width, 100)  # room for the axis labels and the plot
-    integer("height", height, 80)
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
-    values = [v for c in curves.values() for v in c if v > 0 and math.isfinite(v)]
-    if not values:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"></svg>'
-    low, high = math.log10(min(values)), math.log10(max(values))
-    high = high if high > low else low + 1
-    left, top, plot_w, plot_h = 40, 10, width - 50, height - 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
-    for k, (name, curve) in enumerate(curves.items()):
-        points = []
-        for j, v in enumerate(curve):
-            v = min(max(v, 10 ** low), 10 ** high) if math.isfinite(v) else 10 ** high
-            px = left + plot_w * j / max(1, len(curve) - 1)
-            py = top + plot_h * (high - math.log10(v)) / (high - low)
-            points.append(f"{px:.1f},{py:.1f}")
-        out.append(f'<polyline fill="none" stroke="{colors[k % 5]}" stroke-width="1.5" points="{" ".join(points)}"/>')
-        out.append(f'<text x="{left + 6}" y="{top + 14 + 12 * k}" fill="{colors[k % 5]}">{name}</text>')
-    out.append(f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{10 ** high:.2g}</text>')
-    out.append(f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{10 ** low:.2g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">micro-batches seen '
-               f'(loss, log scale)</text></svg>')
-    return "".join(out)

@@ -17,7 +17,7 @@ from torch import nn
 from gpipe_ref.batchnorm import (DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d,
                                  convert_deferred_batch_norm)
 from gpipe_ref.microbatch import scatter
-from gpipe_ref.pipeline import rematerialized
+from gpipe_ref.rematerialization import rematerialized
 
 PLAIN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 DEFERRED = {1: DeferredBatchNorm1d, 2: DeferredBatchNorm2d, 3: DeferredBatchNorm3d}
@@ -239,7 +239,7 @@ def test_a_forward_on_buffer_copies_leaves_no_trace(seed):
 
 @pytest.mark.parametrize("seed", SEEDS[:3])
 def test_rematerialized_stage_commits_once_per_mini_batch(seed):
-    """Through the executor's own re-materialization (gpipe_ref.pipeline.rematerialized)."""
+    """Through the executor's own re-materialization (gpipe_ref.rematerialization.rematerialized)."""
     kind, shape, batch, chunks = random_case(seed)
     plain, deferred = pair(kind, shape[0], chunks, 0.1, seed)
     stage, reference = nn.Sequential(deferred, nn.Tanh()), nn.Sequential(plain, nn.Tanh())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
-from gpipe_ref.schedule import pipedream_async
+from gpipe_ref.schedule import POLICIES, pipedream_async
 from gpipe_ref.simulator import simulate
 from gpipe_ref.staleness import version_table
 
@@ -78,7 +78,8 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         schedule = page.locator(".widget-dropdown", has_text="schedule").locator("select")
         schedule.scroll_into_view_if_needed()
         schedule.select_option(label="PipeDream-2BW")
-        record = version_table(pipedream_async(4, 24), coalesce=12)  # two mini-batches of m = 12
+        two_bw = POLICIES["pipedream_2bw"].policy.per_batch(12)
+        record = version_table(pipedream_async(4, 24), policy=two_bw)  # two mini-batches of m = 12
 
         def two_bw():
             said = readout.inner_text()

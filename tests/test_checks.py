@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from gpipe_ref.checks import fraction, integer, non_negative, number, one_of, positive, positive_int
+from gpipe_ref.checks import (fraction, instance, integer, non_negative, number, one_of, positive, positive_int,
+                              probability)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -31,6 +32,33 @@ def test_integer_refuses_below_the_minimum_bools_floats_nan_and_other_types(valu
 def test_integer_boundary_is_the_minimum():
     assert integer("stages", 3, 3) == 3
     refused(integer, "stages", 2, 3, message="stages must be an integer >= 3, got 2")
+
+
+def test_integer_with_a_maximum_names_the_closed_range():
+    assert integer("stage", 0, 0, 3) == 0 and integer("stage", 3, 0, 3) == 3
+    refused(integer, "stage", 4, 0, 3, message="stage must be an integer in [0, 3], got 4")
+    refused(integer, "stage", -1, 0, 3, message="stage must be an integer in [0, 3], got -1")
+    refused(integer, "stage", True, 0, 3, message="stage must be an integer in [0, 3], got True")
+    refused(integer, "stage", 1.0, 0, 3, message="stage must be an integer in [0, 3], got 1.0")
+    refused(integer, "device", 0, 0, -1, message="device must be an integer in [0, -1], got 0")  # no devices
+
+
+def test_probability_is_zero_up_to_but_not_one():
+    assert probability("p", 0) == 0 and probability("p", 0.5) == 0.5 and probability("p", 0.999) == 0.999
+    for value, shown in [(1, "1"), (1.0, "1.0"), (-0.1, "-0.1"), (NAN, "nan"), (True, "True"), ("0.1", "'0.1'")]:
+        refused(probability, "p", value, message=f"p must be a number in [0, 1), got {shown}")
+
+
+def test_instance_names_the_types_wanted_and_the_type_given():
+    assert instance("x", 3, int) == 3 and instance("x", None, int, type(None)) is None
+    with pytest.raises(TypeError, match=r"^setup must be a dict, got list$"):
+        instance("setup", [], dict)
+    with pytest.raises(TypeError, match=r"^x must be a int or str, got float$"):
+        instance("x", 1.5, int, str)
+    with pytest.raises(TypeError, match=r"^cluster must be a dict or None, got int$"):
+        instance("cluster", 3, type(None), dict)
+    with pytest.raises(TypeError, match="at least one type"):
+        instance("x", 3)
 
 
 def test_positive_int():

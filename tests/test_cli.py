@@ -434,7 +434,8 @@ def test_staleness_skips_2bw_when_a_batch_cannot_fill_the_pipeline(monkeypatch, 
     monkeypatch.setattr("gpipe_ref.staleness.convergence", fake_run)
     assert main(["staleness", "--stages", "4", "--microbatches", "2", "--steps", "1", "--lr", "0.1"]) == 0
     assert "pipedream_2bw" not in trained and len(trained) == len(VARIANTS) - 1
-    assert "skipped: PipeDream-2BW needs micro-batches >= stages" in capsys.readouterr().out
+    assert "skipped: PipeDream-2BW: updates_every must be >= num_stages=4 with lag=1 (a batch must fill the " \
+           "pipeline: m >= d" in capsys.readouterr().out
 
 
 def test_exercises_list_counts_every_exercise_by_category(capsys):

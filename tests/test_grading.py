@@ -22,6 +22,7 @@ from gpipe_ref.grading.exercises.common import judge_one_stage_per_device, sched
 from gpipe_ref.grading.cases import Case, Exercise
 from gpipe_ref.grading.judge import forbidden_use, judge, run_cases, same
 from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
+from gpipe_ref.grading.kernel_side.guard import resolve
 from gpipe_ref.grading.kernel_side.runner import run_one
 from gpipe_ref.grading.kernel_side.wire import dumps, loads
 from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister
@@ -89,11 +90,18 @@ def test_forbidden_library_calls_are_refused():
     assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
 
 
+def test_every_forbidden_name_names_library_code():
+    """A forbidden name that no longer resolves (its function moved or was renamed) would refuse nothing."""
+    for ex in EXERCISES.values():
+        for dotted in ex.forbidden_names():
+            assert callable(resolve(dotted)), (ex.id, dotted)
+
+
 def test_schedule_generators_come_from_the_registry():
     names = schedule_generators()
-    assert names == tuple(f"gpipe_ref.schedule.{spec.build.__name__}" for spec in SCHEDULES.values()) + (
+    assert names == tuple(f"{spec.build.__module__}.{spec.build.__name__}" for spec in SCHEDULES.values()) + (
         "gpipe_ref.schedule.make_schedule",)
-    assert "gpipe_ref.schedule.one_f_one_b" in names and "gpipe_ref.schedule.zero_bubble_h1" in names
+    assert {"gpipe_ref.schedule.generators.one_f_one_b", "gpipe_ref.schedule.generators.zero_bubble_h1"} <= set(names)
     for exercise_id in ("04.1", "06.1", "06.2"):
         assert EXERCISES[exercise_id].forbidden_names() == names
     assert EXERCISES["07.2"].forbidden_names() == names + ("gpipe_ref.playground.builtin_text",)

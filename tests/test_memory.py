@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.memory import (PRECISIONS, ActivationMeter, DeviceMemory, MemorySetup, activation_bytes,
-                              block_parameters, measure_anatomy, memory_anatomy, microbatches_in_flight)
+from gpipe_ref.memory import (MEMORY_SCHEDULES, PRECISIONS, ActivationMeter, DeviceMemory, MemorySetup,
+                              activation_bytes, block_parameters, measure_anatomy, memory_anatomy,
+                              microbatches_in_flight)
+from gpipe_ref.schedule import make_schedule, schedule_names, schedule_spec
+from gpipe_ref.simulator import simulate
 
 
 def test_meter_counts_what_autograd_saves_and_frees_it():
@@ -100,6 +103,25 @@ def test_in_flight_is_m_for_gpipe_and_p_minus_stage_for_1f1b():
     for p, m in [(1, 5), (4, 2), (4, 8), (6, 6)]:
         assert microbatches_in_flight("gpipe", p, m) == [m] * p
         assert microbatches_in_flight("1f1b", p, m) == [min(m, p - s) for s in range(p)]
+
+
+def test_registry_peak_held_is_the_simulated_peak_for_every_schedule():
+    """Each registered schedule's closed-form ``peak_held(p, m, v)`` is the simulator's peak on the first device
+    (in micro-batches: a thin stage of an interleaved schedule holds 1/v of one), on every p and m the schedule
+    takes; and the memory model's per-stage count, read from the registry, is the simulator's on every stage."""
+    checked = set()
+    for name in schedule_names():
+        spec = schedule_spec(name)
+        for p, m, v in itertools.product(range(1, 6), range(1, 11), (1, 2, 3) if spec.multi_stage else (1,)):
+            try:
+                timeline = simulate(make_schedule(name, p, m, v))
+            except ValueError:  # an m the schedule refuses (interleaved_1f1b: rounds must split m evenly)
+                continue
+            assert timeline.peak_in_flight(0) / v == spec.peak_held(p, m, v), (name, p, m, v)
+            if name in MEMORY_SCHEDULES:
+                assert microbatches_in_flight(name, p, m) == [timeline.peak_in_flight(s) for s in range(p)]
+            checked.add(name)
+    assert checked == set(schedule_names())
 
 
 def test_recompute_keeps_the_inputs_plus_one_microbatch():

@@ -30,8 +30,8 @@ def test_scatter_tuples():
 @pytest.mark.parametrize("batch,chunks,error,message", [
     ([1, 2], 1, TypeError, "batch must be a tensor or a tuple of tensors, got list"),
     ((torch.ones(2), "x"), 1, TypeError, "got tuple holding"),
-    (torch.ones(4), 5, ValueError, "chunks must be an integer from 1 to the batch size 4, got 5"),
-    (torch.ones(4), 0, ValueError, "chunks must be an integer from 1 to the batch size 4, got 0"),
+    (torch.ones(4), 5, ValueError, r"chunks must be an integer in \[1, 4\], got 5"),
+    (torch.ones(4), 0, ValueError, r"chunks must be an integer in \[1, 4\], got 0"),
     ((torch.ones(4), torch.ones(3)), 1, ValueError, r"must share the batch size \(dim 0\), got sizes \[4, 3\]"),
     (torch.tensor(3.0), 1, ValueError, "must have a batch dimension"),
 ])

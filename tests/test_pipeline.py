@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.pipeline import GPipe, StepRun
+from gpipe_ref.executor import StepRun
+from gpipe_ref.pipeline import GPipe
 from gpipe_ref.schedule import Action, execution_order, gpipe, make_schedule, one_f_one_b
 from gpipe_ref.simulator import CostModel, calibrate, place, simulate
 from gpipe_ref.microbatch import scatter

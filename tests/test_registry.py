@@ -83,3 +83,15 @@ def test_registering_a_taken_name_or_alias_is_refused(lifo):
                               peak_held=lifo.peak_held, source="", aliases=("lifo",)))
     with pytest.raises(TypeError, match="spec must be a ScheduleSpec, got str"):
         register("gpipe")
+
+
+def test_the_default_schedule_comes_from_the_registry():
+    """A run that names no schedule: 1F1B, or with several stages per device the registered multi-stage one."""
+    from gpipe_ref.schedule import default_schedule
+
+    assert default_schedule() == default_schedule(1) == "1f1b"
+    several = default_schedule(2)
+    assert several == "interleaved_1f1b" and schedule_spec(several).multi_stage and schedule_spec(several).flush
+    assert make_schedule(several, 2, 4, 2).num_stages == 4
+    with pytest.raises(ValueError, match=r"stages_per_device must be an integer >= 1, got 0"):
+        default_schedule(0)

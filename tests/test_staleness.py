@@ -7,17 +7,23 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gpipe_ref.schedule import Action, gpipe, one_f_one_b, pipedream_async, weight_versions
+from gpipe_ref.schedule import (POLICIES, Action, WeightPolicy, gpipe, one_f_one_b, pipedream_async,
+                                weight_versions)
 from gpipe_ref.simulator import simulate
 from gpipe_ref.staleness import (ASYNC_VARIANTS, VARIANTS, StagedTrainer, convergence, default_model, diverged,
-                                  double_buffered_timeline, double_buffered_versions, final_loss, gradient_agreement,
-                                  version_table, versions_held_bound)
+                                  final_loss, gradient_agreement, version_table)
+
+
+def two_bw(m):
+    """PipeDream-2BW's policy for mini-batches of m micro-batches, from the table."""
+    return POLICIES["pipedream_2bw"].policy.per_batch(m)
 
 
 def _run(weight_stashing, vertical_sync=False, p=4, m=8, seed=0):
     torch.manual_seed(seed)
     model = default_model(seed=seed)
-    trainer = StagedTrainer(model, [8 // p] * p, 0.1, weight_stashing=weight_stashing, vertical_sync=vertical_sync)
+    policy = WeightPolicy(stashing=weight_stashing, vertical_sync=vertical_sync)
+    trainer = StagedTrainer(model, [8 // p] * p, 0.1, policy=policy)
     xs, ys = [torch.randn(4, 16) for _ in range(m)], [torch.randn(4, 16) for _ in range(m)]
     return trainer, trainer.run(pipedream_async(p, m), xs, ys, nn.MSELoss(), record_grads=True), xs, ys
 
@@ -89,7 +95,7 @@ def test_flush_schedules_have_no_staleness(builder):
 
 
 def test_vertical_sync_uses_stage_zeros_version_everywhere():
-    record = version_table(pipedream_async(4, 8), vertical_sync=True)
+    record = version_table(pipedream_async(4, 8), policy=WeightPolicy(vertical_sync=True))
     for i in range(8):
         assert len({record.versions[(s, i)][0] for s in range(4)}) == 1
 
@@ -148,7 +154,7 @@ def test_staleness_formula_against_version_table(p, vertical_sync):
     """The notebook's formula: micro-batch k on stage s has staleness min(k, p-1-s), p-1-s in steady state;
     under vertical sync min(k, p-1) on every stage."""
     m = 3 * p
-    record = version_table(pipedream_async(p, m), vertical_sync=vertical_sync)
+    record = version_table(pipedream_async(p, m), policy=WeightPolicy(vertical_sync=vertical_sync))
     for (s, k), (_, _, staleness) in record.versions.items():
         assert staleness == min(k, p - 1 if vertical_sync else p - 1 - s)
 
@@ -156,11 +162,12 @@ def test_staleness_formula_against_version_table(p, vertical_sync):
 @pytest.mark.parametrize("stashing,vertical_sync", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_versions_held_reach_the_bound_in_steady_state(p, stashing, vertical_sync):
-    bound = versions_held_bound(p, weight_stashing=stashing, vertical_sync=vertical_sync)
+    policy = WeightPolicy(stashing=stashing, vertical_sync=vertical_sync)
+    bound = policy.held_bound(p)
     assert bound == ([p] * p if vertical_sync else [p - s for s in range(p)] if stashing else [1] * p)
-    long = version_table(pipedream_async(p, 3 * p), weight_stashing=stashing, vertical_sync=vertical_sync)
+    long = version_table(pipedream_async(p, 3 * p), policy=policy)
     assert long.stash_peak == bound
-    short = version_table(pipedream_async(p, p), weight_stashing=stashing, vertical_sync=vertical_sync)
+    short = version_table(pipedream_async(p, p), policy=policy)
     assert all(held <= most for held, most in zip(short.stash_peak, bound))
 
 
@@ -210,14 +217,15 @@ def test_bad_input():
 @pytest.mark.parametrize("p,m", [(2, 5), (4, 8), (3, 3)])
 def test_trainer_and_simulator_read_one_source_of_weight_versions(p, m, stashing, vertical_sync):
     schedule = pipedream_async(p, m)
-    versions = weight_versions(schedule, stashing=stashing, vertical_sync=vertical_sync)
+    policy = WeightPolicy(stashing=stashing, vertical_sync=vertical_sync)
+    versions = weight_versions(schedule, policy)
     layers = 2 * p
     torch.manual_seed(1)
     model = nn.Sequential(*[nn.Linear(8, 8) if k % 2 == 0 else nn.Tanh() for k in range(layers)])
-    trainer = StagedTrainer(model, [2] * p, 0.1, weight_stashing=stashing, vertical_sync=vertical_sync)
+    trainer = StagedTrainer(model, [2] * p, 0.1, policy=policy)
     record = trainer.run(schedule, [torch.randn(2, 8) for _ in range(m)], [torch.randn(2, 8) for _ in range(m)],
                          nn.MSELoss())
-    simulated = simulate(schedule, weight_stashing=stashing, vertical_sync=vertical_sync)
+    simulated = simulate(schedule, policy=policy)
     assert {e.action: e.weight_version for e in record.timeline.events} == versions
     assert {e.action: e.weight_version for e in simulated.events} == versions
     for (s, i), (forward, backward, _) in record.versions.items():
@@ -230,7 +238,7 @@ def test_trainer_and_simulator_read_one_source_of_weight_versions(p, m, stashing
 
 def test_flush_schedules_use_version_zero_within_the_step_and_count_steps_across_them():
     schedule = one_f_one_b(2, 4)
-    assert set(weight_versions(schedule, stashing=False, vertical_sync=True).values()) == {0}
+    assert set(weight_versions(schedule, WeightPolicy(stashing=False, vertical_sync=True)).values()) == {0}
     torch.manual_seed(0)
     trainer = StagedTrainer(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], 0.1)
     data = [torch.randn(2, 4) for _ in range(4)]
@@ -242,8 +250,8 @@ def test_flush_schedules_use_version_zero_within_the_step_and_count_steps_across
 # -- PipeDream-2BW (Narayanan et al. 2021, sec. 3.1) ------------------------------------------------------------
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
 def test_2bw_holds_two_versions_and_is_one_update_stale_on_every_stage(p, m):
-    record = version_table(pipedream_async(p, 3 * m), coalesce=m)
-    assert record.stash_peak == [2] * p == versions_held_bound(p, double_buffered=True)
+    record = version_table(pipedream_async(p, 3 * m), policy=two_bw(m))
+    assert record.stash_peak == [2] * p == two_bw(m).held_bound(p)
     for (s, i), (forward, backward, staleness) in record.versions.items():
         batch = i // m
         assert forward == backward == max(batch - 1, 0)  # stashed, and the same version on every stage
@@ -256,7 +264,7 @@ def test_2bw_update_rule_is_w_next_equals_w_minus_lr_grad_at_the_previous_versio
     p, m, batches, lr = 4, 4, 5, 0.3
     torch.manual_seed(3)
     xs, ys = [torch.randn(4, 16) for _ in range(m * batches)], [torch.randn(4, 16) for _ in range(m * batches)]
-    trainer = StagedTrainer(default_model(), [2] * p, lr, coalesce=m)
+    trainer = StagedTrainer(default_model(), [2] * p, lr, policy=two_bw(m))
     record = trainer.run(pipedream_async(p, m * batches), xs, ys, nn.MSELoss())
     model = default_model()
     previous = current = {n: w.detach().clone() for n, w in model.named_parameters()}
@@ -282,10 +290,11 @@ def test_2bw_update_rule_is_w_next_equals_w_minus_lr_grad_at_the_previous_versio
 def test_versions_kept_pipedream_p_minus_s_2bw_two_flush_one():
     p, m = 4, 8
     kept = {"pipedream": version_table(pipedream_async(p, 3 * m)).stash_peak,
-            "2bw": version_table(pipedream_async(p, 3 * m), coalesce=m).stash_peak,
+            "2bw": version_table(pipedream_async(p, 3 * m), policy=two_bw(m)).stash_peak,
             "flush": version_table(one_f_one_b(p, m)).stash_peak}
     assert kept == {"pipedream": [4, 3, 2, 1], "2bw": [2, 2, 2, 2], "flush": [1, 1, 1, 1]}
-    assert kept["pipedream"] == versions_held_bound(p) and kept["flush"] == versions_held_bound(p, weight_stashing=False)
+    assert kept["pipedream"] == WeightPolicy().held_bound(p)
+    assert kept["flush"] == WeightPolicy(stashing=False).held_bound(p)
 
 
 def test_2bw_trains_like_the_synchronous_pipeline_at_the_same_batch_size_and_runs_at_pipedreams_speed():
@@ -306,8 +315,8 @@ def test_2bw_trains_like_the_synchronous_pipeline_at_the_same_batch_size_and_run
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 6)])
 def test_2bw_drawn_versions_are_the_ones_the_trainer_used(p, m):
-    drawn = double_buffered_timeline(p, m, 3)
-    record = version_table(pipedream_async(p, 3 * m), coalesce=m)
+    drawn = simulate(pipedream_async(p, 3 * m), policy=two_bw(m))
+    record = version_table(pipedream_async(p, 3 * m), policy=two_bw(m))
     assert {e.action: e.weight_version for e in drawn.events} == \
            {e.action: e.weight_version for e in record.timeline.events}
     assert drawn.makespan == simulate(pipedream_async(p, 3 * m)).makespan
@@ -341,20 +350,31 @@ NAN, INF = float("nan"), float("inf")
     (lambda: gradient_agreement("pipedream_stash", skip=-1), ValueError, "skip must be an integer >= 0, got -1"),
     (lambda: gradient_agreement("pipedream_stash", lr=0), ValueError, "lr must be a finite number > 0, got 0"),
     (lambda: final_loss({"losses": [1.0]}, window=0), ValueError, "window must be an integer >= 1, got 0"),
-    (lambda: versions_held_bound(0), ValueError, "num_stages must be an integer >= 1, got 0"),
-    (lambda: double_buffered_versions(pipedream_async(4, 6), 3), ValueError,
-     "batch must be >= num_stages=4 (PipeDream-2BW needs m >= d, sec. 3.1), got 3"),
-    (lambda: double_buffered_versions(pipedream_async(2, 6), 4), ValueError,
-     "batch must divide the schedule's 6 micro-batches, got 4"),
-    (lambda: double_buffered_versions(one_f_one_b(2, 4), 2), ValueError,
-     "schedule must be an asynchronous one-stage-per-device schedule without W actions (pipedream_async), "
-     "got '1f1b'"),
-    (lambda: double_buffered_versions(pipedream_async(2, 4), 0), ValueError, "batch must be an integer >= 1, got 0"),
-    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1, coalesce=4, vertical_sync=True), ValueError,
-     "coalesce (PipeDream-2BW) always stashes and needs no vertical sync, got weight_stashing=True, "
-     "vertical_sync=True"),
+    (lambda: WeightPolicy().held_bound(0), ValueError, "num_stages must be an integer >= 1, got 0"),
+    (lambda: weight_versions(pipedream_async(4, 6), two_bw(3)), ValueError,
+     "updates_every must be >= num_stages=4 with lag=1 (a batch must fill the pipeline: m >= d, Narayanan et al. "
+     "2021, sec. 3.1), got 3"),
+    (lambda: weight_versions(pipedream_async(2, 6), two_bw(4)), ValueError,
+     "updates_every must divide the schedule's 6 micro-batches, got 4"),
+    (lambda: weight_versions(one_f_one_b(2, 4), two_bw(2)), ValueError,
+     "schedule must be an asynchronous one-stage-per-device schedule without W actions (pipedream_async) for "
+     "updates_every=2, lag=1, got '1f1b'"),
+    (lambda: two_bw(0), ValueError, "batch must be an integer >= 1, got 0"),
+    (lambda: WeightPolicy(updates_every=0), ValueError, "updates_every must be an integer >= 1, got 0"),
+    (lambda: WeightPolicy(lag=2), ValueError, "lag must be one of (0, 1), got 2"),
+    (lambda: WeightPolicy(stashing=1), TypeError, "stashing must be a bool, got int"),
+    (lambda: weight_versions(pipedream_async(4, 8), POLICIES["pipedream_2bw"].policy), ValueError,
+     "updates_every must be set for a run (per_batch(m) makes it one update per mini-batch of m), got None"),
+    (lambda: weight_versions(pipedream_async(4, 8), "pipedream_2bw"), TypeError,
+     "policy must be a WeightPolicy or None, got str"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1, policy=WeightPolicy(vertical_sync=True, lag=1)),
+     ValueError, "lag=1 (every micro-batch of a batch on the version before) stashes by design and needs no "
+     "vertical sync, got stashing=True, vertical_sync=True"),
+    (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1, policy={"stashing": True}), TypeError,
+     "policy must be a WeightPolicy or None, got dict"),
     (lambda: convergence("pipedream_2bw", microbatches=2), ValueError,
-     "pipedream_2bw needs microbatches >= stages=4 (sec. 3.1: m >= d), got 2"),
+     "updates_every must be >= num_stages=4 with lag=1 (a batch must fill the pipeline: m >= d, Narayanan et al. "
+     "2021, sec. 3.1), got 2"),
     (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run("1f1b", [], [], nn.MSELoss()), TypeError,
      "schedule must be a Schedule, got str"),
     (lambda: StagedTrainer(default_model(), [2, 2, 2, 2], 0.1).run(

@@ -218,10 +218,10 @@ def test_svg_legend_and_bars_share_colours_and_labels_fit():
 
 
 def test_svg_by_version_gives_every_version_its_own_colour():
-    from gpipe_ref.schedule import pipedream_async
+    from gpipe_ref.schedule import WeightPolicy, pipedream_async
     from gpipe_ref.viz import version_colors
 
-    timeline = simulate(pipedream_async(4, 16), weight_stashing=True)
+    timeline = simulate(pipedream_async(4, 16), policy=WeightPolicy(stashing=True))
     versions = {e.weight_version for e in timeline.events}
     assert len(versions) > 10  # more than a 10-colour palette holds
     colours = version_colors(list(versions))

@@ -64,14 +64,17 @@ def test_the_readout_numbers_are_the_librarys():
 
 
 def test_2bw_readout_is_the_librarys_and_the_checkboxes_rest():
-    from gpipe_ref.staleness import (convergence, double_buffered_timeline, final_loss, version_table,
-                                      versions_held_bound)
+    from gpipe_ref.schedule import POLICIES
+    from gpipe_ref.staleness import convergence, final_loss, version_table
+
+    two_bw_policy = POLICIES["pipedream_2bw"].policy.per_batch(8)
 
     ex = StalenessExplorer(stages=4, microbatches=8, lr=0.2, steps=10)
-    ex.schedule.value = "2bw"
+    ex.schedule.value = "pipedream_2bw"
+    assert ("PipeDream-2BW", "pipedream_2bw") in ex.schedule.options  # the menu reads the policy table
     text = _text(ex)
-    record = version_table(pipedream_async(4, 16), coalesce=8)
-    assert record.stash_peak == versions_held_bound(4, double_buffered=True) == [2, 2, 2, 2]
+    record = version_table(pipedream_async(4, 16), policy=two_bw_policy)
+    assert record.stash_peak == two_bw_policy.held_bound(4) == [2, 2, 2, 2]
     assert "PipeDream-2BW" in text and "versions held per stage [2, 2, 2, 2]" in text
     assert "staleness per stage in steady state (the table's last column) [1, 1, 1, 1]" in text
     assert [record.versions[(s, 15)][2] for s in range(4)] == [1, 1, 1, 1] and "version mismatch 0" in text
@@ -79,7 +82,7 @@ def test_2bw_readout_is_the_librarys_and_the_checkboxes_rest():
     assert ex.heat.value.count("<td") == 4 * 16  # two mini-batches of m
     drawn = {(e.stage, e.microbatch, e.op): e.weight_version for e in ex.timeline.events}
     assert drawn == {(e.stage, e.microbatch, e.op): e.weight_version
-                     for e in double_buffered_timeline(4, 8, 2).events}
+                     for e in simulate(pipedream_async(4, 16), policy=two_bw_policy).events}
     ours, gpipe_bubble = ex.timeline.bubble_fraction, simulate(gpipe(4, 8)).bubble_fraction
     assert ours < gpipe_bubble and f"{ours:.1%} against GPipe's {gpipe_bubble:.1%} every mini-batch" in text
     two_bw, sync = (final_loss(convergence(v, lr=0.2, steps=10)) for v in ("pipedream_2bw", "gpipe"))

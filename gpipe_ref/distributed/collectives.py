@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from ..checks import one_of
 
+__all__ = ["RING_PHASES", "RingState", "check_same_shape", "ring_all_reduce", "ring_chunk_to_send", "ring_states"]
+
 RING_PHASES = ("reduce_scatter", "all_gather")
 
 

@@ -31,6 +31,9 @@ from torch import nn
 from ..checks import positive
 from ..timeline import Event, Timeline, Transfer
 
+__all__ = ["DataParallel", "accumulate_gradients", "assign_buckets", "naive_data_parallel_step", "parameters_reached",
+           "reduce_grads_on_master_and_step"]
+
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

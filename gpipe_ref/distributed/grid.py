@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from ..checks import positive_int
 
+__all__ = ["ProcessGrid", "grid_coords", "grid_rank", "make_grid"]
+
 
 @dataclass
 class ProcessGrid:

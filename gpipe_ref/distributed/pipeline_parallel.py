@@ -6,7 +6,7 @@ stages its device owns (moved to its device, and the only ones ``parameters()``,
 longer referenced, so they are freed once the caller drops its model), and
 runs its device's action list from the
 :class:`~gpipe_ref.schedule.Schedule` in order. The actions are the
-in-process executor's (``gpipe_ref.pipeline``); only the stage boundaries
+in-process executor's (``gpipe_ref.executor``); only the stage boundaries
 change: an activation or a gradient whose neighbour stage lives on another
 rank travels by ``isend``/``irecv``, one message per hand-over: a small
 header (dtype and shape) and the data together. Shapes are not known in
@@ -53,58 +53,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..executor import StepRun
+from ..measure import gc_paused
 from ..microbatch import Batch
 from ..partition import split
-from ..pipeline import GPipe, StepRun
+from ..pipeline import GPipe
 from ..schedule import Schedule
-from ..simulator import gc_paused
 from ..timeline import Event, Timeline
+from .messages import DTYPES, HEADER_BYTES, NO_TENSOR, TUPLE_CODE, header_fields, pack_tuple, unpack_tuple
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool]
-_HEADER_BYTES = 128  # 16 int64: dtype code, ndim, whether the tensor follows in a second message, the shape
-_MAX_DIMS = 13
-_NO_TENSOR = -1  # the dtype code of "no gradient"
-_TUPLE = -2  # the dtype code of a tuple, packed into one uint8 tensor (pack_tuple)
-
-
-def _header(tensor: torch.Tensor) -> list[int]:
-    if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-        raise TypeError(f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between stages: at most "
-                        f"{_MAX_DIMS} dimensions of {[str(d) for d in _DTYPES]}")
-    return [_DTYPES.index(tensor.dtype), tensor.dim(), tensor.numel() * tensor.element_size(), *tensor.shape]
-
-
-def pack_tuple(items: tuple, device: torch.device) -> torch.Tensor:
-    """A tuple of tensors (``None`` for "no gradient") as one uint8 tensor: each item as a header
-    (dtype code, ndim, bytes, shape) and its bytes, padded to 8 so every item starts aligned."""
-    parts = []
-    for item in items:
-        header = torch.zeros(_HEADER_BYTES // 8, dtype=torch.long)
-        if item is None:
-            header[0] = _NO_TENSOR
-            parts.append(header.view(torch.uint8).to(device))
-            continue
-        fields = _header(item)
-        header[:len(fields)] = torch.tensor(fields)
-        data = item.detach().contiguous().view(-1).view(torch.uint8)
-        parts += [header.view(torch.uint8).to(device), data.to(device),
-                  torch.zeros(-data.numel() % 8, dtype=torch.uint8, device=device)]
-    return torch.cat(parts)
-
-
-def unpack_tuple(payload: torch.Tensor) -> tuple:
-    """The tuple :func:`pack_tuple` packed, its tensors views into ``payload``."""
-    items, offset = [], 0
-    while offset < payload.numel():
-        code, ndim, nbytes, *dims = payload[offset:offset + _HEADER_BYTES].view(torch.long).tolist()
-        offset += _HEADER_BYTES
-        if code == _NO_TENSOR:
-            items.append(None)
-            continue
-        items.append(payload[offset:offset + nbytes].view(_DTYPES[code]).view(dims[:ndim]))
-        offset += nbytes + (-nbytes % 8)
-    return tuple(items)
+__all__ = ["PipelineParallel", "RankStepRun", "TiedParameter"]
 
 
 class TiedParameter(NamedTuple):
@@ -370,22 +328,22 @@ class RankStepRun(StepRun):
         and the tensor on ``tag + 1`` when it does not fit. ``None`` (no gradient flows back:
         the stage ignored its input) is a header with dtype code -1."""
         peer, group = self._peer(stage_to), self.pipe.group
-        size = self.sizes.get(tag, _HEADER_BYTES)
+        size = self.sizes.get(tag, HEADER_BYTES)
         code = None
         if isinstance(tensor, tuple):  # a tuple travels as one uint8 tensor with its own headers
-            tensor, code = pack_tuple(tensor, self._device_of(tensor)), _TUPLE
+            tensor, code = pack_tuple(tensor, self._device_of(tensor)), TUPLE_CODE
         if tensor is None:
-            header, needed = [_NO_TENSOR, 0, 0], _HEADER_BYTES
+            header, needed = [NO_TENSOR, 0, 0], HEADER_BYTES
         else:
             tensor = tensor.detach()
-            fields = _header(tensor)
-            needed = _HEADER_BYTES + fields[2]
+            fields = header_fields(tensor)
+            needed = HEADER_BYTES + fields[2]
             header = [fields[0] if code is None else code, tensor.dim(), int(needed > size), *tensor.shape]
         device = tensor.device if tensor is not None else self.pipe.devices[self.pipe.rank]
         message = torch.empty(size, dtype=torch.uint8, device=device)
-        message[:_HEADER_BYTES].view(torch.long)[:len(header)] = torch.tensor(header, dtype=torch.long)
+        message[:HEADER_BYTES].view(torch.long)[:len(header)] = torch.tensor(header, dtype=torch.long)
         if tensor is not None and needed <= size:
-            message[_HEADER_BYTES:needed].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            message[HEADER_BYTES:needed].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self.pending.append((dist.isend(message, peer, group=group, tag=tag), message))
         if tensor is not None and needed > size:
             tensor = tensor.contiguous()
@@ -397,7 +355,7 @@ class RankStepRun(StepRun):
         kind, stage, microbatch = key
         sender = stage - 1 if kind == 0 else stage + 1
         tag = self._tag(kind, stage, microbatch)
-        buffer = torch.empty(self.sizes.get(tag, _HEADER_BYTES), dtype=torch.uint8,
+        buffer = torch.empty(self.sizes.get(tag, HEADER_BYTES), dtype=torch.uint8,
                              device=self.pipe.stage_device(stage))
         work = dist.irecv(buffer, self._peer(sender), group=self.pipe.group, tag=tag)
         self.posted[key] = (work, buffer, tag, sender)
@@ -409,21 +367,21 @@ class RankStepRun(StepRun):
             self._post(key)
         work, buffer, tag, sender = self.posted.pop(key)
         work.wait()
-        code, ndim, follows, *dims = buffer[:_HEADER_BYTES].view(torch.long).tolist()
-        if code == _NO_TENSOR:
-            self.sizes[tag] = _HEADER_BYTES
+        code, ndim, follows, *dims = buffer[:HEADER_BYTES].view(torch.long).tolist()
+        if code == NO_TENSOR:
+            self.sizes[tag] = HEADER_BYTES
             self.waited += time.perf_counter() - waiting_since
             return None
-        dtype, shape = (torch.uint8 if code == _TUPLE else _DTYPES[code]), dims[:ndim]
+        dtype, shape = (torch.uint8 if code == TUPLE_CODE else DTYPES[code]), dims[:ndim]
         if follows:
             tensor = torch.empty(shape, dtype=dtype, device=buffer.device)
             dist.irecv(tensor, self._peer(sender), group=self.pipe.group, tag=tag + 1).wait()
         else:
             nbytes = math.prod(shape) * dtype.itemsize
-            tensor = buffer[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).view(shape)
-        self.sizes[tag] = _HEADER_BYTES + tensor.numel() * tensor.element_size()
+            tensor = buffer[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).view(shape)
+        self.sizes[tag] = HEADER_BYTES + tensor.numel() * tensor.element_size()
         self.waited += time.perf_counter() - waiting_since
-        return unpack_tuple(tensor) if code == _TUPLE else tensor
+        return unpack_tuple(tensor) if code == TUPLE_CODE else tensor
 
     def _device_of(self, items: tuple) -> torch.device:
         tensors = [t for t in items if t is not None]
@@ -505,7 +463,7 @@ class RankStepRun(StepRun):
         for i, action in enumerate(actions):
             began, self.waited = time.perf_counter(), 0.0
             self.run(action)
-            self._sync(action)
+            self.sync(action)
             if timed:
                 ended = time.perf_counter()
                 # the bar covers the compute (recomputation included), not the wait for messages

@@ -16,216 +16,29 @@ Models", sec. 4.2.2) also splits the LayerNorm and dropout around that MLP, alon
 keeps ``s/t`` of the ``s`` tokens there. An all-gather of the tokens replaces ``f`` (the paper's new
 ``g``; a reduce-scatter in the backward), and a reduce-scatter replaces the all-reduce after the row
 layer (``ḡ``; an all-gather in the backward). Tensors are ``(batch, seq_len, hidden)``.
+
+The operators themselves, and the record of every collective they issue, are in ``parallel_regions``; their
+names are importable from here too.
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections import Counter
-from typing import Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..memory import ActivationMeter
+from ..checks import probability
+from ..meter import ActivationMeter
 from ..models import Residual, attend, mlp_block
-from ..sharding import ring_bytes_per_rank
+from .parallel_regions import (ALL_REDUCES, CollectiveCall, copy_to_region, count_all_reduces, gather_from_region,
+                               gather_sequence, record_collective, record_collectives, reduce_from_region,
+                               reduce_scatter_sequence, ring_bytes_sent, scatter_to_region)
 
-ALL_REDUCES: Counter = Counter()  # ("forward" | "backward") -> all-reduces issued by this process
-
-
-class CollectiveCall(NamedTuple):
-    """One collective issued by this module's layers: ``size_bytes`` is the full tensor's (an all-reduce's
-    tensor, an all-gather's result, a reduce-scatter's input), as in :class:`gpipe_ref.sharding.Collective`."""
-
-    direction: str  # "forward", "backward", or "step" (the gradients of replicated weights, once per step)
-    kind: str  # "all-reduce", "all-gather" or "reduce-scatter"
-    size_bytes: int
-
-
-_CALLS: list[CollectiveCall] = []  # every collective issued by this process, in order
-
-
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[CollectiveCall]]:
-    """Record the collectives the tensor-parallel layers issue inside the block."""
-    start = len(_CALLS)
-    calls: list[CollectiveCall] = []
-    try:
-        yield calls
-    finally:
-        calls.extend(_CALLS[start:])
-
-
-def ring_bytes_sent(calls: Iterable[CollectiveCall], world_size: int, direction: str | None = None) -> float:
-    """Bytes one rank sends for ``calls`` (optionally only one ``direction``) if each runs as a ring."""
-    return sum(ring_bytes_per_rank(c.kind, c.size_bytes, world_size) for c in calls
-               if direction in (None, c.direction))
-
-
-@contextlib.contextmanager
-def count_all_reduces() -> Iterator[Counter]:
-    """Count the tensor-parallel all-reduces issued inside the block."""
-    before = ALL_REDUCES.copy()
-    counts: Counter = Counter()
-    try:
-        yield counts
-    finally:
-        counts.update(ALL_REDUCES - before)
-
-
-def _all_reduce(x: torch.Tensor, group, direction: str) -> torch.Tensor:
-    ALL_REDUCES[direction] += 1
-    x = x.contiguous()
-    _CALLS.append(CollectiveCall(direction, "all-reduce", x.nbytes))
-    dist.all_reduce(x, group=group)
-    return x
-
-
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
-
-
-def _gather_last(x: torch.Tensor, group, direction: str) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    _CALLS.append(CollectiveCall(direction, "all-gather", x.nbytes * len(parts)))
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-# Recent torch names the single-tensor collectives *_single; older versions *_into_tensor / *_tensor. Both run on
-# gloo (CPU) as well as NCCL, and write into one preallocated tensor instead of a list of chunks. Looked up at call
-# time, so a test can wrap them.
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
-
-
-def _gather_sequence(x: torch.Tensor, group, direction: str) -> torch.Tensor:
-    """(batch, s/t, h) on each rank -> (batch, s, h), rank r's tokens at r*s/t:(r+1)*s/t."""
-    mine = x.transpose(0, 1).contiguous()  # the collective concatenates along dim 0: put the sequence there
-    out = mine.new_empty((dist.get_world_size(group) * mine.shape[0], *mine.shape[1:]))
-    _CALLS.append(CollectiveCall(direction, "all-gather", out.nbytes))
-    _all_gather_single(out, mine, group)
-    return out.transpose(0, 1)
-
-
-def _reduce_scatter_sequence(x: torch.Tensor, group, direction: str) -> torch.Tensor:
-    """(batch, s, h) partial sums on each rank -> this rank's s/t tokens of their sum, (batch, s/t, h)."""
-    full = x.transpose(0, 1).contiguous()
-    size = dist.get_world_size(group)
-    if full.shape[0] % size:
-        raise ValueError(f"seq_len must be divisible by the tensor-parallel size {size}, got {full.shape[0]}")
-    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
-    _CALLS.append(CollectiveCall(direction, "reduce-scatter", full.nbytes))
-    _reduce_scatter_single(out, full, group)
-    return out.transpose(0, 1)
-
-
-class _CopyToRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce backward (the input is used by every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group, "backward"), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce forward (sum the partial results), identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather along the last dim forward; keep this rank's slice backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group, "backward"), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Sequence parallelism's g: all-gather the tokens forward, reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_sequence(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group, "backward"), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Sequence parallelism's ḡ: reduce-scatter the partial sums forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_sequence(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group, "backward"), None
-
-
-def copy_to_region(x, group=None):
-    return _CopyToRegion.apply(x, group)
-
-
-def reduce_from_region(x, group=None):
-    return _ReduceFromRegion.apply(x, group)
-
-
-def gather_from_region(x, group=None):
-    return _GatherFromRegion.apply(x, group)
-
-
-def scatter_to_region(x, group=None):
-    return _ScatterToRegion.apply(x, group)
-
-
-def gather_sequence(x, group=None):
-    return _GatherSequence.apply(x, group)
-
-
-def reduce_scatter_sequence(x, group=None):
-    return _ReduceScatterSequence.apply(x, group)
+__all__ = ["ALL_REDUCES", "CollectiveCall", "record_collectives", "ring_bytes_sent", "count_all_reduces",
+           "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region", "gather_sequence",
+           "reduce_scatter_sequence", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+           "ParallelSelfAttention", "SeededDropout", "mlp_sub_block", "ParallelMLPSubBlock", "saved_bytes_by_child"]
 
 
 def _divisible(name: str, value: int, group) -> int:
@@ -407,8 +220,7 @@ class SeededDropout(nn.Module):
 
     def __init__(self, p: float = 0.0, seed: int = 0, sequence_parallel: bool = False, group=None) -> None:
         super().__init__()
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-            raise ValueError(f"p must be a number from 0 (no dropout) up to but not including 1, got {p!r}")
+        probability("p", p)
         self.p, self.seed, self.sequence_parallel, self.group = float(p), seed, sequence_parallel, group
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -483,7 +295,7 @@ class ParallelMLPSubBlock(nn.Module):
         if not params:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        _CALLS.append(CollectiveCall("step", "all-reduce", flat.nbytes))
+        record_collective("step", "all-reduce", flat.nbytes)
         dist.all_reduce(flat, group=self.group)
         for p, summed in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(summed.view_as(p.grad))
@@ -492,7 +304,7 @@ class ParallelMLPSubBlock(nn.Module):
 def saved_bytes_by_child(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
     """Run ``module(x)`` and count the bytes autograd keeps for the backward, by direct child of ``module`` (its
     name; ``"other"``: what the module's own forward saves between them), with a
-    :class:`gpipe_ref.memory.ActivationMeter` each. Parameters are not counted. Returns the output, whose graph
+    :class:`gpipe_ref.meter.ActivationMeter` each. Parameters are not counted. Returns the output, whose graph
     holds the tensors counted, and the bytes."""
     ignore = list(module.parameters())
     meters = {name: ActivationMeter(ignore) for name, _ in module.named_children()}

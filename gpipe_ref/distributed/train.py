@@ -24,7 +24,7 @@ from torch import nn
 
 from ..checks import integer, one_of, positive, positive_int, probe_writable
 from ..models import Residual, mlp_block, regression_data
-from ..pipeline import CHECKPOINT_MODES
+from ..rematerialization import CHECKPOINT_MODES
 from ..schedule import schedule_names, schedule_spec
 
 if TYPE_CHECKING:
@@ -240,4 +240,4 @@ def config_from_args(args) -> TrainConfig:
 
 
 __all__ = ["TrainConfig", "option", "flush_schedules", "flush_schedule", "seed_value", "MAX_SEED",
-           "checkpoint_modes", "config_from_args", "train_reference", "train_worker", "train", "run", "asdict"]
+           "checkpoint_modes", "config_from_args", "train_reference", "train_worker", "train", "run"]

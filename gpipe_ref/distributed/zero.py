@@ -35,10 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import one_of, positive
+from ..checks import one_of, positive, positive_int
+from ..model_states import MODEL_STATES, ZERO_STAGES, model_state_bytes
 from .collectives import ring_all_reduce
 
-ZERO_STAGES = (0, 1, 2, 3)
+__all__ = ["ZeRO", "zero_state_bytes", "zero_traffic_bytes", "ring_reduce_scatter", "ring_all_gather", "ZERO_STAGES",
+           "COLLECTIVES", "COMM_KINDS"]
+
 COLLECTIVES = ("ring", "torch")
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -284,7 +287,7 @@ class ZeRO:
         params = [p for unit in self.units for p in unit.params] + [unit.shard for unit in self.units]
         grads = [p.grad for unit in self.units for p in unit.params] + [unit.shard.grad for unit in self.units]
         states = [s[k] for s in self.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
-        return {"weights": size(params), "gradients": size(grads), "optimizer state": size(states)}
+        return dict(zip(MODEL_STATES, (size(params), size(grads), size(states))))
 
     def full_parameters(self) -> list[torch.Tensor]:
         """A copy of every parameter of the module, whole, in ``module.parameters()`` order (stage 3 gathers
@@ -307,12 +310,9 @@ def zero_state_bytes(numel: int, stage: int, world_size: int) -> dict[str, int]:
     """ZeRO's model-state bytes per rank (sec. 5) for fp32 Adam, ``numel`` the padded parameter count Ψ:
     weights 4Ψ, gradients 4Ψ, Adam's two moments 8Ψ, each divided by N once its stage shards it. The paper's
     mixed precision is (2 + 2 + K)Ψ with K = 12 (fp32 master weights 4 + two moments 8): fp32 training needs no
-    master copy, so K = 8 and weights and gradients take 4 bytes each, still 16Ψ in all."""
+    master copy, so K = 8 and weights and gradients take 4 bytes each, still 16Ψ in all (``model_states``)."""
     one_of("stage", stage, ZERO_STAGES)
-    n = world_size
-    return {"weights": 4 * numel // (n if stage >= 3 else 1),
-            "gradients": 4 * numel // (n if stage >= 2 else 1),
-            "optimizer state": 8 * numel // (n if stage >= 1 else 1)}
+    return model_state_bytes(numel, "fp32", stage, positive_int("world_size", world_size))
 
 
 def zero_traffic_bytes(numel: int, stage: int, world_size: int) -> int:

@@ -1,4 +1,4 @@
-"""Mutation testing of the solutions: are an exercise's cases strong enough to catch a small slip?
+"""Mutation testing of the solutions: whether an exercise's cases are strong enough to catch a small slip.
 
 A *mutant* is a solution with one small change inside its ``### BEGIN SOLUTION`` block, the slips learners
 make: an off-by-one (an integer constant moved by one), a flipped comparison (``<`` for ``<=``, ``==`` for

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from ..checks import instance, integer
 from ..partition import balance_report, partition_costs, uniform_balance
 from ..viz import timeline_svg
 from .base import Dashboard
@@ -116,8 +117,7 @@ class BalanceExplorer(Dashboard):
 
         self.models = dict(PRESETS)
         if measured is not None:
-            if not isinstance(measured, ModelCosts):
-                raise TypeError(f"measured must be a ModelCosts, got {type(measured).__name__}")
+            instance("measured", measured, ModelCosts)
             self.models["measured"] = measured
             preset = "measured"
         if preset not in self.models:
@@ -125,8 +125,7 @@ class BalanceExplorer(Dashboard):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         layers = len(self.models[preset].layers)
-        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= min(8, layers):
-            raise ValueError(f"stages must be an integer from 1 to {min(8, layers)}, got {stages!r}")
+        integer("stages", stages, 1, min(8, layers))
         style = {"description_width": "190px"}
         layout = w.Layout(width="460px")
         self.preset = w.Dropdown(options=[(m.label, key) for key, m in self.models.items()], value=preset,

@@ -1,6 +1,8 @@
-"""The memory-anatomy explorer: what one device holds (weights, gradients, optimizer state, activations)
-as the model is split dp x tp x pp, scheduled GPipe or 1F1B, recomputed or not, in fp32 or mixed bf16, with
-or without ZeRO sharding the model states over the dp ranks (stages 1-3).
+"""The memory-anatomy explorer: what one device holds as the model is split, scheduled, recomputed and sharded.
+
+Weights, gradients, optimizer state and activations, as the model is split dp x tp x pp, scheduled by one of the
+memory model's schedules, recomputed or not, in fp32 or mixed bf16, with or without ZeRO sharding the model
+states over the dp ranks (stages 1-3).
 
 The numbers come from :func:`gpipe_ref.memory.memory_anatomy`, which the tests hold equal to the bytes of a
 real step's tensors (:func:`gpipe_ref.memory.measure_anatomy`).
@@ -12,15 +14,16 @@ import html
 import io
 from dataclasses import replace
 
-from ..memory import CATEGORIES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy
+from ..memory import CATEGORIES, MEMORY_SCHEDULES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy
+from ..schedule import schedule_spec
 from .base import Dashboard
 
 __all__ = ["MemoryExplorer", "memory_explorer", "memory_readout", "memory_svg", "format_bytes"]
 
-COLOURS = {"weights": "#1f77b4", "gradients": "#ff7f0e", "optimizer state": "#2ca02c", "activations": "#d62728"}
-HATCHES = {"weights": "", "gradients": "//", "optimizer state": "..", "activations": "xx"}
+COLOURS = dict(zip(CATEGORIES, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")))
+HATCHES = dict(zip(CATEGORIES, ("", "//", "..", "xx")))
 RECOMPUTE_LABELS = [("none", "never"), ("checkpoint every stage input", "always")]
-SCHEDULE_LABELS = [("GPipe (all forwards, then all backwards)", "gpipe"), ("1F1B", "1f1b")]
+SCHEDULE_LABELS = [(schedule_spec(name).label, name) for name in MEMORY_SCHEDULES]  # the registry's labels
 PRECISION_LABELS = [(PRECISIONS[name].label, name) for name in PRECISIONS]
 ZERO_LABELS = [("0: none (DDP)", 0), ("1: optimizer state", 1), ("2: + gradients", 2), ("3: + weights (FSDP)", 3)]
 

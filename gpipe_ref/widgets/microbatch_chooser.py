@@ -1,5 +1,7 @@
-"""The micro-batch chooser: global batch B, data-parallel d, stages p and micro-batch size b in; the
-number of micro-batches, the bubble, the step time by Megatron-LM's eq. 1 and the best b out.
+"""The micro-batch chooser: B, d, p and b in; m, the bubble, the step time and the best b out (Megatron-LM, eq. 1).
+
+In: the global batch B, data-parallel d, stages p and micro-batch size b. Out: the number of micro-batches, the
+bubble, the step time by Narayanan et al. 2021's eq. 1 and the best b.
 
 The model is :mod:`gpipe_ref.microbatch_size` (Narayanan et al. 2021, SC21, sec. 3.4): the cost of one
 micro-batch is either a fixed overhead plus a per-sample cost, set with sliders, or a table measured in
@@ -11,6 +13,7 @@ from __future__ import annotations
 import html
 import math
 
+from ..checks import integer
 from ..microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
                                micro_batch_sizes, microbatch_choices)
 from .base import Dashboard
@@ -77,7 +80,7 @@ class MicrobatchChooser(Dashboard):
     """Choose the micro-batch size b for a global batch B on d pipelines of p stages (Megatron eq. 1).
 
     ``measured``, if given, is ``{b: (forward_s, backward_s)}``: the whole model's time on one micro-batch
-    of b samples, measured (:func:`gpipe_ref.bench.microbatch_sweep`); the sliders of the model start at the
+    of b samples, measured (:func:`gpipe_ref.microbatch_size.microbatch_sweep`); the sliders of the model start at the
     line fitted to it (:func:`~gpipe_ref.microbatch_size.fit_linear_cost`). Times are shown in ms.
     """
 
@@ -90,8 +93,7 @@ class MicrobatchChooser(Dashboard):
             raise ValueError(f"global_batch must be one of {BATCHES}, got {global_batch!r}")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
-        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 16:
-            raise ValueError(f"stages must be an integer from 1 to 16, got {stages!r}")
+        integer("stages", stages, 1, 16)
         self.measured = None
         if measured is not None:
             self.measured = MeasuredCost({b: (f * 1e3, bwd * 1e3) for b, (f, bwd) in dict(measured).items()})

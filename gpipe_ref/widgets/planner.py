@@ -5,21 +5,26 @@ from __future__ import annotations
 import html
 
 from ..planner import (ACTIVATION_MEMORY, STATE_MEMORY, TOTAL_MEMORY, ClusterConfig, ModelConfig, NothingFits,
-                       candidates, plan, pipeline_timeline)
+                       MEGATRON_TABLE_1, candidates, plan, pipeline_timeline)
 from ..viz import timeline_svg
 from .base import Dashboard
 
 __all__ = ["PlannerExplorer", "planner_explorer"]
+
+PRESET_ROWS = (0, 2, 3, 4, 6, 9)  # the GPT sizes offered: six of the ten rows of Narayanan et al. 2021, Table 1
+
+
+def _preset_name(layers: int, hidden: int, heads: int) -> str:
+    """"GPT 39.1B": the model's size, from its (layers, hidden, heads)."""
+    parameters = ModelConfig(layers=layers, hidden=hidden, heads=heads, batch=1).parameters
+    return f"GPT {parameters / 1e12:.0f}T" if parameters >= 1e12 else f"GPT {parameters / 1e9:.1f}B"
 
 
 class PlannerExplorer(Dashboard):
     """Model size, GPU count, GPU memory and batch size -> the best configurations, the memory of each GPU
     under the chosen one, and its simulated pipeline timeline."""
 
-    PRESETS = {  # name -> (layers, hidden, heads): GPT sizes from Narayanan et al. 2021, Table 1
-        "GPT 1.7B": (24, 2304, 24), "GPT 7.5B": (36, 4096, 32), "GPT 18.4B": (40, 6144, 48),
-        "GPT 39.1B": (48, 8192, 64), "GPT 145.6B": (80, 12288, 96), "GPT 1T": (128, 25600, 160),
-    }
+    PRESETS = {_preset_name(*row[:3]): row[:3] for i, row in enumerate(MEGATRON_TABLE_1) if i in PRESET_ROWS}
 
     DRAWN_MICROBATCHES = 16  # the picture draws at most this many of the plan's m micro-batches
 

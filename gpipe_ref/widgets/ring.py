@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+from ..checks import integer
 from .base import Dashboard
 
 __all__ = ["RingAllReduceExplorer", "ring_explorer", "ring_values", "ring_readout", "ring_table"]
@@ -84,10 +85,8 @@ class RingAllReduceExplorer(Dashboard):
     def __init__(self, world_size: int = 4, step: int = 0, seed: int = 0) -> None:
         import ipywidgets as w
 
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or not 2 <= world_size <= 8:
-            raise ValueError(f"world_size must be an integer from 2 to 8, got {world_size!r}")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2 * (world_size - 1):
-            raise ValueError(f"step must be an integer from 0 to 2(n-1) = {2 * (world_size - 1)}, got {step!r}")
+        integer("world_size", world_size, 2, 8)
+        integer("step", step, 0, 2 * (world_size - 1))  # a ring all-reduce takes 2(n-1) steps
         style = {"description_width": "110px"}
         layout = w.Layout(width="420px")
         self.world_size = w.IntSlider(value=world_size, min=2, max=8, description="world size n",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from html import escape
 
+from ..checks import integer
 from ..sharding import LAYER_KINDS, ShardingPlan, sharding_plan
 from .base import Dashboard
 
@@ -102,10 +103,8 @@ class ShardingExplorer(Dashboard):
 
         if kind not in LAYER_KINDS:
             raise ValueError(f"kind must be one of {tuple(LAYER_KINDS)}, got {kind!r}")
-        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 8:
-            raise ValueError(f"tp must be an integer from 1 to 8, got {tp!r}")
-        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 64:
-            raise ValueError(f"batch must be an integer from 1 to 64, got {batch!r}")
+        integer("tp", tp, 1, 8)
+        integer("batch", batch, 1, 64)
         for name, value, allowed in (("seq_len", seq_len, SEQ_LENS), ("hidden", hidden, HIDDEN_SIZES),
                                      ("bytes_per_element", bytes_per_element, tuple(b for _, b in ELEMENT_BYTES))):
             if value not in allowed:

@@ -6,17 +6,18 @@ from __future__ import annotations
 import math
 import time
 
-from ..schedule import gpipe, pipedream_async
+from ..schedule import POLICIES, WeightPolicy, gpipe, pipedream_async
 from ..simulator import simulate
 from ..viz import running_mean, timeline_svg
 from .base import Dashboard
 
-__all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "two_bw_readout"]
+__all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "per_batch_readout"]
 
-VARIANTS = ("gpipe", "sync_microbatch", "pipedream_stash", "pipedream_no_stash", "pipedream_vertical_sync",
-            "pipedream_2bw")
-SCHEDULES = (("PipeDream", "pipedream"), ("PipeDream-2BW", "2bw"))
-TWO_BW_BATCHES = 2  # 2BW's table and timeline: two mini-batches, so the second shows the steady state
+VARIANTS = ("gpipe", "sync_microbatch", *POLICIES)  # the two synchronous baselines, then every named policy
+# the schedule menu: PipeDream (the checkboxes pick its policy), then each policy that updates once per mini-batch
+SCHEDULES = (("PipeDream", "pipedream"),
+             *((row.label, name) for name, row in POLICIES.items() if row.policy.updates_every is None))
+BATCHES = 2  # a per-mini-batch policy's table and timeline: two mini-batches, so the second shows the steady state
 CURVE_NAMES = {"gpipe": "GPipe (update per mini-batch)", "sync_microbatch": "sync SGD (update per micro-batch)"}
 LONG_RUN = 10  # the readout's many-mini-batch run: PipeDream's bubble over LONG_RUN * m micro-batches
 FINAL_WINDOW = 64  # micro-batches averaged for the readout's final loss
@@ -30,8 +31,8 @@ class StalenessExplorer(Dashboard):
     once; :meth:`precompute` fills the cache for every learning rate and variant. The
     loss curves train with m = 8 micro-batches per GPipe step whatever the slider says
     (the slider sets the timeline, the table and the bubble). The schedule control picks
-    PipeDream (the two checkboxes apply) or PipeDream-2BW, whose table and timeline run
-    two mini-batches of m micro-batches.
+    PipeDream (the two checkboxes apply) or a policy that updates once per mini-batch
+    (PipeDream-2BW), whose table and timeline run two mini-batches of m micro-batches.
     """
 
     LEARNING_RATES = (0.05, 0.2, 1.0, 2.0)
@@ -75,11 +76,12 @@ class StalenessExplorer(Dashboard):
         return self._cached(("train", variant, p, lr), lambda: convergence(variant, stages=p, lr=lr, steps=self.steps))
 
     def _variant(self) -> str:
-        if self.schedule.value == "2bw":
-            return "pipedream_2bw"
-        if self.vertical_sync.value:
-            return "pipedream_vertical_sync"
-        return "pipedream_stash" if self.weight_stashing.value else "pipedream_no_stash"
+        """The chosen policy's name in POLICIES: the menu's, or the checkboxes' under PipeDream."""
+        if self.schedule.value != "pipedream":
+            return self.schedule.value
+        vsync = self.vertical_sync.value
+        chosen = WeightPolicy(stashing=self.weight_stashing.value or vsync, vertical_sync=vsync)
+        return next(name for name, row in POLICIES.items() if row.policy == chosen)
 
     def _cached(self, key, compute):
         if key not in self._cache:
@@ -88,35 +90,31 @@ class StalenessExplorer(Dashboard):
 
     def redraw(self) -> None:
         """Look up (or train) the chosen settings and redraw the readout, timeline, table and curves."""
-        from ..staleness import diverged, double_buffered_timeline, final_loss, version_table  # torch, as above
+        from ..staleness import diverged, final_loss, version_table  # torch, as above
 
         began = time.perf_counter()
         p, m, lr = self.stages.value, self.microbatches.value, self.lr.value
         stash, vsync = self.weight_stashing.value, self.vertical_sync.value
-        two_bw = self.schedule.value == "2bw"
-        self.weight_stashing.disabled = self.vertical_sync.disabled = two_bw  # 2BW stashes, by design
         variant = self._variant()
+        policy = POLICIES[variant].policy.per_batch(m)
+        per_batch = self.schedule.value != "pipedream"
+        self.weight_stashing.disabled = self.vertical_sync.disabled = per_batch  # the menu's policy decides
         runs = {name: self._train(name, p, lr) for name in (variant, "sync_microbatch", "gpipe")}
         long_bubble = self._cached(("bubble", p, m),
                                    lambda: simulate(pipedream_async(p, LONG_RUN * m)).bubble_fraction)
         finals = {name: math.inf if diverged(run, FINAL_WINDOW) else final_loss(run, FINAL_WINDOW)
                   for name, run in runs.items()}
         # unit costs draw clearer than a tiny model's noisy measurement; the versions are the run's own
-        if two_bw:
-            n = TWO_BW_BATCHES * m
-            self.record = self._cached(("table_2bw", p, m),
-                                       lambda: version_table(pipedream_async(p, n), coalesce=m))
-            self.timeline = double_buffered_timeline(p, m, TWO_BW_BATCHES)
-            self.readout.value = two_bw_readout(self.record, p, m, lr, self.timeline.bubble_fraction,
-                                                simulate(gpipe(p, m)).bubble_fraction, long_bubble,
-                                                finals[variant], finals["gpipe"], finals["sync_microbatch"])
-            title = f"{variant}: {TWO_BW_BATCHES} mini-batches of {m} micro-batches, colour = weight version"
+        n = (BATCHES if per_batch else 1) * m
+        self.record = self._cached(("table", p, n, variant),
+                                   lambda: version_table(pipedream_async(p, n), policy=policy))
+        self.timeline = simulate(pipedream_async(p, n), policy=policy)
+        if per_batch:
+            self.readout.value = per_batch_readout(self.record, variant, p, m, lr, self.timeline.bubble_fraction,
+                                                   simulate(gpipe(p, m)).bubble_fraction, long_bubble,
+                                                   finals[variant], finals["gpipe"], finals["sync_microbatch"])
+            title = f"{variant}: {BATCHES} mini-batches of {m} micro-batches, colour = weight version"
         else:
-            n = m
-            self.record = self._cached(("table", p, m, stash, vsync),
-                                       lambda: version_table(pipedream_async(p, m), weight_stashing=stash,
-                                                             vertical_sync=vsync))
-            self.timeline = simulate(pipedream_async(p, m), weight_stashing=stash, vertical_sync=vsync)
             self.readout.value = staleness_readout(self.record, p, m, lr, stash, vsync,
                                                    self.timeline.bubble_fraction, long_bubble, finals[variant],
                                                    finals["sync_microbatch"], finals["gpipe"])
@@ -132,12 +130,10 @@ def staleness_readout(record, p: int, m: int, lr: float, stash: bool, vsync: boo
                       long_bubble: float, final: float, final_sync: float, final_gpipe: float) -> str:
     """The readout: staleness in steady state, versions held and why, the bubble of this run and of a
     long one, and the final losses beside the two synchronous baselines."""
-    from ..staleness import versions_held_bound
-
     versions = record.versions
     mismatch = max(abs(f - b) for f, b, _ in versions.values())
     steady = [versions[(s, m - 1)][2] for s in range(p)]  # the last micro-batch: past the start-up when m >= p
-    bound = versions_held_bound(p, weight_stashing=stash, vertical_sync=vsync)
+    bound = WeightPolicy(stashing=stash, vertical_sync=vsync).held_bound(p)
     if vsync:
         held_why = (f"vertical sync: each stage keeps stage 0's choices until their backward passes, "
                     f"{bound[0]} per stage in steady state")
@@ -161,27 +157,27 @@ def staleness_readout(record, p: int, m: int, lr: float, stash: bool, vsync: boo
     )
 
 
-def two_bw_readout(record, p: int, m: int, lr: float, bubble: float, gpipe_bubble: float, long_bubble: float,
-                   final: float, final_gpipe: float, final_sync: float) -> str:
-    """The readout for PipeDream-2BW (Narayanan et al. 2021, sec. 3.1): its staleness and versions held
-    from the run, the bubble against GPipe's, and the final loss against the synchronous pipeline with
-    the same batch size (GPipe = PipeDream-Flush: as many updates, none stale)."""
-    from ..staleness import versions_held_bound
-
+def per_batch_readout(record, variant: str, p: int, m: int, lr: float, bubble: float, gpipe_bubble: float,
+                      long_bubble: float, final: float, final_gpipe: float, final_sync: float) -> str:
+    """The readout for a policy of POLICIES that updates once per mini-batch (PipeDream-2BW, Narayanan et al.
+    2021, sec. 3.1): its staleness and versions held from the run, the bubble against GPipe's, and the final
+    loss against the synchronous pipeline with the same batch size (GPipe = PipeDream-Flush: as many updates,
+    none stale)."""
+    label, policy = POLICIES[variant]
     versions = record.versions
     last = max(i for _, i in versions)
     mismatch = max(abs(f - b) for f, b, _ in versions.values())
     steady = [versions[(s, last)][2] for s in range(p)]
-    bound = versions_held_bound(p, double_buffered=True)
+    bound = policy.held_bound(p)
     reached = "reached" if record.stash_peak == bound else "not reached"
     return (
-        f"<b>p={p}, m={m}, lr={lr}</b> &middot; <b>PipeDream-2BW</b>: 1F1B with no flush, the gradients of each "
+        f"<b>p={p}, m={m}, lr={lr}</b> &middot; <b>{label}</b>: 1F1B with no flush, the gradients of each "
         f"mini-batch of m micro-batches summed into one update per stage, weight stashing built in &middot; "
         f"staleness per stage in steady state (the table's last column) <b>{steady}</b> &middot; "
         f"largest forward/backward version mismatch <b>{mismatch}</b> &middot; versions held per stage "
-        f"<b>{record.stash_peak}</b> (double buffering: the version in-flight micro-batches use and the newest, "
+        f"<b>{record.stash_peak}</b> (the version in-flight micro-batches use and the newest, "
         f"{bound}, {reached}; PipeDream keeps p - s, a flush 1)"
-        f"<br>bubble of this run of {TWO_BW_BATCHES} mini-batches <b>{bubble:.1%}</b> against GPipe's "
+        f"<br>bubble of this run of {BATCHES} mini-batches <b>{bubble:.1%}</b> against GPipe's "
         f"{gpipe_bubble:.1%} every mini-batch; no flush, so over {LONG_RUN} mini-batches' worth "
         f"({LONG_RUN * m} micro-batches) it is <b>{long_bubble:.1%}</b>, and 0 in steady state"
         f"<br>final loss (mean of the last {FINAL_WINDOW} micro-batches) <b>{_loss(final)}</b>: "

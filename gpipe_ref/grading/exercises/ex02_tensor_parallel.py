@@ -127,7 +127,7 @@ COPY = Exercise(
     lambda: [_f_case(2, 0)], lambda: [_f_case(4, 1, width=6, hidden=8), _f_case(2, 2, width=3, hidden=6)],
     kind="class",
     forbidden=("gpipe_ref.distributed.tensor_parallel.copy_to_region",
-               "gpipe_ref.distributed.tensor_parallel._CopyToRegion"), timeout=40, category="build")
+               "gpipe_ref.distributed.parallel_regions._CopyToRegion"), timeout=40, category="build")
 
 # -- 02.4 predict, then check: the bytes a Megatron MLP block sends --------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...schedule import Action, one_f_one_b, pipedream_async, weight_versions
+from ...schedule import POLICIES, Action, one_f_one_b, pipedream_async, weight_versions
 from ...simulator import simulate
 from ..cases import Case, Exercise
 from ..judge import same, short_repr
@@ -118,7 +118,7 @@ STASHED = Exercise(
 
 # -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
 
-VARIANTS = {"stashing": {}, "vertical_sync": {"vertical_sync": True}}
+VARIANTS = {"stashing": POLICIES["pipedream_stash"].policy, "vertical_sync": POLICIES["pipedream_vertical_sync"].policy}
 
 
 def _measured(p: int, m: int) -> dict:
@@ -127,8 +127,8 @@ def _measured(p: int, m: int) -> dict:
     from ...staleness import version_table
 
     out = {}
-    for name, options in VARIANTS.items():
-        record = version_table(pipedream_async(p, m), **options)
+    for name, policy in VARIANTS.items():
+        record = version_table(pipedream_async(p, m), policy=policy)
         out[name] = {"held": list(record.stash_peak),
                      "staleness": [max(record.versions[(s, i)][2] for i in range(m)) for s in range(p)]}
     return out
@@ -171,7 +171,7 @@ PREDICT_VERSIONS = Exercise(
                                                                (4, 5), (4, 6), (8, 3), (8, 7), (8, 8), (8, 9),
                                                                (8, 20))],
     forbidden=("gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
-               "gpipe_ref.staleness.versions_held_bound", "gpipe_ref.schedule.weight_versions",
+               "gpipe_ref.schedule.WeightPolicy", "gpipe_ref.schedule.weight_versions",
                "gpipe_ref.schedule.pipedream_async", "gpipe_ref.simulator.simulate"),
     category="predict")
 
@@ -181,14 +181,15 @@ PREDICT_VERSIONS = Exercise(
 def _two_bw_expected(p: int, batch: int, n: int):
     """The library's 2BW run: None when the order does not suit 2BW, else each device's versions (one per action,
     in order) and staleness (one per backward, in order)."""
-    from ...staleness import double_buffered_versions, version_table
+    from ...staleness import version_table
 
     schedule = pipedream_async(p, n)
+    policy = POLICIES["pipedream_2bw"].policy.per_batch(batch)
     try:
-        double_buffered_versions(schedule, batch)
+        policy.check(schedule)
     except ValueError:
         return None
-    record = version_table(schedule, coalesce=batch)
+    record = version_table(schedule, policy=policy)
     return {"versions": [[record.versions[(a.stage, a.microbatch)][0 if a.op == "F" else 1] for a in acts]
                          for acts in schedule.per_device],
             "staleness": [[record.versions[(a.stage, a.microbatch)][2] for a in acts if a.op == "B"]
@@ -254,9 +255,8 @@ TWO_BW = Exercise(
     lambda: [_two_bw_case(1, 1, 1), _two_bw_case(1, 1, 4), _two_bw_case(2, 2, 1), _two_bw_case(2, 1, 3),
              _two_bw_case(4, 3, 3), _two_bw_case(4, 4, 3), _two_bw_case(8, 8, 2), _two_bw_case(8, 7, 2),
              _two_bw_case(8, 11, 2)] + _random_two_bw_cases(17, 6),
-    forbidden=("gpipe_ref.staleness.double_buffered_versions", "gpipe_ref.staleness.double_buffered_timeline",
-               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
-               "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
+    forbidden=("gpipe_ref.schedule.WeightPolicy", "gpipe_ref.staleness.version_table",
+               "gpipe_ref.staleness.StagedTrainer", "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
     category="build")
 
 EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS, TWO_BW]

@@ -1,4 +1,4 @@
-"""The in-process executor does one step's work and little more (issue 18): one autograd call per
+"""gpipe_ref.executor (StepRun) does one step's work and little more: one autograd call per
 stage and micro-batch (B and W for zero bubble), nothing recomputed per action or per step that a
 step does not need, and the same gradients as the plain model while doing so."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import gpipe_ref.executor as executor
 import gpipe_ref.pipeline as pipeline
 from gpipe_ref.models import mlp, regression_data
 from gpipe_ref.pipeline import GPipe
@@ -148,8 +149,8 @@ def test_no_memory_hooks_when_not_tracking(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the activation meter ran with track_memory=False")
 
-    monkeypatch.setattr(pipeline.ActivationMeter, "recording", refuse)
-    monkeypatch.setattr(pipeline.ActivationMeter, "hold", refuse)
+    monkeypatch.setattr(executor.ActivationMeter, "recording", refuse)
+    monkeypatch.setattr(executor.ActivationMeter, "hold", refuse)
     for checkpoint in ("never", "always"):
         pipe, x, y = pipe_and_data("1f1b", checkpoint=checkpoint, track_memory=False)
         pipe.step(x, y, nn.MSELoss())
@@ -168,12 +169,12 @@ def test_the_garbage_collector_is_paused_for_a_step_only(monkeypatch):
     import gc
 
     seen = []
-    original = pipeline.StepRun.run
-    monkeypatch.setattr(pipeline.StepRun, "run", lambda self, a: seen.append(gc.isenabled()) or original(self, a))
+    original = executor.StepRun.forward
+    monkeypatch.setattr(executor.StepRun, "forward", lambda self, *a: seen.append(gc.isenabled()) or original(self, *a))
     pipe, x, y = pipe_and_data("1f1b", track_memory=False)
     assert gc.isenabled()
     pipe.step(x, y, nn.MSELoss())
-    assert gc.isenabled() and not any(seen)
+    assert gc.isenabled() and seen and not any(seen)
     with pytest.raises(ValueError, match="loss_fn must return a scalar tensor"):
         pipe.step(x, y, lambda out, target: out)  # an error in the middle of a step
     assert gc.isenabled()

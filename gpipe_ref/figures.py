@@ -1,0 +1,92 @@
+"""The course's figures: three ways to share a model between two devices; a Linear split two ways (Shoeybi et al. 2019).
+
+The split Linear is Megatron-LM's (sec. 3): by its outputs (concatenate) and by its inputs (sum).
+"""
+
+from __future__ import annotations
+
+from .checks import positive_int
+
+__all__ = ["plot_parallelism_overview", "plot_linear_splits"]
+
+
+def plot_parallelism_overview(layers: int = 4):
+    """Three ways to share one model between two devices, side by side:
+    data parallel (whole model on each, half the batch each), tensor parallel
+    (every layer split in two), pipeline parallel (consecutive layers per device)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    positive_int("layers", layers)
+
+    colors = ("#4c72b0", "#dd8452")  # device 0, device 1
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    titles = ("data parallel:\nwhole model on each device,\nhalf the batch each",
+              "tensor parallel:\nevery layer split across devices,\nwhole batch on each",
+              "pipeline parallel:\nconsecutive layers per device,\nbatch flows through")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, 10)
+        ax.set_ylim(-1.2, layers + 0.3)
+        ax.axis("off")
+    for row in range(layers):  # layer 0 at the bottom, like a forward pass going up
+        y = row + 0.1
+        for dev, x in enumerate((0.6, 5.4)):  # data parallel: a full copy on each device
+            axes[0].add_patch(Rectangle((x, y), 4.0, 0.7, color=colors[dev]))
+            axes[0].text(x + 2.0, y + 0.35, f"layer {row}", ha="center", va="center", color="white", fontsize=8)
+        for dev, x in enumerate((1.0, 5.0)):  # tensor parallel: each layer in two halves
+            axes[1].add_patch(Rectangle((x, y), 4.0, 0.7, color=colors[dev]))
+            axes[1].text(x + 2.0, y + 0.35, f"layer {row}, half {dev}", ha="center", va="center",
+                         color="white", fontsize=8)
+        dev = 0 if row < layers / 2 else 1  # pipeline: bottom half on device 0, top half on device 1
+        axes[2].add_patch(Rectangle((2.5, y), 5.0, 0.7, color=colors[dev]))
+        axes[2].text(5.0, y + 0.35, f"layer {row}", ha="center", va="center", color="white", fontsize=8)
+    for dev, label in enumerate(("device 0", "device 1")):
+        for ax in axes:
+            ax.add_patch(FancyBboxPatch((0.5 + 5.2 * dev, -1.0), 3.8, 0.5, boxstyle="round,pad=0.05",
+                                        color=colors[dev]))
+            ax.text(2.4 + 5.2 * dev, -0.75, label, ha="center", va="center", color="white", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_linear_splits():
+    """A Linear y = x W^T split two ways across two devices: by output columns
+    (each device computes a slice of y; concatenate) and by input rows (each
+    device computes a partial y from its slice of x; sum)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    colors = ("#4c72b0", "#dd8452")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    for ax, title in zip(axes, ("column-parallel: split W's outputs\ny = [x W0 | x W1]  (concatenate)",
+                                "row-parallel: split W's inputs\ny = x0 W0 + x1 W1  (sum: all-reduce)")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, 12)
+        ax.set_ylim(0, 5)
+        ax.axis("off")
+    # column split: x whole, W^T cut vertically, y cut vertically
+    a = axes[0]
+    a.add_patch(Rectangle((0.3, 1.5), 2.0, 2.0, color="#999999"))
+    a.text(1.3, 2.5, "x", ha="center", va="center", color="white")
+    for d in range(2):
+        a.add_patch(Rectangle((3.2 + 1.2 * d, 1.0), 1.2, 3.0, color=colors[d]))
+        a.text(3.8 + 1.2 * d, 2.5, f"W{d}", ha="center", va="center", color="white")
+        a.add_patch(Rectangle((7.5 + 1.2 * d, 1.5), 1.2, 2.0, color=colors[d]))
+        a.text(8.1 + 1.2 * d, 2.5, f"y{d}", ha="center", va="center", color="white")
+    a.text(2.75, 2.5, "x", ha="center", va="center")
+    a.text(6.5, 2.5, "=", ha="center", va="center", fontsize=14)
+    # row split: x cut vertically, W^T cut horizontally, partial ys summed
+    b = axes[1]
+    for d in range(2):
+        b.add_patch(Rectangle((0.3 + 1.0 * d, 1.5), 1.0, 2.0, color=colors[d]))
+        b.text(0.8 + 1.0 * d, 2.5, f"x{d}", ha="center", va="center", color="white")
+        b.add_patch(Rectangle((3.2, 2.5 - 1.5 * d), 2.4, 1.5, color=colors[d]))
+        b.text(4.4, 3.25 - 1.5 * d, f"W{d}", ha="center", va="center", color="white")
+        b.add_patch(Rectangle((7.2 + 2.3 * d, 1.5), 2.0, 2.0, color=colors[d], alpha=0.85))
+        b.text(8.2 + 2.3 * d, 2.5, f"x{d} W{d}", ha="center", va="center", color="white", fontsize=9)
+    b.text(2.75, 2.5, "x", ha="center", va="center")
+    b.text(6.4, 2.5, "=", ha="center", va="center", fontsize=14)
+    b.text(9.35, 2.5, "+", ha="center", va="center", fontsize=14)
+    fig.tight_layout()
+    return fig

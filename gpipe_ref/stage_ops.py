@@ -1,0 +1,169 @@
+"""What F, B and W do to one stage's tensors: the boundary crossing, the layers, the autograd calls (GPipe sec. 2.2).
+
+A stage's input arrives as a fresh leaf on its device, so autograd stops at the stage boundary and the leaf's
+gradient is what flows back to the previous stage. Zero bubble's W (Qi et al. 2024, sec. 2) takes each layer's
+weight gradient from that layer's output gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .microbatch import Batch
+
+__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "grads_of", "input_grads",
+           "linear_weight_grads", "received", "requires_grad", "run_layers", "to_device"]
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` (a tensor or a tuple of tensors) on ``device``, still in the graph."""
+    if isinstance(batch, tuple):
+        return tuple(t.to(device) for t in batch)
+    return batch.to(device)
+
+
+def received(batch: Batch, device: torch.device) -> Batch:
+    """A stage's input: a fresh leaf on its device (each tensor of a tuple), so autograd stops at the
+    stage boundary."""
+    if isinstance(batch, tuple):
+        return tuple(received(t, device) for t in batch)
+    x = batch.detach().to(device)
+    return x.requires_grad_(x.is_floating_point())
+
+
+def detached(batch: Batch) -> Batch:
+    """``batch`` cut from the graph: what a stage hands the next one."""
+    return tuple(t.detach() for t in batch) if isinstance(batch, tuple) else batch.detach()
+
+
+def input_grads(inputs: Batch) -> Batch:
+    """The gradient of a stage's input, what ``send_gradient`` hands back: ``None`` for a tensor that has
+    none (an integer mask, or an input the stage ignored), a tuple for a tuple."""
+    if isinstance(inputs, tuple):
+        grads = tuple(t.grad if t.requires_grad else None for t in inputs)
+        return None if all(g is None for g in grads) else grads
+    return inputs.grad
+
+
+def differentiable(outputs: Batch, grads: Batch) -> tuple[tuple, tuple]:
+    """The (output, gradient) pairs a backward starts from: a tuple's tensors that require grad and
+    received a gradient (``None`` for a tensor stands for "no gradient")."""
+    if not isinstance(outputs, tuple):
+        return ((outputs,), (grads,)) if outputs.requires_grad else ((), ())
+    pairs = [(out, g) for out, g in zip(outputs, grads) if g is not None and out.requires_grad]
+    return tuple(out for out, _ in pairs), tuple(g.to(out.device) for out, g in pairs)
+
+
+def run_layers(layers, x, stage: int, chain: list | None = None):
+    """``x`` through ``layers`` (each output appended to ``chain`` when given). A stage's input is a leaf
+    that keeps its gradient, which autograd lets nothing modify in place: say so, naming the stage."""
+    try:
+        for layer in layers:
+            x = layer(x)
+            if chain is not None:
+                chain.append(x)
+    except RuntimeError as exc:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+            raise
+        raise RuntimeError(f"stage {stage} modifies its input in place (for example nn.ReLU(inplace=True) as "
+                           f"its first layer): a stage's input is a leaf that keeps its gradient, which "
+                           f"autograd forbids. Use inplace=False there, or cut the stages elsewhere") from exc
+    return x
+
+
+def check_activation(x: object, stage: int) -> None:
+    """A stage hands on a tensor or a tuple of tensors; refuse anything else, naming the stage."""
+    if isinstance(x, torch.Tensor) or (isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
+        return
+    got = f"a tuple holding {', '.join(type(t).__name__ for t in x)}" if isinstance(x, tuple) else type(x).__name__
+    raise TypeError(f"stage {stage} must return a tensor or a tuple of tensors (what is sent to the next stage), "
+                    f"got {got}")
+
+
+# F, B and W make one autograd call per stage and micro-batch (two or more when W is split off), where the
+# plain model makes one per micro-batch: so they call the engine as torch.autograd.backward and .grad do,
+# without their argument checks (about 5 us a call, a few percent of a small model's step). The checks
+# cannot fail here: ``grad`` is the gradient of the next stage's input, a tensor of ``root``'s shape and
+# dtype, or None for the loss, checked to be a scalar (check_loss).
+def backward_into(root: Batch, grad: Batch | None, inputs: Sequence[torch.Tensor] = ()) -> None:
+    """``torch.autograd.backward(root, grad, inputs=inputs or None)``: accumulate into the leaves' ``.grad``.
+    A tuple ``root`` starts from each of its tensors that has a gradient in the tuple ``grad``."""
+    if isinstance(root, tuple):
+        roots, grads = differentiable(root, grad)
+        if roots:
+            torch.autograd.Variable._execution_engine.run_backward(roots, grads, False, False, tuple(inputs), True,
+                                                                   True)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        (root,), (torch.ones_like(root) if grad is None else grad,), False, False, tuple(inputs), True, True)
+
+
+def grads_of(root: Batch, targets: Sequence[torch.Tensor], grad: Batch | None) -> tuple:
+    """``torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)``."""
+    if isinstance(root, tuple):
+        roots, grads = differentiable(root, grad)
+        if not roots:
+            return (None,) * len(targets)
+        return torch.autograd.Variable._execution_engine.run_backward(roots, grads, True, False, tuple(targets), True,
+                                                                      False)
+    return torch.autograd.Variable._execution_engine.run_backward(
+        (root,), (torch.ones_like(root) if grad is None else grad,), True, False, tuple(targets), True, False)
+
+
+def linear_weight_grads(layer: nn.Module, x, g: torch.Tensor) -> bool:
+    """W of a plain ``nn.Linear`` as the matrix products themselves: for z = x A^T + b, dA = g^T x and
+    db = the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run apart
+    from B). From the second micro-batch on, the product accumulates straight into ``.grad``
+    (``addmm_``, as Megatron-LM's gradient-accumulation fusion does), where autograd would form it and
+    then add it: on a CPU that saves a pass over the weight and the autograd call, a sixth of a small
+    model's zero bubble step. The sum then rounds differently from loss.backward()'s, in the last bits.
+    Returns False, and leaves the work to autograd, for anything else: another layer type, hooks on a
+    parameter, mixed dtypes (autocast), a sparse gradient."""
+    if type(layer) is not nn.Linear or not isinstance(x, torch.Tensor):
+        return False
+    params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
+    if any(p._backward_hooks or p._post_accumulate_grad_hooks or (p.grad is not None and p.grad.layout != torch.strided)
+           or p.dtype != g.dtype for p in params) or x.dtype != g.dtype:
+        return False
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.detach().reshape(-1, x.shape[-1])
+    weight, bias = layer.weight, layer.bias
+    with torch.no_grad():
+        if weight.requires_grad:
+            if weight.grad is None:
+                weight.grad = g2.t() @ x2
+            else:  # the product adds itself into .grad: no temporary, one pass over it (see above)
+                weight.grad.addmm_(g2.t(), x2)
+        if bias is not None and bias.requires_grad:
+            if bias.grad is None:
+                bias.grad = g2.sum(0)
+            else:
+                bias.grad.add_(g2.sum(0))
+    return True
+
+
+def requires_grad(batch: Batch) -> bool:
+    """Whether any tensor of ``batch`` requires grad."""
+    tensors = batch if isinstance(batch, tuple) else (batch,)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def check_loss(loss, output: Batch, stage: int) -> None:
+    """The loss must be what ``loss.backward()`` accepts: one value, with a graph back to the output."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor (the micro-batch's loss reduced to one value, "
+                         f"e.g. by nn.MSELoss(); step's reduction then weights the micro-batches), got a tensor "
+                         f"of shape {tuple(loss.shape)}")
+    if not torch.is_grad_enabled():  # a checkpointed forward: checked when it is recomputed
+        return
+    if not requires_grad(output):
+        raise ValueError(f"the model's output does not require grad: stage {stage}'s output depends on no "
+                         f"trainable parameter" + (" nor on its input" if stage > 0 else "")
+                         + ", so the loss has no gradient")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn's result does not depend on the model's output (requires_grad is False): "
+                         "return the loss computed from the output, without .detach(), .item() or torch.tensor()")

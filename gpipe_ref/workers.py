@@ -1,0 +1,105 @@
+"""The executors' loops over one step's actions: one at a time on simulated devices, or a thread per device.
+
+Both run a :class:`~gpipe_ref.executor.StepRun`; only the order and the clock differ (torchgpipe's
+``worker.py`` is the model). A rank's loop, over its own actions, is in :mod:`gpipe_ref.distributed.pipeline_parallel`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import torch
+
+from .executor import StepRun
+from .schedule import Action, dependencies
+from .timeline import Event, Timeline
+
+__all__ = ["cuda_event_seconds", "run_one_at_a_time", "run_threads"]
+
+
+def run_one_at_a_time(run: StepRun, order: list[Action]) -> list[float]:
+    """Simulated devices: run ``order`` (a valid global order), timing each action; return the seconds.
+    The durations are placed on the devices' clocks (:func:`~gpipe_ref.simulator.place`) by the caller."""
+    if all(run.cuda):
+        return cuda_event_seconds(run, order)
+    ops, clock, sync, cuda = run.ops, time.perf_counter, run.sync, any(run.cuda)
+    seconds = []
+    for action in order:
+        began = clock()
+        ops[action.op](action.stage, action.microbatch)
+        if cuda:
+            sync(action)  # a CUDA stage beside CPU ones: wait for it, so its time is its own
+        seconds.append(clock() - began)
+    return seconds
+
+
+def cuda_event_seconds(run: StepRun, order: list[Action]) -> list[float]:
+    """Every stage on a GPU: CUDA events mark each action's start and end on its device's stream, so the
+    GPU is never stopped mid-step (a synchronize per action costs launch-bound steps); one wait at the end."""
+    marks = []
+    for action in order:
+        stream = torch.cuda.current_stream(run.stage_devices[action.stage])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        run.run(action)
+        end.record(stream)
+        marks.append((start, end))
+    for device in set(run.stage_devices):
+        torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in marks]  # milliseconds -> seconds
+
+
+def run_threads(run: StepRun, timeout: float = 600.0) -> Timeline:
+    """One worker thread per device, each running its list and waiting for dependencies; the measured
+    timeline. A failure names the device and the action; nothing waits past ``timeout`` seconds."""
+    schedule = run.schedule
+    done = {a: threading.Event() for _, a in schedule.actions()}
+    abort = threading.Event()
+    errors: list[tuple[int, Action, BaseException, str]] = []
+    events: list[Event] = []
+    origin = time.perf_counter()
+    deadline = origin + timeout
+
+    def wait_for(action: Action) -> bool:
+        """Wait for the action's dependencies; False when another device failed."""
+        for dep in dependencies(action, schedule.num_stages):
+            while not done[dep].wait(0.05):
+                if abort.is_set():
+                    return False
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"waited over {timeout} s for {dep}")
+        return not abort.is_set()  # another device failed: start nothing more (as torchgpipe stops)
+
+    def worker(device: int) -> None:
+        action = None
+        try:
+            for action in schedule.per_device[device]:
+                if not wait_for(action):
+                    return
+                began = time.perf_counter()
+                run.run(action)
+                run.sync(action)
+                ended = time.perf_counter()
+                with run.lock:
+                    events.append(Event(device, action.stage, action.op, action.microbatch,
+                                        began - origin, ended - origin, 0))
+                done[action].set()
+        except BaseException as exc:  # reported by the main thread, naming the device
+            errors.append((device, action, exc, traceback.format_exc()))
+            abort.set()
+
+    threads = [threading.Thread(target=worker, args=(d,), name=f"gpipe-device-{d}", daemon=True)
+               for d in range(schedule.num_devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.perf_counter()) + 1.0)
+    if errors:
+        device, action, exc, trace = errors[0]
+        raise RuntimeError(f"device {device} failed while running {action}: {exc!r}\n{trace}") from exc
+    if any(t.is_alive() for t in threads):
+        abort.set()
+        raise TimeoutError(f"the pipeline step did not finish within {timeout} s")
+    return Timeline(events, schedule.num_devices, unit="s", peak_memory=run.peaks())

@@ -1,0 +1,177 @@
+"""The package's layers point down (DESIGN.md, "Layers"): no module imports one of a higher layer, lazy imports
+included, and no two modules import each other, directly or through others.
+
+Every ``.py`` file under ``gpipe_ref/`` is parsed (never imported); every import statement counts, wherever it
+stands: at the top, inside a function, under ``if TYPE_CHECKING``. Within one layer any order is allowed, but
+no cycle. The package root (``gpipe_ref/__init__.py``, the names learners import) stands above everything, so
+no module may import from it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gpipe_ref"
+
+# Lowest first. A name ending in ".*" covers a subpackage: its __init__ and every module in it.
+LAYERS = [
+    # sharding: the bytes each tensor-parallel collective moves, closed forms the library's layers also count
+    ("foundations", ["checks", "microbatch", "devices", "models", "measure", "meter", "sharding",
+                     "model_states"]),
+    ("schedules", ["schedule", "schedule.*"]),
+    ("timelines", ["timeline", "chrome_trace", "simulator"]),
+    ("stages", ["partition", "batchnorm", "stage_ops", "rematerialization", "activation_memory"]),
+    ("executors", ["executor", "workers", "pipeline"]),
+    ("processes", ["distributed", "distributed.*"]),
+    ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size"]),
+    ("pictures", ["viz", "figures", "loss_curves", "widgets", "widgets.*"]),
+    ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
+    ("entry points", ["__main__", ""]),  # "": the package root, gpipe_ref/__init__.py
+]
+# Imports that go up on purpose, each with its reason. Keep this short.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+
+def module_name(path: Path) -> str:
+    """``gpipe_ref/distributed/launch.py`` -> "distributed.launch"; a package's __init__ -> the package."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int | None:
+    for number, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if module == member or (member.endswith(".*") and module.startswith(member[:-1])):
+                return number
+    return None
+
+
+def imports_of(module: str, source: str, known: set[str]) -> set[str]:
+    """The package's modules that ``source`` (the text of ``module``) imports, wherever the statement stands."""
+    is_package = module == "" or (PACKAGE / module.replace(".", "/") / "__init__.py").exists()
+    here = module.split(".") if module else []
+    if not is_package:
+        here = here[:-1]  # a module's relative imports start from its package
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+            found |= {_resolve(name.split(".")[1:], known) for name in names if name.split(".")[0] == "gpipe_ref"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                parts = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "gpipe_ref":
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:  # `from . import launch` names a module when one exists
+                target = ".".join([*parts, alias.name])
+                found.add(target if target in known else _resolve(parts, known))
+    return found - {module, None}
+
+
+def _resolve(parts: list[str], known: set[str]) -> str | None:
+    """The longest known module that ``parts`` names."""
+    while parts and ".".join(parts) not in known:
+        parts = parts[:-1]
+    return ".".join(parts) if ".".join(parts) in known else ("" if not parts else None)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    known = set(modules)
+    return {name: imports_of(name, path.read_text(), known) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+# -- the checker itself ---------------------------------------------------------------------------
+
+def test_imports_are_resolved_to_modules_wherever_they_stand():
+    known = {"", "checks", "schedule", "pipeline", "distributed", "distributed.launch", "grading", "grading.core"}
+    source = ("from .checks import positive_int\n"
+              "def f():\n    from .pipeline import GPipe\n"
+              "if False:\n    import gpipe_ref.schedule\n"
+              "from . import schedule\n"
+              "from .distributed import launch\n"
+              "from gpipe_ref import GPipe\n")
+    assert imports_of("memory", source, known) == {"checks", "pipeline", "schedule", "distributed.launch", ""}
+    assert imports_of("grading.runner", "from . import core\nfrom .. import checks\nfrom . import check\n",
+                      known) == {"grading.core", "checks", "grading"}
+    assert imports_of("distributed", "from .launch import launch\nfrom ..schedule import walk\n",
+                      known) == {"distributed.launch", "schedule"}
+
+
+def test_cycles_are_found_through_any_number_of_modules():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- the package ------------------------------------------------------------------------------------
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(name or "(package root)" for name in package_modules() if layer_of(name) is None)
+    assert not unplaced, f"give these modules a layer in tests/test_layers.py's LAYERS: {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = []
+    for module, targets in import_graph().items():
+        for target in targets:
+            if layer_of(target) > layer_of(module) and (module, target) not in ALLOWED_UPWARD:
+                upward.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target or 'the package root'} "
+                              f"({LAYERS[layer_of(target)][0]})")
+    assert not upward, "imports up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "modules that import each other (lazily or not):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_each_allowed_upward_import_exists():
+    graph = import_graph()
+    stale = [pair for pair in ALLOWED_UPWARD if pair[1] not in graph.get(pair[0], ())]
+    assert not stale, f"no longer imported, drop from ALLOWED_UPWARD: {stale}"
