@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ... import schedule
 from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
 from ..judge import short_repr
 
@@ -10,8 +11,10 @@ __all__ = ["dict_or_type", "gradient_gap", "judge_one_stage_per_device", "schedu
 
 def schedule_generators() -> tuple[str, ...]:
     """Dotted names of every registered schedule's generator and of ``make_schedule``, read from the
-    registry when called, so that an exercise also refuses a schedule registered after it was defined."""
-    names = [f"{spec.build.__module__}.{spec.build.__qualname__}" for spec in SCHEDULES.values()]
+    registry when called, so that an exercise also refuses a schedule registered after it was defined.
+    A generator the schedule package exports is named as learners import it (``gpipe_ref.schedule.gpipe``)."""
+    names = [f"gpipe_ref.schedule.{spec.build.__name__}" if getattr(schedule, spec.build.__name__, None) is spec.build
+             else f"{spec.build.__module__}.{spec.build.__qualname__}" for spec in SCHEDULES.values()]
     return tuple(dict.fromkeys([*names, "gpipe_ref.schedule.make_schedule"]))
 
 
