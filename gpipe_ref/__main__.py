@@ -257,7 +257,7 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
 
 
 def _grade_parser(commands) -> argparse.ArgumentParser:
-    from .grading.grader import DEFAULT_NOTEBOOK_TIMEOUT, MAX_TIMEOUT, timeout_seconds
+    from .grading.grader_side.grader import DEFAULT_NOTEBOOK_TIMEOUT, MAX_TIMEOUT, timeout_seconds
 
     timeout = checked(timeout_seconds, float)
     grade = commands.add_parser(
@@ -360,56 +360,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else status
 
 
-def exercise_listing() -> str:
-    """Every exercise (id, points, category, title), then the count per category and per notebook."""
-    from collections import Counter
-
-    from .grading import NOTEBOOKS
-    from .grading.core import CATEGORIES, THINKING
-
-    lines = [f"{'id':5} {'pts':>3}  {'category':8} title"]
-    for exercises in NOTEBOOKS.values():
-        lines += [f"{ex.id:5} {ex.points:>3}  {ex.category:8} {ex.title}" for ex in exercises]
-    every = [ex for exercises in NOTEBOOKS.values() for ex in exercises]
-    counts = Counter(ex.category for ex in every)
-    lines.append("")
-    lines += [f"{name:8} {counts[name]:>3}  {meaning}" for name, meaning in CATEGORIES.items()]
-    thinking = sum(counts[name] for name in THINKING)
-    lines.append(f"{len(every)} exercises, {sum(ex.points for ex in every)} points; "
-                 f"{thinking} of {len(every)} ({thinking / len(every):.0%}) are {', '.join(THINKING)}")
-    lines.append("per notebook: " + ", ".join(f"{name[:2]} {len(exercises)}" for name, exercises in NOTEBOOKS.items()))
-    return "\n".join(lines)
-
-
-def _mutate(solutions: Path) -> int:
-    """Grade each solution's single-slip mutants; print the count per notebook and every survivor."""
-    import contextlib
-    import io
-
-    from .grading.mutants import run_mutants
-
-    survivors = 0
-    for path in sorted(solutions.glob("[0-9][0-9]_*.ipynb")):
-        with contextlib.redirect_stdout(io.StringIO()):  # what the notebook's cells print
-            outcomes = run_mutants(path)
-        kept = [o.mutant.label for o in outcomes if o.survived]
-        survivors += len(kept)
-        print(f"{path.name}: {len(outcomes) - len(kept)} of {len(outcomes)} slips lose points")
-        print("".join(f"  keeps full marks: {label}\n" for label in kept), end="")
-    print(f"{survivors} slips keep full marks: check each is equivalent (computes the same answer) or add a case")
-    return 0
-
-
 def _exercises(args: argparse.Namespace) -> int:
-    import tempfile
+    from .grading.commands import exercises
 
-    from .grading.notebooks import AnswersWouldBeLost, answers_in, build, listing, read
+    _check_exercises_arguments(args)
+    return exercises(args, PROG)
 
+
+def _check_exercises_arguments(args: argparse.Namespace) -> None:
+    """Refuse a bad argument of ``exercises`` by name, before any work starts."""
     if args.action == "list":
         if args.work is not None or args.force:
             raise ValueError("`exercises list` takes no DIR and no --force")
-        print(exercise_listing())
-        return 0
+        return
     if args.action != "start":  # a learner's `start` needs no solutions/
         try:
             folder(args.solutions)
@@ -423,7 +386,8 @@ def _exercises(args: argparse.Namespace) -> int:
     if args.force and args.action != "build":
         raise ValueError(f"--force: only `exercises build` takes it, not {args.action}")
     if args.action == "start":
-        return _start(args, exercises)
+        _check_start_arguments(args, exercises)
+        return
     if args.action == "build":
         try:
             _writable_folder(exercises)
@@ -431,57 +395,10 @@ def _exercises(args: argparse.Namespace) -> int:
             raise ValueError(f"--exercises: cannot write to {args.exercises!r}: {exc.strerror}") from None
     if not any(Path(args.solutions).glob("[0-9][0-9]_*.ipynb")):  # the notebooks build() reads
         raise ValueError(f"--solutions: no solution notebooks (NN_topic.ipynb) in {args.solutions!r}")
-    if args.action == "mutate":
-        return _mutate(Path(args.solutions))
-    if args.action == "build":
-        try:
-            for path in build(Path(args.solutions), exercises, force=args.force):
-                print(f"wrote {path}")
-        except AnswersWouldBeLost as lost:
-            raise ValueError(f"--exercises: the build would overwrite {listing(lost.at_risk)}; nothing was "
-                             f"written. {_keep_answers(args, lost.at_risk)}; or pass --force to overwrite "
-                             f"them") from None
-        except OSError as exc:  # a folder that cannot be made (/proc/x), a full disk
-            raise ValueError(f"--exercises: cannot write {exc.filename or args.exercises!r}: {exc.strerror}") from None
-        return 0
-    with tempfile.TemporaryDirectory() as fresh:
-        stale, answered = [], {}
-        for path in build(Path(args.solutions), Path(fresh)):
-            current = exercises / path.name
-            if not current.exists() or current.read_text() != path.read_text():
-                stale.append(str(current))
-                if what := answers_in(current, read(path)[0]):
-                    answered[current] = what
-    if answered:  # `exercises build` would refuse: say how to keep them, not to rebuild
-        print(f"{listing(answered)}: {args.exercises}/ must stay as the build writes it. "
-              f"{_keep_answers(args, answered)}")
-        return 1
-    if stale:
-        print("out of date (run `python -m gpipe_ref exercises build`): " + ", ".join(stale))
-        return 1
-    print(f"{args.exercises}/ is what `exercises build` writes from {args.solutions}/")
-    return 0
 
 
-def _keep_answers(args: argparse.Namespace, at_risk: dict[Path, str]) -> str:
-    """How to save the answers in ``at_risk`` (notebooks of ``--exercises``) before rebuilding over them."""
-    import shlex
-
-    options = "".join(f" --{name} {shlex.quote(value)}" for name, value, default in (
-        ("solutions", args.solutions, "solutions"), ("exercises", args.exercises, "exercises")) if value != default)
-    rebuild = f"`{PROG} exercises build --force{options}`"
-    taken = [str(Path("work") / path.name) for path in at_risk if os.path.lexists(Path("work") / path.name)]
-    if taken:  # `exercises start` would keep those work copies and not save these answers
-        return (f"To keep the answers, copy those notebooks by hand to new names ({', '.join(taken)} already "
-                f"exist{'s' if len(taken) == 1 else ''} and must not be overwritten), then run {rebuild}")
-    start = f"{PROG} exercises start" + (f" --exercises {shlex.quote(args.exercises)}"
-                                         if args.exercises != "exercises" else "")
-    return f"To keep the answers, copy them to work/ with `{start}` (it never overwrites), then run {rebuild}"
-
-
-def _start(args: argparse.Namespace, exercises: Path) -> int:
-    from .grading.notebooks import start
-
+def _check_start_arguments(args: argparse.Namespace, exercises: Path) -> None:
+    """``exercises start``: notebooks to copy, and a work folder (DIR) that is not exercises/ and can be written."""
     given = args.work if args.work is not None else "work"
     work = Path(given)
     if not any(exercises.glob("[0-9][0-9]_*.ipynb")):
@@ -493,23 +410,16 @@ def _start(args: argparse.Namespace, exercises: Path) -> int:
                          f"(default: work)")
     try:
         _writable_folder(work)
-        copied, kept = start(exercises, work)
     except OSError as exc:
         raise ValueError(f"DIR: cannot write to {given!r}: {exc.strerror}") from None
-    for path in copied:
-        print(f"copied {exercises / path.name} to {path}")
-    if kept:
-        print(f"kept (already in {given}/, never overwritten): {', '.join(path.name for path in kept)}")
-    print(f"answer in {given}/NN_topic.ipynb; grade one with `{PROG} grade {given}/NN_topic.ipynb`")
-    return 0
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from .grading.classroom import PackageChanged, grade_paths
-    from .grading.reports import feedback_markdown, feedback_name, format_by_exercise, format_table, \
-        gradebook_csv, summary
+    from .grading.commands import earlier_results, grade
 
-    done = _earlier_results(args) if args.resume else None
+    if args.resume and not args.json:
+        raise ValueError("--resume needs --json FILE: the results of the run to resume")
+    done = earlier_results(args.json) if args.resume else None
     feedback = Path(args.feedback) if args.feedback else None
     if feedback is not None:  # checked before any notebook is graded
         try:
@@ -518,70 +428,7 @@ def _grade(args: argparse.Namespace) -> int:
             probe_writable(feedback / ".probe")
         except OSError as exc:
             raise ValueError(f"--feedback: cannot write into {args.feedback!r}: {exc.strerror}") from None
-    output = ResultsFile(args)
-    roots = [Path(p) for p in args.paths if Path(p).is_dir()]
-
-    def save(results) -> None:
-        output.save(summary(results))
-        if args.csv:
-            _write_quietly(Path(args.csv), gradebook_csv(results), "--csv")
-        if feedback is not None:
-            latest = results[-1]
-            root = next((r for r in roots if Path(latest.path).is_relative_to(r)), None)
-            _write_quietly(feedback / feedback_name(latest, root), feedback_markdown(latest), "--feedback")
-
-    alert = None
-    try:
-        results = grade_paths(args.paths, jobs=args.jobs, cell_timeout=args.cell_timeout,
-                              case_timeout=args.case_timeout, notebook_timeout=args.notebook_timeout,
-                              on_result=save, done=done)
-    except PackageChanged as changed:
-        alert, results = str(changed), getattr(changed, "results", [])
-    for result in results:
-        print(format_table(result))
-        print()
-    report = summary(results)
-    if len(results) > 1:
-        print(format_by_exercise(results))
-    graded = len(results) - report["errors"]
-    print(f"total: {report['points']}/{report['max_points']} points over {graded} notebook(s)"
-          + (f"; {report['errors']} path(s) could not be graded" if report["errors"] else ""))
-    if feedback is not None:
-        for result in results:  # resumed results too
-            root = next((r for r in roots if Path(result.path).is_relative_to(r)), None)
-            _write_quietly(feedback / feedback_name(result, root), feedback_markdown(result), "--feedback")
-        print(f"wrote {len(results)} feedback file(s) in {feedback}")
-    if args.csv and _write_quietly(Path(args.csv), gradebook_csv(results), "--csv"):
-        print(f"wrote {args.csv}")
-    status = output.finish(report)
-    if alert:
-        print(f"{PROG} grade: ALERT: {alert}", file=sys.stderr)
-        return 3
-    return 2 if report["errors"] else status
-
-
-def _earlier_results(args: argparse.Namespace) -> dict[str, dict]:
-    """--resume: the notebooks already graded in the --json file, by path."""
-    if not args.json:
-        raise ValueError("--resume needs --json FILE: the results of the run to resume")
-    path = Path(args.json)
-    if not path.exists() or path.stat().st_size == 0:
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        return {nb["path"]: nb for nb in data["notebooks"] if isinstance(nb, dict) and "path" in nb}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--resume: {args.json!r} is not the JSON of an earlier grade run ({exc})") from None
-
-
-def _write_quietly(path: Path, text: str, option: str) -> bool:
-    """Write a report file; a failure is said on stderr and grading goes on."""
-    try:
-        path.write_text(text)
-        return True
-    except OSError as exc:
-        print(f"{PROG} grade: warning: {option}: cannot write {str(path)!r}: {exc.strerror or exc}", file=sys.stderr)
-        return False
+    return grade(args, ResultsFile(args), PROG, done=done, feedback=feedback)
 
 
 def _staleness(args: argparse.Namespace) -> int:

@@ -1,9 +1,16 @@
-"""What every planted wrong answer must do, shared by the tests/test_exercises_*.py files: score 0 from the
+"""What every planted wrong answer must do, shared by the tests/test_grading_exNN_*.py files: score 0 from the
 grader, and fail the shown check() too, naming the mistake (so check() and the grader rarely disagree)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import nbformat
+
 from gpipe_ref.grading import EXERCISES, FAILED_CHECKS, check, grade
+
+TESTS = Path(__file__).resolve().parent
+SOLUTIONS = TESTS.parent / "solutions"
 
 
 def assert_caught(exercise_id: str, namespace: dict, phrase: str, capsys) -> None:
@@ -29,3 +36,32 @@ def run_answer(prelude: str, code: str) -> dict:
 # exercise's grade() in under 60 s. Measured far below both (bench --only grading); tighter bounds flake when the
 # machine is shared.
 CHECK_LIMIT_S, GRADE_LIMIT_S = 10.0, 60.0
+
+
+def solution_namespace(name: str) -> dict:
+    """Run a solution notebook's code cells (not its checks) in one namespace."""
+    nb = nbformat.read(SOLUTIONS / f"{name}.ipynb", as_version=4)
+    namespace: dict = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "check(" not in cell.source:
+            exec(compile(cell.source, f"<{name}>", "exec"), namespace)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    return namespace
+
+
+def planted_answers() -> dict[str, str]:
+    """The first planted wrong answer (its code) of each exercise: in each tests/test_grading_exNN_*.py, its lists
+    of planted answers (PLAUSIBLE first, then every list named ...WRONG..., FOUND or WRONG_FIXES, in file order),
+    whose rows start with the exercise id and end with the code."""
+    import importlib
+
+    firsts: dict[str, str] = {}
+    for path in sorted(TESTS.glob("test_grading_ex[0-9][0-9]_*.py")):
+        module = importlib.import_module(path.stem)
+        for name, rows in vars(module).items():
+            if name == "PLAUSIBLE" or "WRONG" in name or name == "FOUND":
+                for row in rows:
+                    firsts.setdefault(row[0], row[-1])
+    return firsts

@@ -30,7 +30,7 @@ from gpipe_ref.planner import ClusterConfig, ModelConfig, plan
 from gpipe_ref.distributed import RankError, launch
 from gpipe_ref.distributed.data_parallel import DataParallel
 from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
-from gpipe_ref.grading.grader import grade_notebook
+from gpipe_ref.grading.grader_side.grader import grade_notebook
 from gpipe_ref.models import mlp
 torch.manual_seed(0)
 x, y = torch.randn(8, 4), torch.randn(8, 4)

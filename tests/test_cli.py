@@ -18,7 +18,7 @@ import gpipe_ref.bench
 from gpipe_ref import CostModel, SCHEDULES, make_schedule, register, schedule_names, schedule_spec, simulate
 from gpipe_ref.__main__ import build_parser, build_parsers, main
 from gpipe_ref.distributed.train import TrainConfig, checkpoint_modes, config_from_args
-from gpipe_ref.grading.grader import NotebookResult
+from gpipe_ref.grading.grader_side.grader import NotebookResult
 from gpipe_ref.schedule import unregister
 from gpipe_ref.staleness import VARIANTS
 from gpipe_ref.timeline import Event, Timeline
@@ -334,8 +334,8 @@ def calls_to(monkeypatch, target: str, result=None) -> list:
 
 
 @pytest.mark.parametrize("argv,target", [
-    (["grade", "{tmp}/a.ipynb", "--json", "{tmp}"], "gpipe_ref.grading.grader.grade_notebook"),
-    (["grade", "{tmp}/a.ipynb", "--json", "/proc/x/g.json"], "gpipe_ref.grading.grader.grade_notebook"),
+    (["grade", "{tmp}/a.ipynb", "--json", "{tmp}"], "gpipe_ref.grading.grader_side.grader.grade_notebook"),
+    (["grade", "{tmp}/a.ipynb", "--json", "/proc/x/g.json"], "gpipe_ref.grading.grader_side.grader.grade_notebook"),
     (["staleness", "--json", "{tmp}"], "gpipe_ref.staleness.convergence"),
     (["staleness", "--json", "{tmp}/a.ipynb/s.json"], "gpipe_ref.staleness.convergence"),
     (["bench", "--only", "simulator", "--json", "{tmp}"], "gpipe_ref.bench.simulator_cases"),
@@ -369,7 +369,7 @@ def test_grade_writes_each_notebook_as_it_is_graded(tmp_path, monkeypatch, capsy
         assert limits["data"] == b"{}"  # the submission as read before any kernel ran
         return NotebookResult(str(path))
 
-    monkeypatch.setattr("gpipe_ref.grading.grader.grade_notebook", graded)
+    monkeypatch.setattr("gpipe_ref.grading.grader_side.grader.grade_notebook", graded)
     for path in paths:
         path.write_text("{}")
     assert main(["grade", *map(str, paths), "--json", str(out), "--jobs", "1"]) == 2
@@ -391,7 +391,7 @@ def test_grade_prints_its_report_when_the_json_folder_vanishes(tmp_path, monkeyp
         folder.rmdir()  # before the first write (in the worker, a forked process): every write fails
         return NotebookResult(str(path))
 
-    monkeypatch.setattr("gpipe_ref.grading.grader.grade_notebook", graded)
+    monkeypatch.setattr("gpipe_ref.grading.grader_side.grader.grade_notebook", graded)
     assert main(["grade", str(notebook), "--json", str(out)]) == 1
     captured = capsys.readouterr()
     printed = json.loads(captured.out[captured.out.index("\n{") + 1:captured.out.rindex("}") + 1])
@@ -440,7 +440,7 @@ def test_staleness_skips_2bw_when_a_batch_cannot_fill_the_pipeline(monkeypatch, 
 
 def test_exercises_list_counts_every_exercise_by_category(capsys):
     from gpipe_ref.grading import EXERCISES, NOTEBOOKS
-    from gpipe_ref.grading.core import CATEGORIES, THINKING
+    from gpipe_ref.grading.cases import CATEGORIES, THINKING
 
     assert main(["exercises", "list"]) == 0
     out = capsys.readouterr().out

@@ -9,16 +9,17 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS
-from gpipe_ref.grading.classroom import grade_paths
-from gpipe_ref.grading.grader import MAX_TIMEOUT, grade_notebook
+from gpipe_ref.grading.grader_side.classroom import grade_paths
+from gpipe_ref.grading.grader_side.grader import MAX_TIMEOUT, grade_notebook
 from gpipe_ref.grading.notebooks import COURSE, exercise_of
-from test_grading import planted_answers
+from planted import planted_answers
 
 SOLUTIONS = ROOT / "solutions"
 EXERCISE_DIR = ROOT / "exercises"
@@ -158,7 +159,7 @@ def test_grader_bad_inputs_give_clear_errors(tmp_path):
 ])
 def test_time_limits_are_refused_before_any_notebook_runs(limits, message, tmp_path, monkeypatch):
     graded = []
-    monkeypatch.setattr("gpipe_ref.grading.grader.read", lambda path, data=None: graded.append(path))
+    monkeypatch.setattr("gpipe_ref.grading.grader_side.grader.read", lambda path, data=None: graded.append(path))
     for grade_one in (lambda: grade_notebook(tmp_path / "a.ipynb", **limits),
                       lambda: grade_paths([tmp_path], **limits)):
         with pytest.raises(ValueError) as refused:
@@ -243,3 +244,17 @@ def test_bad_class_options_are_refused_before_grading(tmp_path):
         result = _grade_cli(EXERCISE_DIR / "04_gpipe.ipynb", *args, timeout=60)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+def test_the_grader_hashes_and_preloads_the_whole_package():
+    """The integrity check and the preload cover every file of gpipe_ref, not only grading/ (the class grader sits
+    two folders below the package)."""
+    import gpipe_ref
+    from gpipe_ref.grading.grader_side.classroom import PACKAGE, package_hashes, preload
+
+    assert PACKAGE == Path(gpipe_ref.__file__).resolve().parent
+    hashes = package_hashes()
+    assert {"__init__.py", "__main__.py", "checks.py", "grading/judge.py",
+            "grading/grader_side/classroom.py"} <= set(hashes), sorted(hashes)[:10]
+    preload()
+    assert {"gpipe_ref.viz", "gpipe_ref.distributed.launch", "gpipe_ref.grading.exercises.ex08_zero"} <= set(sys.modules)

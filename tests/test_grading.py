@@ -1,5 +1,6 @@
-"""The graded exercises: solutions score full marks, exercises score 0 without a crash, every planted wrong
-answer loses its exercise's points, and the grader survives what learners' notebooks do."""
+"""The grading package across its exercises: every exercise has a planted wrong answer (each exercise's own tests:
+test_grading_exNN_topic.py), check() prints a short verdict, the judge survives what answers do, forbidden library
+calls are refused, and exercises/ is what the build writes from solutions/."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import pytest
 import torch
 
 from conftest import ROOT
+from planted import planted_answers
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
-from gpipe_ref.grading.common import judge_fill_drain, schedule_generators
-from gpipe_ref.grading.core import Case, Exercise, forbidden_use, judge, run_cases, same
+from gpipe_ref.grading.exercises.common import judge_one_stage_per_device, schedule_generators
+from gpipe_ref.grading.cases import Case, Exercise
+from gpipe_ref.grading.judge import forbidden_use, judge, run_cases, same
 from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
-from gpipe_ref.grading.runner import run_one
-from gpipe_ref.grading.wire import dumps, loads
+from gpipe_ref.grading.kernel_side.guard import resolve
+from gpipe_ref.grading.kernel_side.runner import run_one
+from gpipe_ref.grading.kernel_side.wire import dumps, loads
 from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister
 
 SOLUTIONS = ROOT / "solutions"
@@ -34,341 +38,11 @@ from gpipe_ref import Action
 from gpipe_ref.planner import estimate
 """
 
-# Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
-WRONG = [
-    ("01.1", "sums: forgets to divide by the world size", """
-def average_gradients(model):
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-"""),
-    ("01.1", "forgotten synchronisation: divides the local gradient", """
-def average_gradients(model):
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad /= dist.get_world_size()
-"""),
-    ("01.1", "does not skip frozen parameters", """
-def average_gradients(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-"""),
-    ("01.2", "all-gather sends the same chunk as the reduce-scatter (off by one)", """
-def ring_chunk_to_send(rank, step, world_size, phase):
-    return (rank - step) % world_size
-"""),
-    ("01.2", "the wrong direction round the ring", """
-def ring_chunk_to_send(rank, step, world_size, phase):
-    if phase == "reduce_scatter":
-        return (rank + step) % world_size
-    return (rank + step + 1) % world_size
-"""),
-    ("02.1", "splits the wrong dimension of weight", """
-def column_parallel_outputs(x, weight, bias, world_size):
-    return [x[..., :w.shape[1]] @ w.T for w in weight.chunk(world_size, dim=1)]
-"""),
-    ("02.1", "forgets the bias", """
-def column_parallel_outputs(x, weight, bias, world_size):
-    return [x @ w.T for w in weight.chunk(world_size, dim=0)]
-"""),
-    ("02.1", "gives every rank the bias's first slice", """
-def column_parallel_outputs(x, weight, bias, world_size):
-    k = weight.shape[0] // world_size
-    return [x @ w.T + bias[:k] for w in weight.chunk(world_size, dim=0)]
-"""),
-    ("02.2", "adds the bias on every rank", """
-def row_parallel_linear(x, weight, bias, world_size):
-    parts = [a @ w.T + bias for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
-    return parts, sum(parts)
-"""),
-    ("02.2", "concatenates the partial products instead of summing", """
-def row_parallel_linear(x, weight, bias, world_size):
-    parts = [a @ w.T for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
-    return parts, torch.cat(parts, -1)[..., :weight.shape[0]] + bias
-"""),
-    ("02.3", "forgotten synchronisation: identity backward", """
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-"""),
-    ("02.3", "averages instead of summing (an extra scale factor)", """
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad / dist.get_world_size()
-"""),
-    ("02.3", "all-reduces in the forward (that is g, not f)", """
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-"""),
-    ("03.1", "(p-1)/p: forgets the communication", """
-def naive_idle_fraction(forward, backward, comm):
-    return (len(forward) - 1) / len(forward)
-"""),
-    ("03.1", "counts one transfer per boundary instead of two", """
-def naive_idle_fraction(forward, backward, comm):
-    p, busy = len(forward), sum(forward) + sum(backward)
-    return 1 - busy / (p * (busy + (p - 1) * comm))
-"""),
-    ("03.2", "equal layer counts", """
-def best_balance(costs, stages):
-    n = len(costs)
-    return [n // stages + (1 if k < n % stages else 0) for k in range(stages)]
-"""),
-    ("03.2", "greedy fill up to the average", """
-def best_balance(costs, stages):
-    target, balance, acc, count = sum(costs) / stages, [], 0.0, 0
-    for i, c in enumerate(costs):
-        left_layers, left_stages = len(costs) - i, stages - len(balance)
-        if count and (acc + c > target or left_layers < left_stages) and len(balance) < stages - 1:
-            balance.append(count); acc, count = 0.0, 0
-        acc += c; count += 1
-    return balance + [count]
-"""),
-    ("03.3", "off by one in the slices", """
-def split_into_stages(model, balance):
-    layers, out, start = list(model), [], 0
-    for n in balance:
-        out.append(nn.Sequential(*layers[start:start + n + 1])); start += n
-    return out
-"""),
-    ("03.3", "copies the layers", """
-import copy
-def split_into_stages(model, balance):
-    layers, out, start = list(model), [], 0
-    for n in balance:
-        out.append(nn.Sequential(*[copy.deepcopy(l) for l in layers[start:start + n]])); start += n
-    return out
-"""),
-    ("04.1", "backwards in opposite orders on neighbouring devices (devices wait on each other)", """
-def gpipe_actions(p, m):
-    order = lambda d: range(m) if d % 2 == 0 else reversed(range(m))
-    return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in order(d)] for d in range(p)]
-"""),
-    ("04.1", "forgets the last micro-batch (off by one)", """
-def gpipe_actions(p, m):
-    return [[Action("F", d, k) for k in range(m - 1)] + [Action("B", d, k) for k in range(m - 1)] for d in range(p)]
-"""),
-    ("04.1", "interleaves forwards and backwards (that is 1F1B)", """
-def gpipe_actions(p, m):
-    out = []
-    for d in range(p):
-        w = min(p - d - 1, m)
-        acts = [Action("F", d, k) for k in range(w)]
-        for k in range(w, m):
-            acts += [Action("F", d, k), Action("B", d, k - w)]
-        out.append(acts + [Action("B", d, k) for k in range(m - w, m)])
-    return out
-"""),
-    ("04.2", "GPipe's overhead (p-1)/m instead of the share of the step", """
-def bubble_fraction(p, m):
-    return (p - 1) / m
-"""),
-    ("04.2", "off by one in the step length", """
-def bubble_fraction(p, m):
-    return (p - 1) / (m + p)
-"""),
-    ("04.2", "integer division", """
-def bubble_fraction(p, m):
-    return (p - 1) // (m + p - 1)
-"""),
-    ("04.3", "drops the remainder", """
-def microbatch_sizes(batch, m):
-    return [batch // m] * m
-"""),
-    ("04.3", "torch.chunk's rounding up", """
-def microbatch_sizes(batch, m):
-    size = -(-batch // m)
-    sizes = []
-    while batch > 0:
-        sizes.append(min(size, batch)); batch -= size
-    return sizes
-"""),
-    ("04.3", "the remainder on the last micro-batch", """
-def microbatch_sizes(batch, m):
-    return [batch // m] * (m - 1) + [batch // m + batch % m]
-"""),
-    ("05.1", "'always' forgets the recomputed micro-batch", """
-def peak_activations(checkpoint, held, per_microbatch):
-    if checkpoint == "never":
-        return held * per_microbatch
-    if checkpoint == "always":
-        return held
-    return held - 1 + per_microbatch
-"""),
-    ("05.1", "'except_last' recomputes even with one micro-batch", """
-def peak_activations(checkpoint, held, per_microbatch):
-    if checkpoint == "never":
-        return held * per_microbatch
-    if checkpoint == "always":
-        return held + per_microbatch - 1
-    return held - 1 + per_microbatch + per_microbatch - 1
-"""),
-    ("05.2", "a plain forward (keeps everything)", """
-def checkpointed_forward(stage, x):
-    return stage(x)
-"""),
-    ("05.2", "a no_grad forward (no gradients at all)", """
-def checkpointed_forward(stage, x):
-    with torch.no_grad():
-        return stage(x)
-"""),
-    ("05.2", "checkpoints a detached input (cuts the input's gradient)", """
-def checkpointed_forward(stage, x):
-    return checkpoint(stage, x.detach(), use_reentrant=False)
-"""),
-    ("05.3", "1F1B off by one: p - device - 1", """
-def held_microbatches(schedule, p, m, device):
-    return m if schedule == "gpipe" else min(m, p - device - 1)
-"""),
-    ("05.3", "1F1B forgets that there may be fewer than p micro-batches", """
-def held_microbatches(schedule, p, m, device):
-    return m if schedule == "gpipe" else p - device
-"""),
-    ("06.1", "the warm-up count p - d - 1 (off by one)", """
-def forwards_before_first_backward(p, m, device):
-    return min(p - device - 1, m)
-"""),
-    ("06.1", "forgets the min with m", """
-def forwards_before_first_backward(p, m, device):
-    return p - device
-"""),
-    ("06.2", "warm-up of p - d forwards (holds one micro-batch too many)", """
-def one_f_one_b_actions(p, m):
-    out = []
-    for d in range(p):
-        w = min(p - d, m)
-        acts = [Action("F", d, k) for k in range(w)]
-        for k in range(w, m):
-            acts += [Action("F", d, k), Action("B", d, k - w)]
-        out.append(acts + [Action("B", d, k) for k in range(m - w, m)])
-    return out
-"""),
-    ("06.2", "the GPipe order", """
-def one_f_one_b_actions(p, m):
-    return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in range(m)] for d in range(p)]
-"""),
-    ("06.3", "off by one: p - stage micro-batches ahead", """
-def stashed_version(p, stage, microbatch):
-    v = max(0, microbatch - (p - stage))
-    return v, microbatch - v
-"""),
-    ("06.3", "staleness is the version itself", """
-def stashed_version(p, stage, microbatch):
-    v = max(0, microbatch - (p - 1 - stage))
-    return v, v
-"""),
-    ("07.1", "Megatron's bubble-to-ideal ratio (p-1)/(vm) instead of the share of the step", """
-def interleaved_bubble(p, m, v):
-    return (p - 1) / (v * m)
-"""),
-    ("07.1", "divides 1F1B's bubble fraction by v", """
-def interleaved_bubble(p, m, v):
-    return (p - 1) / (m + p - 1) / v
-"""),
-    ("07.2", "GPipe itself (valid, but no better)", """
-def my_schedule(p, m):
-    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in range(m)]) for d in range(p))
-"""),
-    ("07.2", "W before B on every micro-batch (a broken rule)", """
-def my_schedule(p, m):
-    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}W{k} {d}B{k}" for k in range(m)])
-                     for d in range(p))
-"""),
-    ("07.2", "backwards in reverse order on the last device (devices wait, no gain)", """
-def my_schedule(p, m):
-    lines = []
-    for d in range(p):
-        order = range(m - 1, -1, -1) if d == p - 1 else range(m)
-        lines.append(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in order]))
-    return "\\n".join(lines)
-"""),
-    ("07.3", "ignores the memory budget (fastest overall)", """
-def pick_layout(model, cluster):
-    best = None
-    for tp in (1, 2, 4, 8):
-        for pp in range(1, cluster.gpus + 1):
-            if cluster.gpus % (tp * pp):
-                continue
-            try:
-                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
-            except ValueError:
-                continue
-            if best is None or e.step_time < best[0]:
-                best = (e.step_time, (e.dp, tp, pp))
-    return best and best[1]
-"""),
-    ("07.3", "the layout with the least memory (deepest pipeline, widest tensor split)", """
-def pick_layout(model, cluster):
-    best = None
-    for tp in (1, 2, 4, 8):
-        for pp in range(1, cluster.gpus + 1):
-            if cluster.gpus % (tp * pp):
-                continue
-            try:
-                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
-            except ValueError:
-                continue
-            if e.fits and (best is None or e.memory["total"] < best[0]):
-                best = (e.memory["total"], (e.dp, tp, pp))
-    return best and best[1]
-"""),
-    ("06.3", "vertical sync's version (stage 0's) on every stage", """
-def stashed_version(p, stage, microbatch):
-    v = max(0, microbatch - (p - 1))
-    return v, microbatch - v
-"""),
-]
-
 
 def _namespace(code: str) -> dict:
     namespace: dict = {}
     exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
     return namespace
-
-
-def _solution_namespace(name: str) -> dict:
-    """Run a solution notebook's code cells (not its checks) in one namespace."""
-    nb = nbformat.read(SOLUTIONS / f"{name}.ipynb", as_version=4)
-    namespace: dict = {}
-    for cell in nb.cells:
-        if cell.cell_type == "code" and "check(" not in cell.source:
-            exec(compile(cell.source, f"<{name}>", "exec"), namespace)
-    import matplotlib.pyplot as plt
-
-    plt.close("all")
-    return namespace
-
-
-def planted_answers() -> dict[str, str]:
-    """The first planted wrong answer (its code) of each exercise: WRONG here, then WRONG in each
-    tests/test_exercises_*.py, whose rows start with the exercise id and end with the code."""
-    import importlib
-
-    firsts: dict[str, str] = {}
-    for exercise_id, _, code in WRONG:
-        firsts.setdefault(exercise_id, code)
-    for path in sorted(Path(__file__).parent.glob("test_exercises_*.py")):
-        for row in importlib.import_module(path.stem).WRONG:
-            firsts.setdefault(row[0], row[-1])
-    return firsts
 
 
 def _planted_everywhere() -> set[str]:
@@ -379,27 +53,6 @@ def test_every_exercise_has_a_planted_wrong_answer():
     assert len(EXERCISES) >= 21
     assert list(NOTEBOOKS) == [p.stem for p in sorted(SOLUTIONS.glob("0*.ipynb"))]
     assert _planted_everywhere() == set(EXERCISES), "every exercise needs a planted wrong answer"
-
-
-@pytest.mark.parametrize("name", list(NOTEBOOKS))
-def test_solutions_pass_every_case(name, capsys):
-    import time
-
-    namespace = _solution_namespace(name)
-    capsys.readouterr()  # what the notebook's cells printed
-    for ex in NOTEBOOKS[name]:
-        verdict = grade(ex.id, namespace)
-        assert verdict.passed and verdict.points == ex.points, verdict
-        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
-        check(ex.id, namespace[ex.answer])
-        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
-
-
-@pytest.mark.parametrize("exercise_id,what,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _ in WRONG])
-def test_wrong_answer_loses_the_points(exercise_id, what, code):
-    verdict = grade(exercise_id, _namespace(code))
-    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
-    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback  # names the failing case
 
 
 def test_check_prints_a_short_verdict(capsys):
@@ -437,6 +90,13 @@ def test_forbidden_library_calls_are_refused():
     assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
 
 
+def test_every_forbidden_name_names_library_code():
+    """A forbidden name that no longer resolves (its function moved or was renamed) would refuse nothing."""
+    for ex in EXERCISES.values():
+        for dotted in ex.forbidden_names():
+            assert callable(resolve(dotted)), (ex.id, dotted)
+
+
 def test_schedule_generators_come_from_the_registry():
     names = schedule_generators()
     assert names == tuple(f"gpipe_ref.schedule.{spec.build.__name__}" for spec in SCHEDULES.values()) + (
@@ -465,19 +125,19 @@ def test_a_schedule_registered_later_is_refused_too():
     assert f"{__name__}.my_fill_drain" not in EXERCISES["04.1"].forbidden_names()
 
 
-def test_judge_fill_drain_accepts_gpipe_and_names_what_is_wrong():
-    schedule = judge_fill_drain([list(a) for a in gpipe(3, 2).per_device], 3, 2)
+def test_judge_one_stage_per_device_accepts_gpipe_and_names_what_is_wrong():
+    schedule = judge_one_stage_per_device([list(a) for a in gpipe(3, 2).per_device], 3, 2)
     assert schedule.per_device == gpipe(3, 2).per_device
-    assert judge_fill_drain([[]], 2, 2) == "expected a list of 2 per-device lists, got list of length 1"
-    assert judge_fill_drain("x", 2, 2) == "expected a list of 2 per-device lists, got str of length 1"
+    assert judge_one_stage_per_device([[]], 2, 2) == "expected a list of 2 per-device lists, got list of length 1"
+    assert judge_one_stage_per_device("x", 2, 2) == "expected a list of 2 per-device lists, got str of length 1"
     wrong = [list(a) for a in gpipe(2, 2).per_device]
     wrong[1] = wrong[1][:-1]
-    assert judge_fill_drain(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for micro-batches 0..1 "
+    assert judge_one_stage_per_device(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for micro-batches 0..1 "
                                                     "once each; missing ['1B1']")
     swapped = [list(a) for a in gpipe(2, 2).per_device]
     swapped[0][1], swapped[0][2] = swapped[0][2], swapped[0][1]
-    assert judge_fill_drain(swapped, 2, 2).startswith("device 0 runs a backward before its last forward")
-    assert judge_fill_drain(swapped, 2, 2, forwards_first=False) == (
+    assert judge_one_stage_per_device(swapped, 2, 2).startswith("device 0 runs a backward before its last forward")
+    assert judge_one_stage_per_device(swapped, 2, 2, forwards_first=False) == (
         "the schedule does not run: deadlock, cycle: device 0 waits at 0B0 for 1B0 (device 1); "
         "device 1 waits at 1F1 for 0F1 (device 0)")
 
@@ -602,7 +262,7 @@ def test_build_refuses_a_folder_without_solutions_and_makes_nothing(tmp_path):
 
 
 def test_an_exercise_names_a_known_category():
-    from gpipe_ref.grading.core import CATEGORIES, Exercise
+    from gpipe_ref.grading.cases import CATEGORIES, Exercise
 
     with pytest.raises(ValueError, match=r"category must be one of .*'design'.*got 'quiz'"):
         Exercise("99.1", "t", "answer", 1, list, list, category="quiz")

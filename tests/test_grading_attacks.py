@@ -37,17 +37,19 @@ SLEEPER = "gpipe-attack-sleeper"
 ATTACKS: dict[str, tuple[str, str | None, int]] = {
     "monkeypatch grade()": ("""
         import gpipe_ref.grading as _g
-        from gpipe_ref.grading.core import Verdict as _V
+        from gpipe_ref.grading.cases import Verdict as _V
         _g.grade = lambda eid, ns, timeout=None: _V(eid, "x", "passed", 100, 3, "all good")
+        import gpipe_ref.grading.learner as _l
+        _l.grade = _g.grade
         """, None, 2),
     "monkeypatch judge, run_cases and Verdict": ("""
-        import gpipe_ref.grading.core as _c
+        import gpipe_ref.grading.judge as _c
         _c.judge = lambda *a, **k: None
         _c.run_cases = lambda *a, **k: _c.Verdict("04.1", "x", "passed", 100, 3, "ok")
         _c.Verdict.__post_init__ = lambda self: None
         """, None, 2),
     "forged replies from the runner (points 100, status passed)": ("""
-        import json, gpipe_ref.grading.runner as _r
+        import json, gpipe_ref.grading.kernel_side.runner as _r
         _r.reply = lambda ex, i, t, ns=None: json.dumps({"exercise": ex, "label": "?", "outcome": "returned",
                                                         "value": 0.5, "points": 100, "status": "passed"})
         """, None, 0),
@@ -129,7 +131,7 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
             return TABLE[f"p={p}, m={m}"]
         """, 2),
     "the kernel's runner replaced by one replying with expected values": ("""
-        import gpipe_ref.grading as _g, gpipe_ref.grading.runner as _r, gpipe_ref.grading.wire as _w
+        import gpipe_ref.grading as _g, gpipe_ref.grading.kernel_side.runner as _r, gpipe_ref.grading.kernel_side.wire as _w
         _original = _r.reply
         def _forged(eid, index, timeout, namespace=None):
             if eid != "04.2":
@@ -278,12 +280,12 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_a_changed_package_stops_grading_with_an_alert(tmp_path):
-    """Appending a fake run_cases to the installed core.py: the judge in memory is untouched, and the grader
+    """Appending a fake run_cases to the installed judge.py: the judge in memory is untouched, and the grader
     stops with an alert naming the file (here on a copy of the package, put first on PYTHONPATH)."""
     copy = tmp_path / "site"
     shutil.copytree(ROOT / "gpipe_ref", copy / "gpipe_ref", ignore=shutil.ignore_patterns("__pycache__"))
     attacker = _inject("""
-        import gpipe_ref.grading.core as _c
+        import gpipe_ref.grading.judge as _c
         with open(_c.__file__, "a") as f:
             f.write("\\ndef run_cases(*a, **k):\\n    return Verdict('04.1', 'x', 'passed', 3, 3, 'ok')\\n")
         """, "04_gpipe", tmp_path / "class" / "a", {"04.3": HONEST_04_3})
@@ -292,11 +294,11 @@ def test_a_changed_package_stops_grading_with_an_alert(tmp_path):
     grades = tmp_path / "grades.json"
     result = _grade(tmp_path / "class", "--jobs", "1", "--json", grades, env=env, cwd=tmp_path)
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "ALERT" in result.stderr and "grading/core.py" in result.stderr
+    assert "ALERT" in result.stderr and "grading/judge.py" in result.stderr
     data = json.loads(grades.read_text())
     assert [nb["points"] for nb in data["notebooks"]] == [2]  # the attacker's honest part; b was not graded
     assert str(attacker) == data["notebooks"][0]["path"]
-    assert "def run_cases(*a, **k)" in (copy / "gpipe_ref" / "grading" / "core.py").read_text()  # it did write
+    assert "def run_cases(*a, **k)" in (copy / "gpipe_ref" / "grading" / "judge.py").read_text()  # it did write
 
 
 @pytest.mark.slow
@@ -353,7 +355,7 @@ def test_a_rank_finds_only_its_own_shard_on_the_stack():
 
 def test_a_result_read_back_is_held_to_the_course():
     """What a worker sends (or --resume reads) cannot claim more than the notebook's real points."""
-    from gpipe_ref.grading.grader import NotebookResult
+    from gpipe_ref.grading.grader_side.grader import NotebookResult
 
     forged = {"path": "a.ipynb", "notebook": "04_gpipe", "error": None, "exercises": [
         {"exercise": e, "title": "x", "status": "passed", "points": 1000, "max_points": 1000, "feedback": "ok"}
@@ -369,8 +371,8 @@ def test_a_result_read_back_is_held_to_the_course():
 
 
 def test_a_worker_result_needs_its_nonce_and_a_normal_exit(tmp_path):
-    from gpipe_ref.grading.classroom import result_of, Submission, Worker
-    from gpipe_ref.grading.grader import NotebookResult
+    from gpipe_ref.grading.grader_side.classroom import result_of, Submission, Worker
+    from gpipe_ref.grading.grader_side.grader import NotebookResult
 
     data = (ROOT / "exercises" / "04_gpipe.ipynb").read_bytes()
     submission = Submission(0, tmp_path / "a.ipynb", data, "token", b"nonce")
@@ -384,7 +386,7 @@ def test_a_worker_result_needs_its_nonce_and_a_normal_exit(tmp_path):
 
 
 def test_malformed_metadata_is_a_notebook_error_not_a_grader_crash(tmp_path):
-    from gpipe_ref.grading.grader import grade_notebook
+    from gpipe_ref.grading.grader_side.grader import grade_notebook
     from gpipe_ref.grading.notebooks import check_of
 
     nb = nbformat.read(ROOT / "exercises" / "04_gpipe.ipynb", as_version=4)
@@ -397,8 +399,8 @@ def test_malformed_metadata_is_a_notebook_error_not_a_grader_crash(tmp_path):
 
 
 def test_a_gradebook_cell_is_never_a_formula():
-    from gpipe_ref.grading.grader import NotebookResult
-    from gpipe_ref.grading.reports import gradebook_csv
+    from gpipe_ref.grading.grader_side.grader import NotebookResult
+    from gpipe_ref.grading.grader_side.reports import gradebook_csv
 
     text = gradebook_csv([NotebookResult("=HYPERLINK(\"http://x\")", error="@SUM(1)")])
     row = next(csv.reader(io.StringIO(text.splitlines()[1])))

@@ -12,10 +12,12 @@ import types
 import pytest
 import torch
 
-from gpipe_ref.grading import EXERCISES, grade, wire
-from gpipe_ref.grading.core import Case, Exercise, Verdict, judge, run_cases
-from gpipe_ref.grading.guard import EXPECTED_VALUES
-from gpipe_ref.grading.runner import run_one
+from gpipe_ref.grading import EXERCISES, grade
+from gpipe_ref.grading.kernel_side import wire
+from gpipe_ref.grading.cases import Case, Exercise, Verdict
+from gpipe_ref.grading.judge import judge, run_cases
+from gpipe_ref.grading.kernel_side.guard import EXPECTED_VALUES
+from gpipe_ref.grading.kernel_side.runner import run_one
 from gpipe_ref.schedule import Action
 
 # -- wire: what an answer's result may be, and what the grader accepts back -----------------------------------
@@ -365,7 +367,7 @@ def test_expected_values_and_builtins_are_refused_while_the_answer_runs(attempt)
 
 def test_every_case_expected_is_guarded_and_callable_outside():
     """The guard knows expected by its code: all_cases() builds new functions of the same code."""
-    from gpipe_ref.grading.runner import expected_codes
+    from gpipe_ref.grading.kernel_side.runner import expected_codes
 
     for ex in EXERCISES.values():
         for case in ex.all_cases():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gpipe_ref.__main__ import build_parsers
-from gpipe_ref.grading.common import schedule_generators
+from gpipe_ref.grading.exercises.common import schedule_generators
 from gpipe_ref.pipeline import GPipe
 from gpipe_ref.planner import ClusterConfig, ModelConfig, estimate
 from gpipe_ref.schedule import (

@@ -40,7 +40,7 @@ def grading_cases(quick: bool) -> list[dict]:
     import io
 
     from ..grading import NOTEBOOKS, check
-    from ..grading.grader import grade_notebook
+    from ..grading.grader_side.grader import grade_notebook
 
     solutions = Path(__file__).resolve().parents[2] / "solutions"
     names = ["04_gpipe"] if quick else list(NOTEBOOKS)

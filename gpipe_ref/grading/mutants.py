@@ -1,4 +1,4 @@
-"""Mutation testing of the solutions: are an exercise's cases strong enough to catch a small slip?
+"""Mutation testing of the solutions: whether an exercise's cases are strong enough to catch a small slip.
 
 A *mutant* is a solution with one small change inside its ``### BEGIN SOLUTION`` block, the slips learners
 make: an off-by-one (an integer constant moved by one), a flipped comparison (``<`` for ``<=``, ``==`` for
@@ -22,8 +22,13 @@ from typing import Iterator
 
 import nbformat
 
-from .core import Case
+from .cases import Case
+from .exercises.catalog import EXERCISES
+from .learner import judge_in_process
 from .notebooks import BEGIN, END, exercise_of
+
+__all__ = ["BOOLEANS", "COMPARISONS", "OPERATORS", "SYMBOLS", "Mutant", "Outcome", "mutants", "run_mutants",
+           "solution_notebook"]
 
 # Each slip and what it becomes: a flipped comparison, a swapped operator.
 COMPARISONS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
@@ -141,7 +146,6 @@ def run_mutants(path: str | Path, only: set[str] | None = None, timeout: float =
     copy of the namespace the notebook's own cells build; ``timeout``: seconds per case at most."""
     import matplotlib.pyplot as plt
 
-    from . import EXERCISES, judge_in_process
 
     setup, cells = solution_notebook(path)
     namespace: dict = {"__name__": "__main__"}

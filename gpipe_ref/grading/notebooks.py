@@ -1,5 +1,6 @@
-"""Exercise notebooks: finding exercise and check cells, building exercises/ from solutions/,
-and copying exercises/ into a learner's work folder.
+"""Exercise notebooks: their exercise and check cells, exercises/ built from solutions/, a learner's copy.
+
+A learner's copy goes into a work folder (:func:`start`).
 
 A solution cell starts with ``# Exercise NN.K · title`` and holds its answer
 between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers).
@@ -19,8 +20,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .exercises.catalog import NOTEBOOKS, exercise
+
 if TYPE_CHECKING:  # imported where used: nbformat's jsonschema costs seconds, and ranks import this package
     import nbformat
+
+__all__ = ["BEGIN", "CHECK", "COURSE", "END", "HEADER", "NOTEBOOK_NAMES", "AnswersWouldBeLost", "NotebookError",
+           "answers_in", "build", "check_of", "exercise_of", "listing", "read", "start", "student_copy"]
 
 COURSE = "gpipe-parallelism"
 NOTEBOOK_NAMES = "[0-9][0-9]_*.ipynb"  # NN_topic.ipynb
@@ -75,8 +81,6 @@ def read(path: str | Path, data: bytes | None = None) -> tuple[nbformat.Notebook
     notebook name ("04_gpipe")."""
     import nbformat
 
-    from . import NOTEBOOKS
-
     path = Path(path)
     if data is None and not path.exists():
         raise NotebookError(f"{path}: no such file")
@@ -120,8 +124,6 @@ def _strip_solution(source: str, exercise_id: str, title: str) -> str:
 def student_copy(solution: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, list[str]]:
     """The exercise notebook for a solution notebook, and the exercise ids found in it."""
     import nbformat
-
-    from . import exercise
 
     nb = nbformat.from_dict(solution)  # a deep copy
     found = []
@@ -168,8 +170,6 @@ def build(solutions: Path, exercises: Path, *, force: bool = False) -> list[Path
     Refuses (:class:`AnswersWouldBeLost`, nothing written) when a notebook it would replace holds
     answers, unless ``force``; untouched copies, current or outdated, are rewritten."""
     import nbformat
-
-    from . import NOTEBOOKS
 
     sources = sorted(Path(solutions).glob(NOTEBOOK_NAMES))
     if not Path(solutions).is_dir():

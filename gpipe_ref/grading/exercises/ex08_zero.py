@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.thread_ring import ring_buffers, run_ring
-from ..distributed.zero import ZERO_STAGES, zero_state_bytes, zero_traffic_bytes
-from .core import Case, Exercise, short_repr
+from ...distributed.thread_ring import ring_buffers, run_ring
+from ...distributed.zero import ZERO_STAGES, zero_state_bytes, zero_traffic_bytes
+from ..cases import Case, Exercise
+from ..judge import short_repr
+
+__all__ = ["EXERCISES", "RING", "SHARD_STEP", "SIZING", "fewest_gpus"]
 
 # -- 08.1 ZeRO-1's step on this rank's shard -----------------------------------------------------------------
 
@@ -167,7 +170,7 @@ def _sizing_hidden() -> list[Case]:
 
 SIZING = Exercise(
     "08.2", "The fewest GPUs for a memory budget", "size_zero_run", 3, _sizing_shown, _sizing_hidden,
-    forbidden=("gpipe_ref.grading.ex08_zero.fewest_gpus",), category="design")
+    forbidden=("gpipe_ref.grading.exercises.ex08_zero.fewest_gpus",), category="design")
 
 # -- 08.3 a broken reduce-scatter ------------------------------------------------------------------------------
 

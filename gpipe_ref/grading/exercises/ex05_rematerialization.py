@@ -1,5 +1,7 @@
-"""Exercises for notebook 05: activation memory per checkpoint mode, a checkpointed forward,
-how many micro-batches a device holds, a design under a memory budget and a step-time target."""
+"""Exercises for notebook 05: activation memory per checkpoint mode, a checkpointed forward, micro-batches held.
+
+The last asks for a design under a memory budget and a step-time target.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +13,18 @@ import functools
 import math
 import random
 
-from ..memory import (PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch,
+from ...memory import (PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch,
                       state_bytes)
-from ..microbatch_size import LinearCost
-from ..models import mlp, regression_data
-from ..schedule import make_schedule
-from ..simulator import place, simulate
-from .core import Case, Exercise, short_repr
+from ...microbatch_size import LinearCost
+from ...models import mlp, regression_data
+from ...schedule import make_schedule, schedule_spec
+from ...simulator import place, simulate
+from ..cases import Case, Exercise
+from ..judge import short_repr
+
+__all__ = ["CHECKPOINTED", "COST", "DESIGN", "DESIGN_CHECKPOINTS", "DESIGN_SCHEDULES", "EXERCISES", "HELD", "ONE_STAGE",
+           "PEAK", "ROWS", "SETUP", "TIME_TOLERANCE", "WIDE", "WIDE_COST", "WIDTH", "design_memory", "design_time",
+           "feasible_designs", "first_design", "measured_peaks"]
 
 # -- 05.1 peak activations of each checkpoint mode (checked against a measurement) ---------------------
 
@@ -26,7 +33,7 @@ ROWS, WIDTH = 2, 8
 
 def measured_peaks(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> list[float]:
     """Peak saved activations per device of one GPipe step, in units of one (ROWS x WIDTH) tensor."""
-    from ..pipeline import GPipe
+    from ...pipeline import GPipe
 
     x, y = regression_data(samples=m * ROWS, width=WIDTH, seed=0)
     pipe = GPipe(mlp(width=WIDTH, depth=p * blocks, seed=0), balance=[2 * blocks] * p, chunks=m,
@@ -39,7 +46,8 @@ def measured_peaks(schedule: str, checkpoint: str, p: int, m: int, blocks: int) 
 def _peak_cases(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> list[Case]:
     cases = []
     for d in range(p):
-        held = m if schedule == "gpipe" else min(m, p - d)
+        # device d holds at its peak what the first device of the p - d stages from d on holds: the registry's peak
+        held = int(schedule_spec(schedule).peak_held(p - d, m, 1))
         saved = blocks + 1 + (1 if d == p - 1 else 0)  # Linear inputs and ReLU outputs (+ the loss target)
         cases.append(Case(f"checkpoint={checkpoint!r}, held={held}, per_microbatch={saved} "
                           f"(measured: {schedule}, p={p}, m={m}, device {d})",
@@ -65,7 +73,8 @@ def _peak_hidden() -> list[Case]:
 
 
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
-                _peak_shown, _peak_hidden, forbidden=("gpipe_ref.grading.ex05_rematerialization.measured_peaks",
+                _peak_shown, _peak_hidden,
+                forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.measured_peaks",
                            "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
                            "gpipe_ref.memory.measure_anatomy"), category="formula")
 
@@ -348,10 +357,10 @@ def _design_hidden() -> list[Case]:
 DESIGN = Exercise(
     "05.4", "Design under a memory budget: schedule, micro-batches, checkpointing", "design_pipeline", 3,
     _design_shown, _design_hidden,
-    forbidden=("gpipe_ref.grading.ex05_rematerialization.feasible_designs",
-               "gpipe_ref.grading.ex05_rematerialization.first_design",
-               "gpipe_ref.grading.ex05_rematerialization.design_memory",
-               "gpipe_ref.grading.ex05_rematerialization.design_time",
+    forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.feasible_designs",
+               "gpipe_ref.grading.exercises.ex05_rematerialization.first_design",
+               "gpipe_ref.grading.exercises.ex05_rematerialization.design_memory",
+               "gpipe_ref.grading.exercises.ex05_rematerialization.design_time",
                "gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
                "gpipe_ref.microbatch_size.best_choice", "gpipe_ref.microbatch_size.microbatch_choices"),
     timeout=20.0, category="design")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import re
 
-from ..planner import ClusterConfig, ModelConfig, estimate
-from ..playground import PLAYGROUND_COST, analyse
-from ..schedule import Action, Schedule, ScheduleError, make_schedule, validate, zero_bubble_h1
-from ..simulator import CostModel, simulate
+from ...planner import ClusterConfig, ModelConfig, estimate
+from ...playground import PLAYGROUND_COST, analyse
+from ...schedule import Action, Schedule, ScheduleError, default_schedule, make_schedule, validate, zero_bubble_h1
+from ...simulator import CostModel, simulate
+from ..cases import Case, Exercise
+from ..judge import short_repr
 from .common import schedule_generators
-from .core import Case, Exercise, short_repr
+
+__all__ = ["EXERCISES", "INTERLEAVED", "LAYOUT", "OWN_SCHEDULE", "ZB_COST", "ZB_DEBUG", "best_layout"]
 
 # -- 07.1 the interleaved bubble ------------------------------------------------------------------------------
 
@@ -17,7 +20,7 @@ from .core import Case, Exercise, short_repr
 def _interleaved_case(p: int, m: int, v: int) -> Case:
     def expected():
         cost = CostModel(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
-        return simulate(make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v), cost).bubble_fraction
+        return simulate(make_schedule(default_schedule(v), p, m, v), cost).bubble_fraction
 
     return Case(f"p={p}, m={m}, v={v}", lambda answer: answer(p, m, v), expected,
                 hint="draw the step for v = 1 and v = 2 on the same devices: which part of it shrinks as v grows, "
@@ -157,7 +160,7 @@ def _layout_hidden() -> list[Case]:
 LAYOUT = Exercise(
     "07.3", "A layout for a memory budget", "pick_layout", 3, _layout_cases, _layout_hidden,
     forbidden=("gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
-               "gpipe_ref.grading.ex07_beyond.best_layout"), category="design")
+               "gpipe_ref.grading.exercises.ex07_beyond.best_layout"), category="design")
 
 # -- 07.4 find the bug in a zero-bubble generator ------------------------------------------------------------------
 
@@ -202,6 +205,6 @@ ZB_DEBUG = Exercise(
     "07.4", "Find the bug in a zero-bubble generator", "zb_h1_orders", 3,
     lambda: [_zb_case(2, 2), _zb_case(4, 8)],
     lambda: [_zb_case(p, m) for p, m in ((1, 1), (1, 3), (2, 1), (3, 2), (4, 4), (5, 3), (6, 12), (8, 8))],
-    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule._one_f_one_b_order",), category="debug")
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule.generators._one_f_one_b_order",), category="debug")
 
 EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT, ZB_DEBUG]

@@ -29,14 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import NOTEBOOKS
-from .core import Verdict
-from .notebooks import NotebookError, read
+from ..cases import Verdict
+from ..exercises.catalog import NOTEBOOKS
+from ..notebooks import NotebookError, read
 from . import grader
 from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, suspicious
-from .kernel import become_private, become_subreaper, end_processes, live_processes
+from .processes import become_private, become_subreaper, end_processes, live_processes
 
-PACKAGE = Path(__file__).resolve().parents[1]
+__all__ = ["PACKAGE", "PackageChanged", "Submission", "Worker", "changed_files", "collect", "grade_paths",
+           "package_hashes", "preload", "result_of"]
+
+PACKAGE = Path(__file__).resolve().parents[2]  # gpipe_ref/: every file of it is hashed
 
 
 class PackageChanged(RuntimeError):
@@ -45,9 +48,7 @@ class PackageChanged(RuntimeError):
 
 def preload() -> None:
     """Import every module of the package and what grading uses, so no worker reads code from disk later."""
-    import gpipe_ref
-
-    for info in pkgutil.walk_packages(gpipe_ref.__path__, "gpipe_ref."):
+    for info in pkgutil.walk_packages([str(PACKAGE)], "gpipe_ref."):
         if not info.name.startswith("gpipe_ref.__main__"):
             importlib.import_module(info.name)
     import jupyter_client  # noqa: F401

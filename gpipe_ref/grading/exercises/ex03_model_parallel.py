@@ -1,5 +1,4 @@
-"""Exercises for notebook 03: naive model parallelism's idle time, balancing, cutting a model, the backward
-across stage boundaries."""
+"""Exercises for notebook 03: naive model parallelism's idle time, balancing, cutting a model, stage boundaries."""
 
 from __future__ import annotations
 
@@ -8,11 +7,14 @@ import random
 
 from torch import nn
 
-from ..partition import partition_costs, stage_cost_model
-from ..schedule import Action, gpipe
-from ..simulator import place, simulate
+from ...partition import partition_costs, stage_cost_model
+from ...schedule import Action, gpipe
+from ...simulator import place, simulate
+from ..cases import Case, Exercise
+from ..judge import same, short_repr
 from .common import gradient_gap
-from .core import Case, Exercise, same, short_repr
+
+__all__ = ["BEST_BALANCE", "BOUNDARY", "EXERCISES", "FIT_BALANCE", "NAIVE_IDLE", "NO_CUT", "SPLIT"]
 
 # -- 03.1 idle fraction of naive model parallelism -----------------------------------------------------
 
@@ -261,13 +263,56 @@ def _boundary_inputs(balance: list[int], seed: int):
     """The seeded model, its stages and the data a case runs on, built alike in the kernel and in the grader."""
     import torch
 
-    from ..models import mlp
-    from ..partition import split
+    from ...models import mlp
+    from ...partition import split
 
     model = mlp(width=5, depth=(sum(balance) + 1) // 2, seed=seed)[:sum(balance)]
     generator = torch.Generator().manual_seed(seed + 1)
     x, y = torch.randn(6, 5, generator=generator), torch.randn(6, 5, generator=generator)
     return model, split(model, balance), x, y
+
+
+def _boundary_gap(actual, expected, stages: int) -> str | None:
+    """None when the step ran each of ``stages`` stages once, in order, across kept boundaries, with the one-device
+    loss and gradients; else the first thing that went wrong."""
+    import math
+
+    if not isinstance(actual, dict) or not isinstance(actual.get("arrived"), list):
+        return f"expected the step to run, got {short_repr(actual)}"
+    calls = [k for k, *_ in actual["arrived"]]
+    if calls != list(range(stages)):
+        return (f"the stages ran in the order {calls}: one forward per stage, in order, is what one device "
+                f"after another does")
+    for k, leaf, needs_grad in actual["arrived"][1:]:
+        if not leaf:
+            return (f"stage {k}'s input is still attached to stage {k - 1}'s graph: between two devices (two "
+                    f"processes) only the tensor's values travel, so keep the boundary")
+        if not needs_grad:
+            return (f"stage {k}'s input does not require a gradient, so the backward never computes the "
+                    f"gradient stage {k - 1} needs from it")
+    loss = actual["loss"]
+    if not isinstance(loss, float) or not math.isclose(loss, expected["loss"], rel_tol=1e-5, abs_tol=1e-7):
+        return f"returned {short_repr(loss)} as the loss, expected the float the loss function gave"
+    if actual["x_grad"]:
+        return "the input batch x gained a .grad: only the stages' weights need gradients"
+    return _boundary_gradient_gap(actual["grads"], expected["grads"])
+
+
+def _boundary_gradient_gap(grads, expected_grads: list) -> str | None:
+    """None when every stage's gradients (``grads``) are one device's, else the first stage, in the backward's
+    order, whose gradients differ."""
+    if not isinstance(grads, list) or len(grads) != len(expected_grads):
+        return f"expected the gradients of {len(expected_grads)} stages, got {short_repr(grads)}"
+    for k in reversed(range(len(expected_grads))):  # the backward's order: the first stage to go wrong
+        for yours, one_device in zip(grads[k], expected_grads[k]):
+            if yours is None:
+                return (f"stage {k}'s weights got no gradient (stages after it did): the gradient never crossed "
+                        f"the boundary into stage {k}")
+            gap = gradient_gap(yours, one_device)
+            if gap is not None:
+                return (f"a gradient of stage {k} {gap}: it got the gradient of its output more than once, or "
+                        f"not the right one")
+    return None
 
 
 def _boundary_case(balance: list[int], seed: int = 0) -> Case:
@@ -293,42 +338,8 @@ def _boundary_case(balance: list[int], seed: int = 0) -> Case:
         return {"loss": loss.item(),
                 "grads": [[q.grad.clone() for q in stage.parameters()] for stage in stages]}
 
-    def compare(actual, expected):
-        import math
-
-        if not isinstance(actual, dict) or not isinstance(actual.get("arrived"), list):
-            return f"expected the step to run, got {short_repr(actual)}"
-        calls = [k for k, *_ in actual["arrived"]]
-        if calls != list(range(len(balance))):
-            return (f"the stages ran in the order {calls}: one forward per stage, in order, is what one device "
-                    f"after another does")
-        for k, leaf, needs_grad in actual["arrived"][1:]:
-            if not leaf:
-                return (f"stage {k}'s input is still attached to stage {k - 1}'s graph: between two devices (two "
-                        f"processes) only the tensor's values travel, so keep the boundary")
-            if not needs_grad:
-                return (f"stage {k}'s input does not require a gradient, so the backward never computes the "
-                        f"gradient stage {k - 1} needs from it")
-        loss = actual["loss"]
-        if not isinstance(loss, float) or not math.isclose(loss, expected["loss"], rel_tol=1e-5, abs_tol=1e-7):
-            return f"returned {short_repr(loss)} as the loss, expected the float the loss function gave"
-        if actual["x_grad"]:
-            return "the input batch x gained a .grad: only the stages' weights need gradients"
-        grads = actual["grads"]
-        if not isinstance(grads, list) or len(grads) != len(expected["grads"]):
-            return f"expected the gradients of {len(balance)} stages, got {short_repr(grads)}"
-        for k in reversed(range(len(balance))):  # the backward's order: the first stage to go wrong
-            for yours, one_device in zip(grads[k], expected["grads"][k]):
-                if yours is None:
-                    return (f"stage {k}'s weights got no gradient (stages after it did): the gradient never crossed "
-                            f"the boundary into stage {k}")
-                gap = gradient_gap(yours, one_device)
-                if gap is not None:
-                    return (f"a gradient of stage {k} {gap}: it got the gradient of its output more than once, or "
-                            f"not the right one")
-        return None
-
-    return Case(f"balance={balance}, seed={seed}", run, expected, compare=compare,
+    return Case(f"balance={balance}, seed={seed}", run, expected,
+                compare=lambda actual, expected: _boundary_gap(actual, expected, len(balance)),
                 hint="print each boundary tensor's .grad just before you use it: which are None, and why? Which "
                      "stage's backward must have run before a boundary's gradient exists?")
 

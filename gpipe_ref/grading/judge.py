@@ -1,155 +1,32 @@
-"""Exercises, cases and verdicts: what every check and the grader share.
+"""The judge: compare what an answer returned with the expected value, in the grader's process, never the kernel's.
 
-An :class:`Exercise` names the function (or class) a learner writes and the
-cases that judge it: a few shown in the notebook, more kept hidden for the
-grader. A case runs the learner's answer, compares the result with the
-expected value and, on a mismatch, says what went in, what was expected,
-what came out, and a hint. An answer scores its points only when every case
-passes: a plausible wrong answer must not earn them.
+Also what running an answer safely needs on either side: a time limit per case and
+the check that an answer does not call the library code that does the exercise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import os
 import re
 import signal
 import threading
 import types
 import unicodedata
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .guard import EXPECTED_VALUES, resolve
+from .cases import Case, Exercise, Verdict
+from .kernel_side.guard import EXPECTED_VALUES, resolve
+from .kernel_side.wire import Malformed
+
+__all__ = ["COMPARE_TIMEOUT", "CaseTimeout", "clean", "describe_error", "forbidden_use", "is_not_attempted", "judge",
+           "run_cases", "same", "short_repr", "time_limit"]
 
 
 class CaseTimeout(Exception):
     """A case ran longer than its time limit."""
-
-
-@dataclass(frozen=True)
-class Case:
-    """One input to an answer and how to judge what it returns.
-
-    ``run(answer)`` runs in the learner's kernel: it calls the answer and returns
-    what it produced, as plain data (see :mod:`.wire`). ``expected()`` and
-    ``compare(actual, expected)`` (None when they agree, else a reason) run in
-    the grader only: the expected value never enters the learner's kernel.
-    """
-
-    label: str
-    run: Callable[[Any], Any]
-    expected: Callable[[], Any]
-    hint: str = ""
-    compare: Callable[[Any, Any], str | None] | None = None
-
-    def __post_init__(self) -> None:
-        if not callable(self.expected):
-            raise TypeError(f"case {self.label}: expected must be a function computing the expected value "
-                            f"(the grader calls it), got {type(self.expected).__name__}")
-
-
-MARKER_VARIABLE = "GPIPE_GRADE_RUN"  # set in every kernel the grader starts (and every process it starts)
-
-
-def sealed(expected: Callable[[], Any]) -> Callable[[], Any]:
-    """A hidden case's ``expected``: refused in a kernel the grader started, so a notebook cell that collects
-    ``all_cases()`` gets no expected value to read (check() only needs the shown cases')."""
-    def hidden_expected() -> Any:
-        if os.environ.get(MARKER_VARIABLE):
-            raise PermissionError("a hidden case's expected value is computed by the grader only, never in the "
-                                  "learner's kernel")
-        return expected()
-
-    return hidden_expected
-
-
-SEALED_CODE = sealed(lambda: None).__code__
-
-
-# What an exercise asks of the learner. The first four make the learner think (issue 17 wants two thirds of
-# them); "derive" asks for a rule the lesson did not state; "formula" applies one the lesson stated.
-CATEGORIES = {
-    "design": "design under constraints: any design that meets the targets passes",
-    "predict": "predict, then check: a number committed before running, judged within a tolerance",
-    "debug": "find the bug: return the fix, judged by running it",
-    "build": "build the piece: a real part, judged against the library on hidden random cases",
-    "derive": "derive a rule the lesson did not state",
-    "formula": "apply a rule or formula the lesson stated",
-}
-THINKING = ("design", "predict", "debug", "build")
-
-
-@dataclass(frozen=True)
-class Exercise:
-    """A piece of the course the learner writes, with the cases that judge it."""
-
-    id: str
-    title: str
-    answer: str  # the name the learner defines in the notebook
-    points: int
-    cases: Callable[[], list[Case]]  # shown: check() runs these
-    hidden: Callable[[], list[Case]]  # graded too: more sizes and edge cases
-    kind: str = "function"  # "function" or "class"
-    # dotted names of library code that does the exercise, or a function giving them when judged
-    forbidden: tuple[str, ...] | Callable[[], Sequence[str]] = ()
-    timeout: float = 20.0  # seconds per case
-    category: str = "formula"  # one of CATEGORIES
-
-    def __post_init__(self) -> None:
-        if self.category not in CATEGORIES:
-            raise ValueError(f"category must be one of {tuple(CATEGORIES)}, got {self.category!r} (exercise {self.id})")
-
-    def all_cases(self) -> list[Case]:
-        """The shown cases, then the hidden ones, whose expected values only the grader's process computes."""
-        return list(self.cases()) + [dataclasses.replace(case, expected=sealed(case.expected))
-                                     for case in self.hidden()]
-
-    def forbidden_names(self) -> tuple[str, ...]:
-        """The dotted names an answer may not use, computed now (a schedule registered later counts)."""
-        return tuple(self.forbidden() if callable(self.forbidden) else self.forbidden)
-
-
-STATUSES = ("passed", "failed", "not attempted", "error", "timeout")
-
-
-@dataclass
-class Verdict:
-    """How one answer did."""
-
-    exercise: str
-    title: str
-    status: str  # "passed", "failed", "not attempted", "error", "timeout"
-    points: int
-    max_points: int
-    feedback: str
-    cases_run: int = 0
-    public: str = ""  # what a learner may read: a failing hidden case named by its label only
-
-    def __post_init__(self) -> None:  # whatever produced it, a verdict scores within [0, max_points]
-        self.max_points = max(0, int(self.max_points))
-        self.points = min(max(0, int(self.points)), self.max_points) if self.status == "passed" else 0
-
-    @property
-    def passed(self) -> bool:
-        return self.status == "passed"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"exercise": self.exercise, "title": self.title, "status": self.status, "points": self.points,
-                "max_points": self.max_points, "feedback": self.feedback, "cases_run": self.cases_run,
-                "public": self.public or self.feedback}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Verdict":
-        if data["status"] not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {str(data['status'])[:40]!r}")
-        return cls(str(data["exercise"]), str(data["title"]), data["status"], int(data["points"]),
-                   int(data["max_points"]), str(data["feedback"]), int(data.get("cases_run", 0)),
-                   str(data.get("public", "")))
 
 
 # -- comparing values ------------------------------------------------------------------------------
@@ -336,7 +213,7 @@ COMPARE_TIMEOUT = 60.0
 def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, str] | None:
     """The grader's side: None when the kernel's ``reply`` for ``case`` passes, else (status, feedback).
 
-    ``reply`` is what :func:`.runner.run_one` produced, already decoded from data; only the outcome and the
+    ``reply`` is what :func:`.kernel_side.runner.run_one` produced, already decoded from data; only the outcome and the
     returned value are read from it, never points or a verdict."""
     hint = f"; hint: {case.hint}" if case.hint else ""
     outcome, error = reply.get("outcome"), clean(reply.get("error", ""))
@@ -376,11 +253,9 @@ def judge(exercise: Exercise, case: Case, reply: dict[str, Any]) -> tuple[str, s
 def run_cases(exercise: Exercise, cases: Sequence[Case], ask: Callable[[int], dict[str, Any]],
               shown: int | None = None) -> Verdict:
     """Judge an answer on ``cases``, stopping at the first that fails; ``ask(index)`` returns the kernel's
-    decoded reply for ``cases[index]`` (or raises :class:`.wire.Malformed`). The first ``shown`` cases are
+    decoded reply for ``cases[index]`` (or raises :class:`.kernel_side.wire.Malformed`). The first ``shown`` cases are
     the notebook's (all when None): a later failing case is hidden, and the verdict's ``public`` feedback
     names it by its label only."""
-    from .wire import Malformed
-
     def verdict(status: str, feedback: str, run: int) -> Verdict:
         public = feedback
         if shown is not None and run > shown and status not in ("passed", "not attempted"):

@@ -1,5 +1,4 @@
-"""Exercises for notebook 02: column and row splits of a Linear, the f operator's backward, and a prediction of
-the bytes a Megatron MLP block sends."""
+"""Exercises for notebook 02: column and row splits, the f operator's backward, a Megatron MLP block's bytes."""
 
 from __future__ import annotations
 
@@ -8,7 +7,11 @@ import math
 import torch
 from torch import nn
 
-from .core import Case, Exercise, same, short_repr
+from ..cases import Case, Exercise
+from ..judge import same, short_repr
+from .common import dict_or_type
+
+__all__ = ["COLUMN", "COPY", "DIRECTIONS", "DTYPES", "EXERCISES", "MODES", "PREDICT_BYTES", "ROW"]
 
 
 def _tensors(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int):
@@ -87,7 +90,7 @@ def _dense_mlp(seed: int, width: int, hidden: int) -> nn.Sequential:
 
 
 def _f_rank(rank: int, world: int, answer, seed: int, width: int, hidden: int):
-    from ..distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from ...distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     dense = _dense_mlp(seed, width, hidden)
     column = ColumnParallelLinear.from_dense(dense[0])
@@ -105,7 +108,7 @@ def _f_rank(rank: int, world: int, answer, seed: int, width: int, hidden: int):
 
 
 def _f_case(world: int, seed: int, width: int = 4, hidden: int = 8) -> Case:
-    from ..distributed.launch import launch
+    from ...distributed.launch import launch
 
     def expected():
         dense = _dense_mlp(seed, width, hidden)
@@ -124,7 +127,7 @@ COPY = Exercise(
     lambda: [_f_case(2, 0)], lambda: [_f_case(4, 1, width=6, hidden=8), _f_case(2, 2, width=3, hidden=6)],
     kind="class",
     forbidden=("gpipe_ref.distributed.tensor_parallel.copy_to_region",
-               "gpipe_ref.distributed.tensor_parallel._CopyToRegion"), timeout=40, category="build")
+               "gpipe_ref.distributed.parallel_regions._CopyToRegion"), timeout=40, category="build")
 
 # -- 02.4 predict, then check: the bytes a Megatron MLP block sends --------------------------------------------
 
@@ -139,7 +142,7 @@ def _collectives_seen(rank: int, world: int, batch: int, seq_len: int, hidden: i
     sequence parallelism when the tokens do not split evenly (the layer refuses)."""
     import torch.distributed as dist
 
-    from ..distributed.tensor_parallel import ParallelMLPSubBlock, mlp_sub_block
+    from ...distributed.tensor_parallel import ParallelMLPSubBlock, mlp_sub_block
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -183,8 +186,8 @@ def _collectives_seen(rank: int, world: int, batch: int, seq_len: int, hidden: i
 def _measured(batch: int, seq_len: int, hidden: int, tp: int, element: int) -> dict:
     """Bytes each rank sends per mode and direction, the collectives the real layers called on ``tp`` gloo
     ranks each run as a ring (Patarasuk & Yuan 2009)."""
-    from ..distributed.launch import launch
-    from ..sharding import ring_bytes_per_rank
+    from ...distributed.launch import launch
+    from ...sharding import ring_bytes_per_rank
 
     ranks = launch(_collectives_seen, tp, batch, seq_len, hidden, element, timeout=30)
     if any(seen != ranks[0] for seen in ranks):
@@ -216,16 +219,16 @@ def _bytes(value) -> str:
 def _prediction_case(batch: int, seq_len: int, hidden: int, tp: int, element: int) -> Case:
     def compare(actual, expected):
         if not isinstance(actual, dict) or set(actual) != set(MODES):
-            return f"expected a dict with the keys {sorted(MODES)}, got {_describe(actual)}"
+            return f"expected a dict with the keys {sorted(MODES)}, got {dict_or_type(actual)}"
         for mode in MODES:
             entry, runs = actual[mode], expected[mode]
             if runs is None:
                 if entry is not None:
                     return (f"{mode}: seq_len={seq_len} tokens do not split evenly over tp={tp} ranks, so the layer "
-                            f"refuses to run: predict None, not {_describe(entry)}")
+                            f"refuses to run: predict None, not {dict_or_type(entry)}")
                 continue
             if not isinstance(entry, dict) or set(entry) != set(DIRECTIONS):
-                return f"{mode}: expected a dict with the keys {list(DIRECTIONS)}, got {_describe(entry)}"
+                return f"{mode}: expected a dict with the keys {list(DIRECTIONS)}, got {dict_or_type(entry)}"
             for direction in DIRECTIONS:
                 yours, run = entry[direction], runs[direction]
                 if not _is_number(yours):
@@ -240,10 +243,6 @@ def _prediction_case(batch: int, seq_len: int, hidden: int, tp: int, element: in
                 hint="which tensor crosses between the ranks at the block's edges (how wide, how many bytes), and "
                      "what share of a tensor does each rank send in a ring collective? Which collectives take the "
                      "place of each all-reduce under sequence parallelism, and what does one rank send to nobody?")
-
-
-def _describe(value) -> str:
-    return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__
 
 
 PREDICT_BYTES = Exercise(

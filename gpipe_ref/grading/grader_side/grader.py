@@ -3,8 +3,8 @@
 The notebook is copied into its own throw-away folder and run there, cell by
 cell, each under a time limit (check cells are skipped: the grader runs the full
 cases itself). Then, for each exercise and case, the grader asks the kernel to
-run the answer on that case (:mod:`.runner`) and judges the data that comes back
-in its own process (:func:`.core.judge`). What an answer does wrong costs that
+run the answer on that case (:mod:`..kernel_side.runner`) and judges the data that comes back
+in its own process (:func:`..judge.judge`). What an answer does wrong costs that
 exercise only:
 
 * an exercise cell that runs forever or kills the kernel scores 0 and is
@@ -29,11 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..checks import positive
-from . import NOTEBOOKS
-from .core import Exercise, Verdict, run_cases
+from ...checks import positive
+from ..cases import Exercise, Verdict
+from ..exercises.catalog import NOTEBOOKS
+from ..judge import run_cases
+from ..notebooks import NotebookError, check_of, exercise_of, read
 from .kernel import Kernel, Trouble
-from .notebooks import NotebookError, check_of, exercise_of, read
+
+__all__ = ["DEFAULT_CELL_TIMEOUT", "DEFAULT_NOTEBOOK_TIMEOUT", "MAX_TIMEOUT", "SUSPICIOUS", "NotebookResult",
+           "OutOfTime", "check_timeouts", "grade_notebook", "suspicious", "timeout_seconds"]
 
 DEFAULT_CELL_TIMEOUT = 60.0
 DEFAULT_NOTEBOOK_TIMEOUT = 900.0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from ..schedule import Action, one_f_one_b, pipedream_async, weight_versions
-from ..simulator import simulate
-from .common import judge_fill_drain, schedule_generators
-from .core import Case, Exercise, same, short_repr
+from ...schedule import POLICIES, Action, one_f_one_b, pipedream_async, weight_versions
+from ...simulator import simulate
+from ..cases import Case, Exercise
+from ..judge import same, short_repr
+from .common import dict_or_type, judge_one_stage_per_device, schedule_generators
+
+__all__ = ["EXERCISES", "ONE_F_ONE_B", "PREDICT_VERSIONS", "STASHED", "TWO_BW", "VARIANTS", "WARMUP"]
 
 # -- 06.1 forwards before the first backward ---------------------------------------------------------------
 
@@ -42,7 +45,7 @@ def _one_f_one_b_case(p: int, m: int) -> Case:
         return {"held": [min(m, p - d) for d in range(p)], "bubble": round((p - 1) / (m + p - 1), 12)}
 
     def compare(actual, expected):
-        schedule = judge_fill_drain(actual, p, m, "yours", forwards_first=False)
+        schedule = judge_one_stage_per_device(actual, p, m, "yours", forwards_first=False)
         if isinstance(schedule, str):
             return schedule
         timeline = simulate(schedule)
@@ -115,17 +118,17 @@ STASHED = Exercise(
 
 # -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
 
-VARIANTS = {"stashing": {}, "vertical_sync": {"vertical_sync": True}}
+VARIANTS = {"stashing": POLICIES["pipedream_stash"].policy, "vertical_sync": POLICIES["pipedream_vertical_sync"].policy}
 
 
 def _measured(p: int, m: int) -> dict:
     """What a real run of PipeDream's schedule with m micro-batches records, per variant: each stage's peak
     versions held and the largest staleness of any micro-batch on it."""
-    from ..staleness import version_table
+    from ...staleness import version_table
 
     out = {}
-    for name, options in VARIANTS.items():
-        record = version_table(pipedream_async(p, m), **options)
+    for name, policy in VARIANTS.items():
+        record = version_table(pipedream_async(p, m), policy=policy)
         out[name] = {"held": list(record.stash_peak),
                      "staleness": [max(record.versions[(s, i)][2] for i in range(m)) for s in range(p)]}
     return out
@@ -134,11 +137,11 @@ def _measured(p: int, m: int) -> dict:
 def _prediction_case(p: int, m: int, shown: bool = True) -> Case:
     def compare(actual, expected):
         if not isinstance(actual, dict) or set(actual) != set(VARIANTS):
-            return f"expected a dict with the keys {sorted(VARIANTS)}, got {_describe(actual)}"
+            return f"expected a dict with the keys {sorted(VARIANTS)}, got {dict_or_type(actual)}"
         for name in VARIANTS:
             entry = actual[name]
             if not isinstance(entry, dict) or set(entry) != {"held", "staleness"}:
-                return f"{name}: expected a dict with the keys ['held', 'staleness'], got {_describe(entry)}"
+                return f"{name}: expected a dict with the keys ['held', 'staleness'], got {dict_or_type(entry)}"
             for key in ("held", "staleness"):
                 values = entry[key]
                 if not isinstance(values, list) or len(values) != p:
@@ -161,10 +164,6 @@ def _prediction_case(p: int, m: int, shown: bool = True) -> Case:
                      "vertical sync, whose choice of version does a later stage follow, and how long must it keep it?")
 
 
-def _describe(value) -> str:
-    return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__
-
-
 PREDICT_VERSIONS = Exercise(
     "06.4", "Predict, then check: versions held and staleness", "predict_pipedream", 3,
     lambda: [_prediction_case(4, 3), _prediction_case(2, 5)],
@@ -172,7 +171,7 @@ PREDICT_VERSIONS = Exercise(
                                                                (4, 5), (4, 6), (8, 3), (8, 7), (8, 8), (8, 9),
                                                                (8, 20))],
     forbidden=("gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
-               "gpipe_ref.staleness.versions_held_bound", "gpipe_ref.schedule.weight_versions",
+               "gpipe_ref.schedule.WeightPolicy", "gpipe_ref.schedule.weight_versions",
                "gpipe_ref.schedule.pipedream_async", "gpipe_ref.simulator.simulate"),
     category="predict")
 
@@ -182,14 +181,15 @@ PREDICT_VERSIONS = Exercise(
 def _two_bw_expected(p: int, batch: int, n: int):
     """The library's 2BW run: None when the order does not suit 2BW, else each device's versions (one per action,
     in order) and staleness (one per backward, in order)."""
-    from ..staleness import double_buffered_versions, version_table
+    from ...staleness import version_table
 
     schedule = pipedream_async(p, n)
+    policy = POLICIES["pipedream_2bw"].policy.per_batch(batch)
     try:
-        double_buffered_versions(schedule, batch)
+        policy.check(schedule)
     except ValueError:
         return None
-    record = version_table(schedule, coalesce=batch)
+    record = version_table(schedule, policy=policy)
     return {"versions": [[record.versions[(a.stage, a.microbatch)][0 if a.op == "F" else 1] for a in acts]
                          for acts in schedule.per_device],
             "staleness": [[record.versions[(a.stage, a.microbatch)][2] for a in acts if a.op == "B"]
@@ -206,11 +206,11 @@ def _two_bw_case(p: int, batch: int, batches: int) -> Case:
         if expected is None:
             return None if actual is None else (f"2BW cannot run batches of {batch} micro-batches on {p} stages "
                                                 f"(Narayanan et al. 2021, sec. 3.1): expected None, got "
-                                                f"{_describe(actual)}")
+                                                f"{dict_or_type(actual)}")
         if actual is None:
             return f"returned None, but 2BW runs batches of {batch} micro-batches on {p} stages"
         if not isinstance(actual, dict) or set(actual) != {"versions", "staleness"}:
-            return f"expected a dict with the keys ['staleness', 'versions'], got {_describe(actual)}"
+            return f"expected a dict with the keys ['staleness', 'versions'], got {dict_or_type(actual)}"
         actions = pipedream_async(p, n).per_device
         for key in ("versions", "staleness"):
             if not isinstance(actual[key], list) or len(actual[key]) != p:
@@ -255,9 +255,8 @@ TWO_BW = Exercise(
     lambda: [_two_bw_case(1, 1, 1), _two_bw_case(1, 1, 4), _two_bw_case(2, 2, 1), _two_bw_case(2, 1, 3),
              _two_bw_case(4, 3, 3), _two_bw_case(4, 4, 3), _two_bw_case(8, 8, 2), _two_bw_case(8, 7, 2),
              _two_bw_case(8, 11, 2)] + _random_two_bw_cases(17, 6),
-    forbidden=("gpipe_ref.staleness.double_buffered_versions", "gpipe_ref.staleness.double_buffered_timeline",
-               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
-               "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
+    forbidden=("gpipe_ref.schedule.WeightPolicy", "gpipe_ref.staleness.version_table",
+               "gpipe_ref.staleness.StagedTrainer", "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
     category="build")
 
 EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS, TWO_BW]

@@ -15,18 +15,19 @@ import os
 import types
 from typing import Any
 
-from .core import SEALED_CODE, Case, CaseTimeout, Exercise, describe_error, forbidden_use, is_not_attempted, \
-    time_limit
-from ..distributed.launch import ranks_run_inside
+from ...distributed.launch import ranks_run_inside
+from ..cases import SEALED_CODE, Case, Exercise
+from ..exercises.catalog import EXERCISES, exercise
+from ..judge import CaseTimeout, describe_error, forbidden_use, is_not_attempted, time_limit
 from .guard import ForbiddenCall, Guard
 from .wire import Refused, dumps, encode
+
+__all__ = ["expected_codes", "reply", "run_one"]
 
 
 @functools.lru_cache(maxsize=1)
 def expected_codes() -> frozenset[types.CodeType]:
     """The code of every case's ``expected``: an answer that calls one is refused."""
-    from . import EXERCISES
-
     codes = set()
     for ex in EXERCISES.values():
         for case in ex.all_cases():
@@ -86,8 +87,6 @@ def run_one(exercise: Exercise, case: Case, namespace: dict[str, Any], timeout: 
 
 def reply(exercise_id: str, index: int, timeout: float, namespace: dict[str, Any] | None = None) -> str:
     """The grader's request: case ``index`` of ``exercise_id``'s shown-then-hidden cases, as JSON text."""
-    from . import exercise
-
     ex = exercise(exercise_id)
     if namespace is None:
         from IPython import get_ipython

@@ -1,5 +1,6 @@
-"""Exercises 08 (ZeRO): the solutions pass every case, planted wrong answers fail check() with the mistake
-named and score 0, any fitting layout that ties passes 08.2, and a stuck ring is reported, not hung."""
+"""Exercises of notebook 08 (gpipe_ref/grading/exercises/ex08_zero.py, ZeRO): the solution notebook passes; the
+solutions pass every case, planted wrong answers fail check() with the mistake named and score 0, any fitting
+layout that ties passes 08.2, and a stuck ring is reported, not hung."""
 
 from __future__ import annotations
 
@@ -8,14 +9,33 @@ import time
 
 import pytest
 
-from planted import GRADE_LIMIT_S, assert_caught, run_answer
-from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.ex08_zero import fewest_gpus
+from planted import GRADE_LIMIT_S, assert_caught, run_answer, solution_namespace
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+from gpipe_ref.grading.exercises.ex08_zero import fewest_gpus
+
+# -- every exercise of notebook 08: the solution notebook passes, plausible wrong answers lose the points -----------
+
+@pytest.mark.parametrize("name", ["08_zero"])
+def test_solutions_pass_every_case(name, capsys):
+    import time
+
+    namespace = solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
+
+
+# -- 08.1-08.3: planted wrong answers, right answers written another way --------------------------------------------
 
 PRELUDE = """
 import torch
 from gpipe_ref.distributed.zero import zero_state_bytes, zero_traffic_bytes
 """
+
 
 ADAM = """
 def adam_shard_step(weights, grad_shard, state, rank, world_size, lr, betas, eps, weight_decay):
@@ -46,6 +66,7 @@ def size_zero_run(psi, budget, max_gpus):
     {body}
 """
 
+
 RING = """
 def reduce_scatter_mean(flat, rank, world_size, exchange):
     n = world_size
@@ -56,6 +77,7 @@ def reduce_scatter_mean(flat, rank, world_size, exchange):
         chunks[receive] += exchange(chunks[send])
     return chunks[rank]{average}
 """
+
 
 # (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
 WRONG = [
@@ -113,6 +135,7 @@ def reduce_scatter_mean(flat, rank, world_size, exchange):
     return flat.view(world_size, -1)[rank] / world_size
 """),
 ]
+
 
 RIGHT = {
     "08.1": adam(),

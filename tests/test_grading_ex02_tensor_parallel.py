@@ -1,6 +1,8 @@
-"""Exercise 02.4 (predict the bytes a Megatron MLP block sends): the solution passes against the measured run,
-planted wrong answers fail check() with the first wrong number named and score 0, small mutants of the solution
-fail the grader, and check() and the grader answer quickly."""
+"""Exercises of notebook 02 (gpipe_ref/grading/exercises/ex02_tensor_parallel.py): the solution notebook passes;
+plausible wrong answers lose the points; 02.3's in-place all-reduce fails the shown check; 02.4 (predict the
+bytes a Megatron MLP block sends): the solution passes against the measured run, planted wrong answers fail
+check() with the first wrong number named and score 0, small mutants of the solution fail the grader, and
+check() and the grader answer quickly."""
 
 from __future__ import annotations
 
@@ -8,14 +10,109 @@ import time
 
 import pytest
 
-from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer
-from gpipe_ref.grading import EXERCISES, check, grade
+from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer, solution_namespace
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+
+# -- every exercise of notebook 02: the solution notebook passes, plausible wrong answers lose the points -----------
+
+PLAUSIBLE_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref import Action
+from gpipe_ref.planner import estimate
+"""
+
+
+# Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
+PLAUSIBLE = [
+    ("02.1", "splits the wrong dimension of weight", """
+def column_parallel_outputs(x, weight, bias, world_size):
+    return [x[..., :w.shape[1]] @ w.T for w in weight.chunk(world_size, dim=1)]
+"""),
+    ("02.1", "forgets the bias", """
+def column_parallel_outputs(x, weight, bias, world_size):
+    return [x @ w.T for w in weight.chunk(world_size, dim=0)]
+"""),
+    ("02.1", "gives every rank the bias's first slice", """
+def column_parallel_outputs(x, weight, bias, world_size):
+    k = weight.shape[0] // world_size
+    return [x @ w.T + bias[:k] for w in weight.chunk(world_size, dim=0)]
+"""),
+    ("02.2", "adds the bias on every rank", """
+def row_parallel_linear(x, weight, bias, world_size):
+    parts = [a @ w.T + bias for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
+    return parts, sum(parts)
+"""),
+    ("02.2", "concatenates the partial products instead of summing", """
+def row_parallel_linear(x, weight, bias, world_size):
+    parts = [a @ w.T for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
+    return parts, torch.cat(parts, -1)[..., :weight.shape[0]] + bias
+"""),
+    ("02.3", "forgotten synchronisation: identity backward", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+"""),
+    ("02.3", "averages instead of summing (an extra scale factor)", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+"""),
+    ("02.3", "all-reduces in the forward (that is g, not f)", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+"""),
+]
+
+
+@pytest.mark.parametrize("name", ["02_tensor_parallel"])
+def test_solutions_pass_every_case(name, capsys):
+    import time
+
+    namespace = solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
+
+
+@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
+def test_wrong_answer_loses_the_points(exercise_id, what, code):
+    verdict = grade(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback  # names the failing case
+
+
+# -- 02.4: predict the bytes a Megatron MLP block sends -------------------------------------------------------------
 
 PRELUDE = """
 import torch
 import torch.distributed as dist
 from torch import nn
 """
+
 
 PREDICT = """
 def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
@@ -28,6 +125,7 @@ def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
     sequence_parallel = {{"forward": {sp_forward}, "backward": {sp_backward}}}
     return {{"tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}}
 """
+
 
 RIGHT = dict(width="hidden", element="bytes_per_element", all_reduce="2 * (tp - 1) * size // tp",
              tp_forward="all_reduce", tp_backward="all_reduce", refuses="seq_len % tp",
@@ -72,7 +170,9 @@ WRONG = [
      predict(refuses="seq_len < tp")),
 ]
 
+
 SOLUTION = predict()
+
 
 MUTANTS = [  # small edits of the solution: an integer constant +-1, a flipped comparison, + to -, * to /
     ("2 * (tp - 1) * size // tp", "3 * (tp - 1) * size // tp"),
@@ -173,3 +273,48 @@ def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
 def test_an_answer_that_asks_the_library_scores_0(code, name, capsys):
     verdict = grade("02.4", _answer(code))
     assert verdict.points == 0 and verdict.status == "failed" and name in verdict.feedback, verdict
+
+
+# -- 02.3: a wrong answer a second blind learner found --------------------------------------------------------------
+
+FOUND_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref.planner import estimate
+"""
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+FOUND = [
+    ("02.3", "all-reduces the incoming grad in place", "incoming grad left unchanged", """
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(grad)
+        return grad
+"""),
+]
+
+
+def _found_answer(exercise_id: str, code: str):
+    namespace = run_answer(FOUND_PRELUDE, code)
+    return namespace, namespace[EXERCISES[exercise_id].answer]
+
+
+@pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])
+def test_wrong_answer_scores_zero_and_the_shown_check_catches_it_when_it_should(exercise_id, what, shown, code,
+                                                                              capsys):
+    namespace, answer = _found_answer(exercise_id, code)
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status == "failed", verdict
+    if shown is None:  # a mistake only the hidden cases catch (a usable_memory other than the shown 0.9)
+        return
+    check(exercise_id, answer)
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ Exercise {exercise_id}") and shown in out, out

@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-from ..schedule import Action
+from ...schedule import Action
+
+__all__ = ["DTYPES", "MAX_CHARS", "MAX_DEPTH", "MAX_DIMS", "MAX_ELEMENTS", "NUMPY_SCALARS", "Malformed", "Refused",
+           "decode", "dumps", "encode", "loads"]
 
 MAX_CHARS = 16 * 2 ** 20  # one case's result, as JSON text
 MAX_ELEMENTS = 2 ** 22  # tensor elements in one result

@@ -1,5 +1,4 @@
-"""What the grader writes: a table per notebook, the JSON summary, a CSV gradebook, Markdown feedback per
-notebook, and per exercise what the class missed."""
+"""What the grader writes: tables, the JSON summary, a CSV gradebook, Markdown feedback, what the class missed."""
 
 from __future__ import annotations
 
@@ -10,8 +9,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import EXERCISES
+from ..exercises.catalog import EXERCISES
 from .grader import NotebookResult
+
+__all__ = ["by_exercise", "feedback_markdown", "feedback_name", "format_by_exercise", "format_table", "gradebook_csv",
+           "summary"]
 
 
 def format_table(result: NotebookResult) -> str:

@@ -1,24 +1,103 @@
-"""Exercise 05.4 (a design under a memory budget and a step-time target): planted wrong answers fail check() with
-the mistake named and score 0; another valid design than the solution's passes; small mutations of the solution
-fail some case; the memory the grader judges with is what a real step holds, "except_last" included."""
+"""Exercises of notebook 05 (gpipe_ref/grading/exercises/ex05_rematerialization.py): the solution notebook passes;
+plausible wrong answers lose the points; 05.4 (a design under a memory budget and a step-time target): planted
+wrong answers fail check() with the mistake named and score 0, another valid design passes, small mutations of
+the solution fail some case, the memory the grader judges with is what a real step holds; the wrong answers a
+second blind learner found (05.1, 05.2, 05.3) fail the shown check, and the prompts say how their rules are judged."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import nbformat
 import pytest
 
-from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer
-from gpipe_ref.grading import EXERCISES, check, grade
-from gpipe_ref.grading.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
+from conftest import ROOT
+from planted import CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer, solution_namespace
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+from gpipe_ref.grading.exercises.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
 from gpipe_ref.memory import MemorySetup, measure_anatomy, memory_anatomy
 
-ROOT = Path(__file__).resolve().parent.parent
+# -- every exercise of notebook 05: the solution notebook passes, plausible wrong answers lose the points -----------
+
+PLAUSIBLE_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref import Action
+from gpipe_ref.planner import estimate
+"""
+
+
+# Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
+PLAUSIBLE = [
+    ("05.1", "'always' forgets the recomputed micro-batch", """
+def peak_activations(checkpoint, held, per_microbatch):
+    if checkpoint == "never":
+        return held * per_microbatch
+    if checkpoint == "always":
+        return held
+    return held - 1 + per_microbatch
+"""),
+    ("05.1", "'except_last' recomputes even with one micro-batch", """
+def peak_activations(checkpoint, held, per_microbatch):
+    if checkpoint == "never":
+        return held * per_microbatch
+    if checkpoint == "always":
+        return held + per_microbatch - 1
+    return held - 1 + per_microbatch + per_microbatch - 1
+"""),
+    ("05.2", "a plain forward (keeps everything)", """
+def checkpointed_forward(stage, x):
+    return stage(x)
+"""),
+    ("05.2", "a no_grad forward (no gradients at all)", """
+def checkpointed_forward(stage, x):
+    with torch.no_grad():
+        return stage(x)
+"""),
+    ("05.2", "checkpoints a detached input (cuts the input's gradient)", """
+def checkpointed_forward(stage, x):
+    return checkpoint(stage, x.detach(), use_reentrant=False)
+"""),
+    ("05.3", "1F1B off by one: p - device - 1", """
+def held_microbatches(schedule, p, m, device):
+    return m if schedule == "gpipe" else min(m, p - device - 1)
+"""),
+    ("05.3", "1F1B forgets that there may be fewer than p micro-batches", """
+def held_microbatches(schedule, p, m, device):
+    return m if schedule == "gpipe" else p - device
+"""),
+]
+
+
+@pytest.mark.parametrize("name", ["05_rematerialization"])
+def test_solutions_pass_every_case(name, capsys):
+    import time
+
+    namespace = solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
+
+
+@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
+def test_wrong_answer_loses_the_points(exercise_id, what, code):
+    verdict = grade(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback  # names the failing case
+
+
+# -- 05.4: a design under a memory budget and a step-time target ----------------------------------------------------
+
 CELLS = [cell.source for cell in nbformat.read(ROOT / "solutions" / "05_rematerialization.ipynb", as_version=4).cells
          if cell.cell_type == "code"]
+
 
 def _solution_of(exercise_id: str) -> str:
     """The solution notebook's answer to ``exercise_id``, its markers removed."""
@@ -28,6 +107,8 @@ def _solution_of(exercise_id: str) -> str:
 
 # The notebook's imports and the learner's 05.1 peak_activations, which 05.4 counts activations with.
 PRELUDE = CELLS[0] + "\n" + _solution_of("05.1")
+
+
 SOLUTION = _solution_of("05.4")
 
 
@@ -41,7 +122,7 @@ def planted(*changes: tuple[str, str]) -> str:
 
 # A 05.1 answer that forgets k = 1 in except_last (recomputes the only micro-batch), run before a 05.4 answer.
 NO_K1 = _solution_of("05.1").replace("    if held == 1:", "    if False:")
-assert NO_K1 != _solution_of("05.1")
+
 
 # (exercise, what is wrong, a phrase the shown check's feedback must contain (None: only the hidden cases catch
 # it), code)
@@ -74,9 +155,11 @@ WRONG = [
      planted(("t / setup.pp", "t"))),
 ]
 
+
 # Another right answer: GPipe first and "always" first, so it returns other designs than the solution's.
 OTHER = planted(('for schedule in ("1f1b", "gpipe"):', 'for schedule in ("gpipe", "1f1b"):'),
                 ('for mode in ("never", "except_last", "always"):', 'for mode in ("always", "except_last", "never"):'))
+
 
 # Small mutations of the solution: each must fail some case. (`<= target` to `< target` is left out: with the
 # tolerance the two differ only for a step time of exactly target * (1 + 1e-9).)
@@ -179,3 +262,82 @@ def test_compare_names_what_is_wrong_without_the_answer():
     nothing = cases["a byte less than any design needs"]
     assert nothing.compare(None, nothing.expected()) is None
     assert "over the budget" in nothing.compare(("1f1b", 512, "always"), nothing.expected())
+
+
+# -- 05.1, 05.2 and 05.3 after a second blind learner worked them ---------------------------------------------------
+
+FOUND_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref.planner import estimate
+"""
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+FOUND = [
+    ("05.1", "forgets held = 1 in except_last (recomputes the only micro-batch)", "held=1", """
+def peak_activations(checkpoint, held, per_microbatch):
+    internals = per_microbatch - 1
+    if checkpoint == "never":
+        return held * per_microbatch
+    if checkpoint == "always":
+        return held + internals
+    return (held - 1) + per_microbatch + internals
+"""),
+    ("05.3", "1F1B holds p - device micro-batches even when m < p", "m=2", """
+def held_microbatches(schedule, p, m, device):
+    return m if schedule == "gpipe" else p - device
+"""),
+    ("05.2", "reentrant checkpoint (use_reentrant=True)", "use_reentrant=True", """
+def checkpointed_forward(stage, x):
+    return checkpoint(stage, x, use_reentrant=True)
+"""),
+    ("05.2", "checkpoint without use_reentrant (PyTorch's default is the reentrant mode)", "use_reentrant=True", """
+def checkpointed_forward(stage, x):
+    return checkpoint(stage, x)
+"""),
+]
+
+
+def _found_answer(exercise_id: str, code: str):
+    namespace = run_answer(FOUND_PRELUDE, code)
+    return namespace, namespace[EXERCISES[exercise_id].answer]
+
+
+@pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])
+def test_wrong_answer_scores_zero_and_the_shown_check_catches_it_when_it_should(exercise_id, what, shown, code,
+                                                                              capsys):
+    namespace, answer = _found_answer(exercise_id, code)
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status == "failed", verdict
+    if shown is None:  # a mistake only the hidden cases catch (a usable_memory other than the shown 0.9)
+        return
+    check(exercise_id, answer)
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ Exercise {exercise_id}") and shown in out, out
+
+
+def test_the_reentrant_checkpoint_fails_on_the_backward_not_on_a_count(capsys):
+    """Feedback names the mistake: the reentrant mode refuses torch.autograd.grad, and with an input that needs
+    no gradient it gives the weights none."""
+    _, answer = _found_answer("05.2", next(code for _, what, _, code in FOUND if what.startswith("reentrant")))
+    cases = EXERCISES["05.2"].cases()
+    assert any("input without requires_grad" in case.label for case in cases)
+    for case in cases:
+        result = case.run(answer)
+        assert result["backward"].startswith("failed: ") and result["weight grads"] is None, case.label
+
+
+def test_prompts_say_how_the_rules_they_state_are_judged():
+    cells = {name: "\n".join(c.source for c in nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4).cells
+                             if c.cell_type == "markdown")
+             for name in ("02_tensor_parallel", "05_rematerialization", "07_beyond")}
+    assert "cluster.usable_bytes" in cells["07_beyond"] and "cluster.usable_memory" in cells["07_beyond"]
+    assert "torch.autograd.grad" in cells["05_rematerialization"]
+    assert "needs no gradient" in cells["05_rematerialization"]
+    assert "unchanged afterwards" in cells["02_tensor_parallel"]
+    shown_labels = [case.label for case in EXERCISES["05.1"].cases()] + [c.label for c in EXERCISES["05.3"].cases()]
+    assert any("held=1" in label for label in shown_labels), "05.1 shows the held = 1 edge its prompt warns about"
+    assert any("p=4, m=2" in label for label in shown_labels), "05.3 shows a case with m < p"

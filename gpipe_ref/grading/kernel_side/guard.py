@@ -1,6 +1,6 @@
 """Refusing library functions while an answer runs, whatever path calls them.
 
-Reading the answer's code (``core.forbidden_use``) catches ``gpipe(p, m)``
+Reading the answer's code (``judge.forbidden_use``) catches ``gpipe(p, m)``
 written in it, but not a helper that calls it, ``getattr(gpipe_ref, name)`` or
 ``importlib``. :class:`Guard` watches the calls themselves: while it is active
 (``sys.setprofile`` in this thread, ``threading.setprofile`` for threads started
@@ -18,6 +18,8 @@ import sys
 import threading
 import types
 from typing import Any, Iterable
+
+__all__ = ["EXPECTED_VALUES", "ForbiddenCall", "Guard", "resolve"]
 
 
 EXPECTED_VALUES = "the grader's expected values"  # the name a call into a case's ``expected`` is reported by

@@ -1,21 +1,25 @@
-"""What several exercise modules share: judging a hand-written schedule, and the generators learners may not call."""
+"""What several exercise modules share: judging a hand-written schedule, the generators learners may not call."""
 
 from __future__ import annotations
 
-from ..schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
-from .core import short_repr
+from ... import schedule
+from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
+from ..judge import short_repr
 
-__all__ = ["gradient_gap", "judge_fill_drain", "schedule_generators"]
+__all__ = ["dict_or_type", "gradient_gap", "judge_one_stage_per_device", "schedule_generators"]
 
 
 def schedule_generators() -> tuple[str, ...]:
     """Dotted names of every registered schedule's generator and of ``make_schedule``, read from the
-    registry when called, so that an exercise also refuses a schedule registered after it was defined."""
-    names = [f"{spec.build.__module__}.{spec.build.__qualname__}" for spec in SCHEDULES.values()]
+    registry when called, so that an exercise also refuses a schedule registered after it was defined.
+    A generator the schedule package exports is named as learners import it (``gpipe_ref.schedule.gpipe``)."""
+    names = [f"gpipe_ref.schedule.{spec.build.__name__}" if getattr(schedule, spec.build.__name__, None) is spec.build
+             else f"{spec.build.__module__}.{spec.build.__qualname__}" for spec in SCHEDULES.values()]
     return tuple(dict.fromkeys([*names, "gpipe_ref.schedule.make_schedule"]))
 
 
-def judge_fill_drain(actions, p: int, m: int, name: str = "gpipe", forwards_first: bool = True) -> Schedule | str:
+def judge_one_stage_per_device(actions, p: int, m: int, name: str = "gpipe",
+                               forwards_first: bool = True) -> Schedule | str:
     """The validated Schedule when ``actions`` (per-device lists) is a valid one-stage-per-device schedule of
     ``p`` stages and ``m`` micro-batches (all forwards before any backward when ``forwards_first``), else why not."""
     if not isinstance(actions, (list, tuple)) or len(actions) != p:
@@ -50,3 +54,8 @@ def gradient_gap(yours, one_device, atol: float = 1e-7) -> str | None:
         return None
     ratio = (yours.norm() / one_device.norm()).item() if one_device.norm() > 0 else float("nan")
     return f"differs from one device's: its norm is {ratio:.3f} x one device's"
+
+
+def dict_or_type(value) -> str:
+    """What a learner's value is, for feedback: a dict's keys, else its type's name."""
+    return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__

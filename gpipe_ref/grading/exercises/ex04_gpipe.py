@@ -1,20 +1,26 @@
-"""Exercises for notebook 04: the GPipe schedule as data, its bubble, uneven micro-batches, a broken gradient
-accumulation, and a micro-batch size chosen under a step-time target and a memory budget."""
+"""Exercises for notebook 04: GPipe's schedule and bubble, uneven micro-batches, accumulation, a micro-batch size.
+
+The last asks for a micro-batch size chosen under a step-time target and a memory budget.
+"""
 
 from __future__ import annotations
 
-from ..microbatch import sizes
-from ..microbatch_size import LinearCost
-from ..simulator import CostModel, simulate
-from .common import gradient_gap, judge_fill_drain, schedule_generators
-from .core import Case, Exercise, short_repr
+from ...microbatch import sizes
+from ...microbatch_size import LinearCost
+from ...simulator import CostModel, simulate
+from ..cases import Case, Exercise
+from ..judge import short_repr
+from .common import gradient_gap, judge_one_stage_per_device, schedule_generators
+
+__all__ = ["ACCUMULATE", "BUBBLE", "DESIGN", "DESIGN_SCHEDULES", "EXERCISES", "GPIPE_SCHEDULE", "SPLIT_SIZES",
+           "TIME_TOLERANCE", "design_held", "design_step_time", "judge_design", "reference_design"]
 
 # -- 04.1 the GPipe schedule as per-device action lists ------------------------------------------------
 
 
 def _gpipe_case(p: int, m: int) -> Case:
     def compare(actual, expected):
-        schedule = judge_fill_drain(actual, p, m)
+        schedule = judge_one_stage_per_device(actual, p, m)
         if isinstance(schedule, str):
             return schedule
         timeline = simulate(schedule, CostModel(forward=1, backward_input=1, backward_weight=1))
@@ -37,7 +43,7 @@ GPIPE_SCHEDULE = Exercise(
 
 
 def _bubble_case(p: int, m: int) -> Case:
-    from ..schedule import gpipe
+    from ...schedule import gpipe
 
     return Case(f"p={p}, m={m}", lambda answer: answer(p, m), lambda: simulate(gpipe(p, m)).bubble_fraction,
                 hint="the bubble is the idle share of the WHOLE step, not idle time relative to busy time: how many "
@@ -76,7 +82,7 @@ def _accumulation_inputs(batch: int, seed: int):
     """The seeded model and data a case runs on, rebuilt the same way in the kernel and in the grader."""
     import torch
 
-    from ..models import mlp
+    from ...models import mlp
 
     model = mlp(width=6, depth=2, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -136,7 +142,7 @@ TIME_TOLERANCE = 1e-9  # relative: a step within it of the target meets the targ
 
 def design_step_time(schedule: str, global_batch: int, stages: int, cost, micro_batch: int) -> float:
     """The simulated step of ``schedule`` on ``stages`` equal stages, each doing 1/stages of ``cost(micro_batch)``."""
-    from ..schedule import make_schedule
+    from ...schedule import make_schedule
 
     forward, backward = cost(micro_batch)
     model = CostModel(forward=forward / stages, backward_input=backward / stages, backward_weight=0.0)
@@ -145,7 +151,7 @@ def design_step_time(schedule: str, global_batch: int, stages: int, cost, micro_
 
 def design_held(schedule: str, global_batch: int, stages: int, micro_batch: int) -> int:
     """Samples of activations the fullest device holds at once: the most micro-batches in flight there, times b."""
-    from ..memory import microbatches_in_flight
+    from ...memory import microbatches_in_flight
 
     return max(microbatches_in_flight(schedule, stages, global_batch // micro_batch)) * micro_batch
 
@@ -257,7 +263,7 @@ DESIGN = Exercise(
     forbidden=("gpipe_ref.microbatch_size.microbatch_choices", "gpipe_ref.microbatch_size.best_choice",
                "gpipe_ref.microbatch_size.linear_optimum", "gpipe_ref.microbatch_size.megatron_step_time",
                "gpipe_ref.microbatch_size.fill_drain_bubble", "gpipe_ref.simulator.bubble_formula",
-               "gpipe_ref.grading.ex04_gpipe.reference_design"),
+               "gpipe_ref.grading.exercises.ex04_gpipe.reference_design"),
     category="design")
 
 EXERCISES = [GPIPE_SCHEDULE, BUBBLE, SPLIT_SIZES, ACCUMULATE, DESIGN]

@@ -1,5 +1,4 @@
-"""Exercises for notebook 01: averaging gradients, the ring's chunk order, the bug in a bucket assignment (DDP,
-simplified), the bytes each rank sends (predicted, then measured)."""
+"""Exercises for notebook 01: averaged gradients, the ring's chunks, a bucket bug, the bytes each rank sends."""
 
 from __future__ import annotations
 
@@ -12,8 +11,12 @@ import types
 import torch
 from torch import nn
 
-from ..distributed.data_parallel import assign_buckets
-from .core import Case, Exercise, short_repr
+from ...distributed.data_parallel import assign_buckets
+from ..cases import Case, Exercise
+from ..judge import short_repr
+
+__all__ = ["AVERAGE_GRADIENTS", "BUCKETS", "DTYPES", "EXERCISES", "LINK_WAIT", "MB", "PHASES", "RING_CHUNK", "TRAFFIC",
+           "measure_traffic"]
 
 # -- 01.1 average gradients with all-reduce ----------------------------------------------------------
 
@@ -49,7 +52,7 @@ def _average_gradients_rank(rank: int, world: int, answer, seed: int, per_rank: 
 
 
 def _average_gradients_case(world: int, seed: int, per_rank: int = 4, frozen: bool = False) -> Case:
-    from ..distributed.launch import launch
+    from ...distributed.launch import launch
 
     def run(answer):
         return launch(_average_gradients_rank, world, answer, seed, per_rank, frozen, timeout=20)
@@ -112,7 +115,7 @@ def _ring_after(table: list[list[int]], world: int, seed: int) -> list[list[int]
 
 def _ring_case(world: int, seed: int) -> Case:
     def expected():
-        from ..distributed.collectives import ring_chunk_to_send
+        from ...distributed.collectives import ring_chunk_to_send
 
         return {"sum": [sum(column) for column in zip(*_ring_start(world, seed))],
                 "order": _chunk_table(ring_chunk_to_send, world)}
@@ -294,7 +297,7 @@ def _over_link(function, link: _ThreadLink, **more):
 
 
 def _master_rank(link: _ThreadLink, numel: int, dtype: torch.dtype) -> int:
-    from ..distributed.data_parallel import reduce_grads_on_master_and_step
+    from ...distributed.data_parallel import reduce_grads_on_master_and_step
 
     weight = nn.Parameter(torch.zeros(numel, dtype=dtype))
     weight.grad = torch.full_like(weight, float(link.rank + 1))
@@ -305,7 +308,7 @@ def _master_rank(link: _ThreadLink, numel: int, dtype: torch.dtype) -> int:
 
 
 def _ring_rank(link: _ThreadLink, numel: int, dtype: torch.dtype) -> int:
-    from ..distributed.collectives import ring_all_reduce
+    from ...distributed.collectives import ring_all_reduce
 
     tensor = torch.full((numel,), float(link.rank + 1), dtype=dtype)
     return _over_link(ring_all_reduce, link, check_same_shape=lambda tensor, group=None: None)(tensor)
@@ -410,7 +413,7 @@ TRAFFIC = Exercise(
     forbidden=("gpipe_ref.sharding.ring_bytes_per_rank", "gpipe_ref.distributed.collectives.ring_all_reduce",
                "gpipe_ref.distributed.data_parallel.naive_data_parallel_step",
                "gpipe_ref.distributed.data_parallel.reduce_grads_on_master_and_step",
-               "gpipe_ref.distributed.launch.launch", "gpipe_ref.grading.ex01_data_parallel.measure_traffic"),
+               "gpipe_ref.distributed.launch.launch", "gpipe_ref.grading.exercises.ex01_data_parallel.measure_traffic"),
     category="predict")
 
 EXERCISES = [AVERAGE_GRADIENTS, RING_CHUNK, BUCKETS, TRAFFIC]

@@ -1,13 +1,10 @@
-"""One learner notebook's kernel: a fresh IPython kernel in a throw-away folder, and ending everything it started.
+"""One learner notebook's kernel: a fresh IPython kernel in a throw-away folder, ended with every process it started.
 
 The kernel talks to the grader over IPC sockets (no TCP port) kept in a private
 folder next to its working folder; its working folder and HOME are that
 throw-away folder, so files the learner's code writes or deletes by relative
 path stay there. Every process it starts carries ``GPIPE_GRADE_RUN=<token>``
-in its environment; :func:`end_processes` kills every process with the token
-and every descendant of the grading process (which is a child subreaper on
-Linux, so a process that left the kernel's session with ``setsid`` and a
-double fork is still its descendant).
+in its environment, which :mod:`.processes` reads to end them all.
 """
 
 from __future__ import annotations
@@ -16,20 +13,21 @@ import base64
 import os
 import queue
 import re
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .core import MARKER_VARIABLE, clean
-from .wire import MAX_CHARS, Malformed, loads
+from ..cases import MARKER_VARIABLE
+from ..judge import clean
+from ..kernel_side.wire import MAX_CHARS, Malformed, loads
+from .processes import end_processes
 
+__all__ = ["Kernel", "Trouble"]
+
+RUNNER = "gpipe_ref.grading.kernel_side.runner"  # the module the kernel runs each case with
 # the reply's text: the repr of one base64 string, checked before anything parses it
 BASE64_LITERAL = re.compile(r"'([A-Za-z0-9+/=]*)'")
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_DUMPABLE = 4
 
 
 @dataclass
@@ -111,8 +109,9 @@ class Kernel:
         """The kernel's reply for case ``index`` of ``exercise_id`` (decoded data), or what went wrong.
 
         The request is a user expression of the grader's own execute request: the reply comes back in the
-        execute reply, never on stdout. Raises :class:`.wire.Malformed` for a reply that is not data."""
-        expression = (f"__import__('base64').b64encode(__import__('gpipe_ref.grading.runner', fromlist=['reply'])"
+        execute reply, never on stdout. Raises
+        :class:`..kernel_side.wire.Malformed` for a reply that is not data."""
+        expression = (f"__import__('base64').b64encode(__import__('{RUNNER}', fromlist=['reply'])"
                       f".reply({exercise_id!r}, {int(index)}, {float(case_timeout)!r}).encode()).decode()")
         content = self._request("", case_timeout + slack, {"reply": expression})
         if isinstance(content, Trouble):
@@ -143,114 +142,3 @@ class Kernel:
         except Exception:  # already dead
             pass
         end_processes(self.token, root=pid)
-
-
-# -- ending every process a notebook started ---------------------------------------------------------------
-
-
-def _prctl(option: int, value: int) -> bool:
-    """Linux's prctl(option, value); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def become_private() -> bool:
-    """Make this process non-dumpable (Linux): its /proc/<pid>/fd, /mem and ptrace are closed to other
-    processes of the same user (root excepted), so a learner's kernel cannot open the grader's pipes or read
-    its memory. A child that execs (the kernel) is dumpable again."""
-    return _prctl(PR_SET_DUMPABLE, 0)
-
-
-def become_subreaper() -> bool:
-    """Make orphaned descendants of this process its children (Linux), not init's."""
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
-
-
-def live_processes() -> dict[int, int]:
-    """pid -> parent pid of every live process we can see (Linux /proc)."""
-    parents = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                    fields = stat.read().rsplit(b")", 1)[1].split()
-                if fields[0] not in (b"Z", b"X"):  # a zombie is dead already: only its parent can reap it
-                    parents[int(entry.name)] = int(fields[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    return parents
-
-
-def _carries(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as environ:
-            return marker in environ.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def processes_to_end(token: str | None, root: int | None = None) -> set[int]:
-    """Processes carrying ``token`` in their environment, and every descendant of ``root`` (``root`` itself
-    too, unless it is this process)."""
-    if not os.path.isdir("/proc"):
-        return set()
-    parents = live_processes()
-    me = os.getpid()
-    marker = f"{MARKER_VARIABLE}={token}".encode() if token else None
-    found = {pid for pid in parents if pid != me and marker and _carries(pid, marker)}
-    if root is not None:
-        children: dict[int, list[int]] = {}
-        for pid, parent in parents.items():
-            children.setdefault(parent, []).append(pid)
-        if root != me and root in parents:
-            found.add(root)
-        stack = [root]
-        while stack:
-            for child in children.get(stack.pop(), []):
-                if child != me and child not in found:
-                    found.add(child)
-                    stack.append(child)
-    return found
-
-
-def end_processes(token: str | None, root: int | None = None, *, reap: bool = False, rounds: int = 20) -> int:
-    """SIGKILL everything :func:`processes_to_end` finds, until none is left (a process may fork meanwhile).
-    ``reap``: also collect this process's dead children (a grading worker, whose orphans come to it).
-    Returns how many kills were sent."""
-    killed = 0
-    for _ in range(rounds):
-        targets = processes_to_end(token, root)
-        if not targets:
-            break
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        if reap:
-            _reap()
-        time.sleep(0.02)
-    if reap:
-        _reap()
-    return killed
-
-
-def _reap() -> None:
-    """Collect dead children that nobody waits for (orphans reparented to us as subreaper)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-__all__ = ["Kernel", "Malformed", "Trouble", "become_private", "become_subreaper", "end_processes"]

@@ -1,0 +1,300 @@
+"""Exercises of notebook 03 (gpipe_ref/grading/exercises/ex03_model_parallel.py): the solution notebook passes;
+plausible wrong answers lose the points; the shown check() catches the mistakes a blind learner made (03.1,
+03.3) and its hints nudge without stating the answer; 03.4 (a balance under a memory limit and a step target):
+planted wrong answers fail, another valid design passes; 03.5 (the bug in a training step run by hand across
+stage boundaries): each plausible fix that is not one scores 0 and fails the shown check() with its mistake named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from planted import assert_caught, run_answer, solution_namespace
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+
+# -- every exercise of notebook 03: the solution notebook passes, plausible wrong answers lose the points -----------
+
+PLAUSIBLE_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref import Action
+from gpipe_ref.planner import estimate
+"""
+
+
+# Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
+PLAUSIBLE = [
+    ("03.1", "(p-1)/p: forgets the communication", """
+def naive_idle_fraction(forward, backward, comm):
+    return (len(forward) - 1) / len(forward)
+"""),
+    ("03.1", "counts one transfer per boundary instead of two", """
+def naive_idle_fraction(forward, backward, comm):
+    p, busy = len(forward), sum(forward) + sum(backward)
+    return 1 - busy / (p * (busy + (p - 1) * comm))
+"""),
+    ("03.2", "equal layer counts", """
+def best_balance(costs, stages):
+    n = len(costs)
+    return [n // stages + (1 if k < n % stages else 0) for k in range(stages)]
+"""),
+    ("03.2", "greedy fill up to the average", """
+def best_balance(costs, stages):
+    target, balance, acc, count = sum(costs) / stages, [], 0.0, 0
+    for i, c in enumerate(costs):
+        left_layers, left_stages = len(costs) - i, stages - len(balance)
+        if count and (acc + c > target or left_layers < left_stages) and len(balance) < stages - 1:
+            balance.append(count); acc, count = 0.0, 0
+        acc += c; count += 1
+    return balance + [count]
+"""),
+    ("03.3", "off by one in the slices", """
+def split_into_stages(model, balance):
+    layers, out, start = list(model), [], 0
+    for n in balance:
+        out.append(nn.Sequential(*layers[start:start + n + 1])); start += n
+    return out
+"""),
+    ("03.3", "copies the layers", """
+import copy
+def split_into_stages(model, balance):
+    layers, out, start = list(model), [], 0
+    for n in balance:
+        out.append(nn.Sequential(*[copy.deepcopy(l) for l in layers[start:start + n]])); start += n
+    return out
+"""),
+]
+
+
+@pytest.mark.parametrize("name", ["03_model_parallel"])
+def test_solutions_pass_every_case(name, capsys):
+    import time
+
+    namespace = solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
+
+
+@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
+def test_wrong_answer_loses_the_points(exercise_id, what, code):
+    verdict = grade(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback  # names the failing case
+
+
+# -- 03.1 and 03.3 after a blind learner worked them ----------------------------------------------------------------
+
+PRELUDE = """
+from torch import nn
+from gpipe_ref import Action
+"""
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("03.1", "(p-1)/p: forgets the communication", "expected", """
+def naive_idle_fraction(forward, backward, comm):
+    return (len(forward) - 1) / len(forward)
+"""),
+    ("03.1", "idle time over busy time instead of over device-time", "lies between 0 and 1", """
+def naive_idle_fraction(forward, backward, comm):
+    p, busy = len(forward), sum(forward) + sum(backward)
+    step = busy + 2 * (p - 1) * comm
+    return (p * step - busy) / busy
+"""),
+    ("03.3", "wraps each stage's slice in an extra nn.Sequential", "wraps them", """
+def split_into_stages(model, balance):
+    out, start = [], 0
+    for n in balance:
+        out.append(nn.Sequential(model[start:start + n])); start += n
+    return out
+"""),
+    ("03.3", "copies the layers", "not the model's own objects", """
+import copy
+def split_into_stages(model, balance):
+    out, start = [], 0
+    for n in balance:
+        out.append(copy.deepcopy(model[start:start + n])); start += n
+    return out
+"""),
+]
+
+
+def _answer(exercise_id: str, code: str):
+    namespace = run_answer(PRELUDE, code)
+    return namespace
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
+def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    namespace = _answer(exercise_id, code)
+    assert_caught(exercise_id, namespace, phrase, capsys)
+
+
+def test_slicing_the_model_is_a_right_answer():
+    namespace = _answer("03.3", """
+def split_into_stages(model, balance):
+    starts = [sum(balance[:k]) for k in range(len(balance))]
+    return [model[s:s + n] for s, n in zip(starts, balance)]
+""")
+    verdict = grade("03.3", namespace)
+    assert verdict.passed, verdict
+
+
+FORMULAS = ("min(", "max(", "p - d", "p-d", "p - 1 - s", "p-1-s", "2(p-1)", "2(p - 1)", "2 * (p - 1)")
+
+
+@pytest.mark.parametrize("exercise_id", ["03.1"])
+def test_hints_nudge_without_stating_the_answer(exercise_id):
+    ex = EXERCISES[exercise_id]
+    for case in ex.all_cases():
+        assert case.hint and not any(f in case.hint for f in FORMULAS), (case.label, case.hint)
+
+
+# -- 03.4: a balance under a memory limit and a step-time target ----------------------------------------------------
+
+FIT_PRELUDE = """
+from itertools import combinations
+from gpipe_ref import Action, gpipe, simulate
+from gpipe_ref.partition import stage_cost_model
+
+
+def _sums(values, balance):
+    out, start = [], 0
+    for size in balance:
+        out.append(sum(values[start:start + size]))
+        start += size
+    return out
+
+
+def _cuts(n, stages):
+    for cuts in combinations(range(1, n), stages - 1):
+        edges = (0, *cuts, n)
+        yield [edges[k + 1] - edges[k] for k in range(stages)]
+"""
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+FIT_WRONG = [
+    ("03.4", "balances the time only: ignores the memory limit", "over the limit", """
+def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):
+    best = min(_cuts(len(costs), stages), key=lambda b: max(_sums(costs, b)))
+    return best
+"""),
+    ("03.4", "best cut in memory, returned even when it misses the target (never None)", "over the target", """
+def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):
+    fits = [b for b in _cuts(len(costs), stages) if max(_sums(memory, b)) <= memory_limit]
+    return min(fits, key=lambda b: max(_sums(costs, b))) if fits else None
+"""),
+    ("03.4", "targets the slowest stage times m instead of the simulated step", "returned None", """
+def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):
+    for b in _cuts(len(costs), stages):
+        if max(_sums(memory, b)) <= memory_limit and max(_sums(costs, b)) * (microbatches + stages) <= step_target:
+            return b
+    return None
+"""),
+]
+
+
+FIT_RIGHT = {
+    "03.4": """
+def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):  # last valid cut, not the first
+    found = None
+    for b in _cuts(len(costs), stages):
+        step = simulate(gpipe(stages, microbatches), stage_cost_model(_sums(costs, b))).makespan
+        if max(_sums(memory, b)) <= memory_limit and step <= step_target + 1e-9:
+            found = b
+    return found
+""",
+}
+
+
+def _fit_answer(code: str) -> dict:
+    namespace = run_answer(FIT_PRELUDE, code)
+    return namespace
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", FIT_WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FIT_WRONG])
+def test_a_planted_wrong_balance_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    namespace = _fit_answer(code)
+    assert_caught(exercise_id, namespace, phrase, capsys)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(FIT_RIGHT))
+def test_another_valid_design_passes_within_10_s(exercise_id, capsys):
+    namespace = _fit_answer(FIT_RIGHT[exercise_id])
+    start = time.perf_counter()
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])
+    assert time.perf_counter() - start < 10
+    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+    verdict = grade(exercise_id, namespace)
+    assert verdict.passed, verdict
+
+
+@pytest.mark.parametrize("exercise_id", sorted(FIT_RIGHT))
+def test_categories_are_thinking_ones(exercise_id):
+    assert EXERCISES[exercise_id].category in ("design", "predict", "debug", "build")
+
+
+# -- 03.5: the bug in a training step run by hand across stage boundaries -------------------------------------------
+
+BOUNDARY_PRELUDE = """
+import torch
+from torch import nn
+"""
+
+
+STEP = """
+def train_step(stages, x, y, loss_fn):
+    received, sent = [], []
+    h = x
+    for stage in stages:
+        h = {receive}
+        received.append(h)
+        h = stage(h)
+        sent.append(h)
+    loss = loss_fn(h, y)
+    loss.backward()
+    for k in {order}:
+        if received[k + 1].grad is not None:
+            sent[k].backward(received[k + 1].grad)
+    return {result}
+"""
+
+
+def step(receive="h.detach().requires_grad_()", order="reversed(range(len(stages) - 1))", result="loss.item()"):
+    return STEP.format(receive=receive, order=order, result=result)
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG_FIXES = [
+    ("03.5", "the given code unchanged: the received tensor needs no gradient",
+     "does not require a gradient", step(receive="h.detach()", order="range(len(stages) - 1)")),
+    ("03.5", "requires_grad fixed, but the boundaries handed back first to last",
+     "stage 0's weights got no gradient", step(order="range(len(stages) - 1)")),
+    ("03.5", "the boundaries removed: one graph through every stage",
+     "still attached", step(receive="h")),
+    ("03.5", "returns the loss tensor, not its value", "as the loss", step(result="loss")),
+    ("03.5", "every gradient handed back twice", "a second time",
+     step(order="[*reversed(range(len(stages) - 1))] * 2")),
+]
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG_FIXES, ids=[w[1][:50] for w in WRONG_FIXES])
+def test_a_wrong_fix_scores_zero_and_check_names_it(exercise_id, what, phrase, code, capsys):
+    assert_caught(exercise_id, run_answer(BOUNDARY_PRELUDE, code), phrase, capsys)
+
+
+def test_the_fix_passes_every_case():
+    from gpipe_ref.grading import grade
+
+    verdict = grade("03.5", run_answer(BOUNDARY_PRELUDE, step()))
+    assert verdict.passed and verdict.points == 3, verdict

@@ -1,0 +1,281 @@
+"""Exercises of notebook 07 (gpipe_ref/grading/exercises/ex07_beyond.py): the solution notebook passes; plausible
+wrong answers lose the points; 07.3's layouts that a second blind learner got wrong score 0; 07.4 (ZB-H1's
+orders): each planted wrong answer fails the shown check() with its mistake named and scores 0, another valid
+design passes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from planted import assert_caught, run_answer, solution_namespace
+from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
+
+# -- every exercise of notebook 07: the solution notebook passes, plausible wrong answers lose the points -----------
+
+PLAUSIBLE_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref import Action
+from gpipe_ref.planner import estimate
+"""
+
+
+# Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
+PLAUSIBLE = [
+    ("07.1", "Megatron's bubble-to-ideal ratio (p-1)/(vm) instead of the share of the step", """
+def interleaved_bubble(p, m, v):
+    return (p - 1) / (v * m)
+"""),
+    ("07.1", "divides 1F1B's bubble fraction by v", """
+def interleaved_bubble(p, m, v):
+    return (p - 1) / (m + p - 1) / v
+"""),
+    ("07.2", "GPipe itself (valid, but no better)", """
+def my_schedule(p, m):
+    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in range(m)]) for d in range(p))
+"""),
+    ("07.2", "W before B on every micro-batch (a broken rule)", """
+def my_schedule(p, m):
+    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}W{k} {d}B{k}" for k in range(m)])
+                     for d in range(p))
+"""),
+    ("07.2", "backwards in reverse order on the last device (devices wait, no gain)", """
+def my_schedule(p, m):
+    lines = []
+    for d in range(p):
+        order = range(m - 1, -1, -1) if d == p - 1 else range(m)
+        lines.append(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in order]))
+    return "\\n".join(lines)
+"""),
+    ("07.3", "ignores the memory budget (fastest overall)", """
+def pick_layout(model, cluster):
+    best = None
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, cluster.gpus + 1):
+            if cluster.gpus % (tp * pp):
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if best is None or e.step_time < best[0]:
+                best = (e.step_time, (e.dp, tp, pp))
+    return best and best[1]
+"""),
+    ("07.3", "the layout with the least memory (deepest pipeline, widest tensor split)", """
+def pick_layout(model, cluster):
+    best = None
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, cluster.gpus + 1):
+            if cluster.gpus % (tp * pp):
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if e.fits and (best is None or e.memory["total"] < best[0]):
+                best = (e.memory["total"], (e.dp, tp, pp))
+    return best and best[1]
+"""),
+]
+
+
+@pytest.mark.parametrize("name", ["07_beyond"])
+def test_solutions_pass_every_case(name, capsys):
+    import time
+
+    namespace = solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()  # issue 17: check() answers in under 10 s on 2 cores (measured: under 2 s)
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < 10.0 and capsys.readouterr().out.startswith("✅"), ex.id
+
+
+@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
+def test_wrong_answer_loses_the_points(exercise_id, what, code):
+    verdict = grade(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback  # names the failing case
+
+
+# -- 07.4: ZB-H1's orders -------------------------------------------------------------------------------------------
+
+PRELUDE = """
+from itertools import combinations
+from gpipe_ref import Action, gpipe, simulate
+from gpipe_ref.partition import stage_cost_model
+
+
+def _sums(values, balance):
+    out, start = [], 0
+    for size in balance:
+        out.append(sum(values[start:start + size]))
+        start += size
+    return out
+
+
+def _cuts(n, stages):
+    for cuts in combinations(range(1, n), stages - 1):
+        edges = (0, *cuts, n)
+        yield [edges[k + 1] - edges[k] for k in range(stages)]
+"""
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("07.4", "the generator as given: W before its B on device 0", "does not run", """
+def zb_h1_orders(p, m):
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        next_w = 0
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            if j >= d:
+                order.append(Action("W", d, next_w))
+                next_w += 1
+            order.append(Action("B", d, j))
+        order += [Action("W", d, k) for k in range(next_w, m)]
+        orders.append(order)
+    return orders
+"""),
+    ("07.4", "runs every W at the end: valid, but the bubble grows", "more than ZB-H1's", """
+def zb_h1_orders(p, m):
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            order.append(Action("B", d, j))
+        orders.append(order + [Action("W", d, k) for k in range(m)])
+    return orders
+"""),
+    ("07.4", "drops the W actions", "missing", """
+def zb_h1_orders(p, m):
+    return [[Action(op, d, k) for k in range(m) for op in "FB"] for d in range(p)]
+"""),
+]
+
+
+RIGHT = {
+    "07.4": """
+def zb_h1_orders(p, m):  # each W straight after its own B where the schedule has room, written another way
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        pending = []
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            order.append(Action("B", d, j))
+            pending.append(j)
+            if j >= d:
+                order.append(Action("W", d, pending.pop(0)))
+        orders.append(order + [Action("W", d, k) for k in pending])
+    return orders
+""",
+}
+
+
+def _answer(code: str) -> dict:
+    namespace = run_answer(PRELUDE, code)
+    return namespace
+
+
+@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
+def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
+    namespace = _answer(code)
+    assert_caught(exercise_id, namespace, phrase, capsys)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(RIGHT))
+def test_another_valid_design_passes_within_10_s(exercise_id, capsys):
+    namespace = _answer(RIGHT[exercise_id])
+    start = time.perf_counter()
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])
+    assert time.perf_counter() - start < 10
+    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+    verdict = grade(exercise_id, namespace)
+    assert verdict.passed, verdict
+
+
+@pytest.mark.parametrize("exercise_id", sorted(RIGHT))
+def test_categories_are_thinking_ones(exercise_id):
+    assert EXERCISES[exercise_id].category in ("design", "predict", "debug", "build")
+
+
+# -- 07.3 after a second blind learner worked it --------------------------------------------------------------------
+
+FOUND_PRELUDE = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from gpipe_ref.planner import estimate
+"""
+
+
+# 07.3: the solution's search with one rule changed (which tp to try, which layouts fit).
+LAYOUT = """
+def pick_layout(model, cluster):
+    best = None
+    for tp in range(1, {tp_limit} + 1):
+        if {tp_skip}:
+            continue
+        for pp in range(1, cluster.gpus // tp + 1):
+            if (cluster.gpus // tp) % pp:
+                continue
+            try:
+                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
+            except ValueError:
+                continue
+            if {fits} and (best is None or e.step_time < best[0]):
+                best = (e.step_time, (e.dp, tp, pp))
+    return best and best[1]
+"""
+
+
+def pick_layout(tp_limit="cluster.gpus_per_node", tp_skip="cluster.gpus_per_node % tp or cluster.gpus % tp",
+                fits="e.fits") -> str:
+    return LAYOUT.format(tp_limit=tp_limit, tp_skip=tp_skip, fits=fits)
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+FOUND = [
+    ("07.3", "fit test against the whole GPU memory, ignoring usable_memory", "usable_memory=0.9",
+     pick_layout(fits='e.memory["total"] <= cluster.memory_bytes')),
+    ("07.3", "usable fraction hard-coded to 0.9 instead of cluster.usable_bytes", None,
+     pick_layout(fits='e.memory["total"] <= 0.9 * cluster.memory_bytes')),
+    ("07.3", "tensor parallelism across nodes: tp only divides the GPU count (review, round 2)", None,
+     pick_layout(tp_limit="cluster.gpus", tp_skip="cluster.gpus % tp")),
+]
+
+
+def _found_answer(exercise_id: str, code: str):
+    namespace = run_answer(FOUND_PRELUDE, code)
+    return namespace, namespace[EXERCISES[exercise_id].answer]
+
+
+@pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])
+def test_wrong_answer_scores_zero_and_the_shown_check_catches_it_when_it_should(exercise_id, what, shown, code,
+                                                                              capsys):
+    namespace, answer = _found_answer(exercise_id, code)
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status == "failed", verdict
+    if shown is None:  # a mistake only the hidden cases catch (a usable_memory other than the shown 0.9)
+        return
+    check(exercise_id, answer)
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ Exercise {exercise_id}") and shown in out, out
