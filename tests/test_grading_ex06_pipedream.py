@@ -259,7 +259,7 @@ def predict_pipedream(stashing_staleness="[min(m - 1, p - 1 - s) for s in stages
 
 # 06.5's solution; the planted answers below change one of its rules.
 TWO_BW = """
-def two_bw_versions(per_device, batch):
+def per_batch_versions(per_device, batch):
     if {refuse} and batch < len(per_device):
         return None
     versions, staleness = [], []
@@ -278,13 +278,13 @@ def two_bw_versions(per_device, batch):
 """
 
 
-def two_bw_versions(version="max(a.microbatch // batch - 1, 0)", update="False", refuse="True") -> str:
+def per_batch_versions(version="max(a.microbatch // batch - 1, 0)", update="False", refuse="True") -> str:
     return TWO_BW.format(version=version, update=update, refuse=refuse)
 
 
 SOLUTIONS = {
     "06.4": predict_pipedream(),
-    "06.5": two_bw_versions(),
+    "06.5": per_batch_versions(),
 }
 
 
@@ -310,11 +310,11 @@ def predict_pipedream(p, m):
 """ + predict_pipedream(stashing_staleness="[p - 1 - s for s in stages]",
                                    vertical_staleness="[p - 1 for _ in stages]")),
     ("06.5", "the batch's own version t instead of the one before it", "2BW uses 0",
-     two_bw_versions(version="a.microbatch // batch")),
+     per_batch_versions(version="a.microbatch // batch")),
     ("06.5", "t - 1 without the floor at 0 (version -1 for the first batch)", "version -1",
-     two_bw_versions(version="a.microbatch // batch - 1")),
-    ("06.5", "updates after every backward, as PipeDream does", "staleness", two_bw_versions(update="True")),
-    ("06.5", "never returns None: runs batches smaller than the pipeline", "expected None", two_bw_versions(refuse="False")),
+     per_batch_versions(version="a.microbatch // batch - 1")),
+    ("06.5", "updates after every backward, as PipeDream does", "staleness", per_batch_versions(update="True")),
+    ("06.5", "never returns None: runs batches smaller than the pipeline", "expected None", per_batch_versions(refuse="False")),
 ]
 
 

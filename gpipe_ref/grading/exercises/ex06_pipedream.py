@@ -178,7 +178,7 @@ PREDICT_VERSIONS = Exercise(
 # -- 06.5 build PipeDream-2BW's version rule ---------------------------------------------------------------------
 
 
-def _two_bw_expected(p: int, batch: int, n: int):
+def _per_batch_expected(p: int, batch: int, n: int):
     """The library's 2BW run: None when the order does not suit 2BW, else each device's versions (one per action,
     in order) and staleness (one per backward, in order)."""
     from ...staleness import version_table
@@ -196,7 +196,7 @@ def _two_bw_expected(p: int, batch: int, n: int):
                           for acts in schedule.per_device]}
 
 
-def _two_bw_case(p: int, batch: int, batches: int) -> Case:
+def _per_batch_case(p: int, batch: int, batches: int) -> Case:
     n = batch * batches
 
     def run(answer):
@@ -231,30 +231,30 @@ def _two_bw_case(p: int, batch: int, batches: int) -> Case:
                     return f"{a}: staleness {v!r}, 2BW's is {w}"
         return None
 
-    return Case(f"p={p}, batch={batch}, batches={batches}", run, lambda: _two_bw_expected(p, batch, n),
+    return Case(f"p={p}, batch={batch}, batches={batches}", run, lambda: _per_batch_expected(p, batch, n),
                 compare=compare,
                 hint="walk each device's list in order and count the updates its stage has made: when does a 2BW "
                      "stage update, and which of its versions does a micro-batch of a given batch compute with? "
                      "And which condition does the paper put on the batch size?")
 
 
-def _random_two_bw_cases(seed: int, count: int) -> list[Case]:
+def _random_per_batch_cases(seed: int, count: int) -> list[Case]:
     import random
 
     rng = random.Random(seed)
     cases = []
     for _ in range(count):
         p = rng.choice((1, 2, 4, 8))
-        cases.append(_two_bw_case(p, rng.randint(max(1, p - 2), 2 * p + 1), rng.randint(1, 3)))
+        cases.append(_per_batch_case(p, rng.randint(max(1, p - 2), 2 * p + 1), rng.randint(1, 3)))
     return cases
 
 
 TWO_BW = Exercise(
-    "06.5", "PipeDream-2BW's version rule", "two_bw_versions", 3,
-    lambda: [_two_bw_case(2, 2, 3), _two_bw_case(4, 5, 2), _two_bw_case(4, 2, 2)],
-    lambda: [_two_bw_case(1, 1, 1), _two_bw_case(1, 1, 4), _two_bw_case(2, 2, 1), _two_bw_case(2, 1, 3),
-             _two_bw_case(4, 3, 3), _two_bw_case(4, 4, 3), _two_bw_case(8, 8, 2), _two_bw_case(8, 7, 2),
-             _two_bw_case(8, 11, 2)] + _random_two_bw_cases(17, 6),
+    "06.5", "PipeDream-2BW's version rule", "per_batch_versions", 3,
+    lambda: [_per_batch_case(2, 2, 3), _per_batch_case(4, 5, 2), _per_batch_case(4, 2, 2)],
+    lambda: [_per_batch_case(1, 1, 1), _per_batch_case(1, 1, 4), _per_batch_case(2, 2, 1), _per_batch_case(2, 1, 3),
+             _per_batch_case(4, 3, 3), _per_batch_case(4, 4, 3), _per_batch_case(8, 8, 2), _per_batch_case(8, 7, 2),
+             _per_batch_case(8, 11, 2)] + _random_per_batch_cases(17, 6),
     forbidden=("gpipe_ref.schedule.WeightPolicy", "gpipe_ref.staleness.version_table",
                "gpipe_ref.staleness.StagedTrainer", "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
     category="build")
