@@ -62,9 +62,10 @@ class StepRun:
         self.last_stage = schedule.num_stages - 1
         self.stage_devices = [pipe.stage_device(s) for s in range(schedule.num_stages)]
         self.layers = [tuple(stage) if stage is not None else () for stage in pipe.stages]
-        # for W: (index, trainable parameters, whether its W is its own matrix products) of each stage's layers
-        # that have trainable parameters
-        self.weight_layers = [[(j, params, fusable_linear(layers[j])) for j, params in
+        # for W: (index, trainable parameters, (weight, bias) when W is its own matrix products, else None) of
+        # each stage's layers that have trainable parameters
+        self.weight_layers = [[(j, params, (layers[j].weight, layers[j].bias) if fusable_linear(layers[j]) else None)
+                               for j, params in
                                ((j, [p for p in layer.parameters() if p.requires_grad]) for j, layer in enumerate(layers))
                                if params] for layers in self.layers] if self.split_backward else []
         mode, m = pipe.checkpoint, schedule.num_microbatches
@@ -226,13 +227,13 @@ class StepRun:
     def weight(self, stage: int, microbatch: int) -> None:
         """W: each layer's weight gradients from its output's gradient (kept by B)."""
         st = self.state[(stage, microbatch)]
-        layers, chain = self.layers[stage], st.chain
-        for j, params, fusable in self.weight_layers[stage]:
+        chain = st.chain
+        for j, params, linear in self.weight_layers[stage]:
             g = st.chain_grads.get(j)
             if g is None:
                 continue
-            if not (fusable and type(g) is torch.Tensor
-                    and linear_weight_grads(layers[j], chain[j - 1] if j else st.inputs, g)):
+            if not (linear and type(g) is torch.Tensor
+                    and linear_weight_grads(*linear, chain[j - 1] if j else st.inputs, g)):
                 backward_into(chain[j], g, params)  # into .grad as loss.backward() would; post-accumulate hooks fire
         self._release(stage, microbatch)
 

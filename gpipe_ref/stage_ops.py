@@ -7,6 +7,7 @@ weight gradient from that layer's output gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -125,31 +126,36 @@ def fusable_linear(layer: nn.Module) -> bool:
         for p in params)
 
 
-def linear_weight_grads(layer: nn.Linear, x, g: torch.Tensor) -> bool:
+def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x, g: torch.Tensor) -> bool:
     """W of a :func:`fusable_linear` layer as the matrix products themselves: for z = x A^T + b, dA = g^T x
-    and db = the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run apart
-    from B). From the second micro-batch on, the product accumulates straight into ``.grad`` (``addmm_``, as
-    Megatron-LM's gradient-accumulation fusion does), where autograd would form it and then add it: on a CPU
-    that saves a pass over the weight and the autograd call, a sixth of a small model's zero bubble step. The
-    sum then rounds differently from loss.backward()'s, in the last bits. None of these tensors requires
-    grad, so no graph is built. Returns False, and leaves the work to autograd, when the input, the gradient
-    and the weight do not share one dtype (autocast)."""
-    weight, bias = layer.weight, layer.bias
-    if not isinstance(x, torch.Tensor) or not x.dtype == g.dtype == weight.dtype:
+    and db = g^T 1, the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run
+    apart from B). From the second micro-batch on, the products accumulate straight into ``.grad`` (``addmm_``
+    and ``addmv_``, as Megatron-LM's gradient-accumulation fusion does), where autograd would form them and
+    then add them: on a CPU that saves a pass over the weight and the autograd call, a sixth of a small
+    model's zero bubble step. The sums then round differently from loss.backward()'s, in the last bits. None
+    of these tensors requires grad, so no graph is built. Returns False, and leaves the work to autograd, when
+    the input, the gradient and the weight do not share one dtype (autocast)."""
+    if type(x) is not torch.Tensor or not x.dtype == g.dtype == weight.dtype:
         return False
-    g2 = g if g.dim() == 2 else g.reshape(-1, g.shape[-1])
-    x2 = x.detach() if x.dim() == 2 else x.detach().reshape(-1, x.shape[-1])
+    if g.dim() != 2:
+        g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    gt, x = g.t(), x.detach()
     if weight.requires_grad:
         if weight.grad is None:
-            weight.grad = g2.t() @ x2
+            weight.grad = gt @ x
         else:  # the product adds itself into .grad: no temporary, one pass over it (see above)
-            weight.grad.addmm_(g2.t(), x2)
+            weight.grad.addmm_(gt, x)
     if bias is not None and bias.requires_grad:
         if bias.grad is None:
-            bias.grad = g2.sum(0)
+            bias.grad = g.sum(0)
         else:
-            bias.grad.add_(g2.sum(0))
+            bias.grad.addmv_(gt, _ones(g.shape[0], g.dtype, g.device))
     return True
+
+
+@functools.lru_cache(maxsize=64)
+def _ones(rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones(rows, dtype=dtype, device=device)
 
 
 def requires_grad(batch: Batch) -> bool:
