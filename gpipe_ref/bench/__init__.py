@@ -21,6 +21,7 @@ from .suite import CASES, format_row, plot, run, write
 
 __all__ = ["CASES", "CHECK_LIMIT_S", "GPU_SCHEDULES", "GPU_SIZES", "LAUNCH_FORK_RATIO", "LAUNCH_LATER_LIMIT_S",
            "NOTEBOOK_LIMIT_S", "accumulate_gradients", "alternate", "concurrency_case", "data_parallel_cases",
-           "executor_cases", "format_row", "gpu_cases", "gpu_memory_cases", "gpu_pipe", "grading_cases", "launch_cases",
-           "launch_timings", "pipeline_cases", "plot", "result_row", "run", "simulator_cases", "speedup_profile", "summary",
-           "tensor_parallel_cases", "timed_ranks", "torch_pipelining_cases", "write"]
+           "executor_cases", "format_row", "gpu_cases", "gpu_memory_cases", "gpu_pipe", "grading_cases",
+           "launch_cases", "launch_timings", "pipeline_cases", "plot", "result_row", "run", "simulator_cases",
+           "speedup_profile", "summary", "tensor_parallel_cases", "timed_ranks", "torch_pipelining_cases",
+           "write"]

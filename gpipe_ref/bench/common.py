@@ -20,19 +20,25 @@ def summary(samples: list[float]) -> dict:
 
 
 def result_row(name: str, config: dict, ours: list[float], peer: list[float] | None, *, theory=None, target=None,
-         lower_is_better: bool = True, ratio: float | None = None, **extra) -> dict:
+               lower_is_better: bool = True, ratio: float | None = None, **extra) -> dict:
+    """One row: medians and min-max of each side, the ratio (the median of the rounds' ratios when both sides
+    were timed in alternation, with the quartiles of those ratios), the target and whether it was met."""
     o = summary(ours)
     p = summary(peer) if peer else None
+    quartiles = None
     if ratio is None and p:  # sides timed in alternation: the median of each round's ratio, which a slow
         # spell of the machine (it slows both sides of its round) moves less than a ratio of medians
-        ratio = statistics.median(a / b for a, b in zip(ours, peer)) if len(ours) == len(peer) else \
-            o["median"] / p["median"]
+        paired = [a / b for a, b in zip(ours, peer)] if len(ours) == len(peer) else None
+        ratio = statistics.median(paired) if paired else o["median"] / p["median"]
+        if paired and len(paired) >= 4:  # the spread of the rounds' ratios: where the middle half of them lie
+            q1, _, q3 = statistics.quantiles(paired, n=4)
+            quartiles = [q1, q3]
     met = None
     if target is not None and ratio is not None:
         met = ratio <= target if lower_is_better else ratio >= target
     return {"name": name, "config": config, "ours_s": o["median"], "ours_min_max_s": [o["min"], o["max"]],
             "peer_s": p["median"] if p else None, "peer_min_max_s": [p["min"], p["max"]] if p else None,
-            "ratio": ratio, "theory": theory, "target": target, "met": met, **extra}
+            "ratio": ratio, "ratio_quartiles": quartiles, "theory": theory, "target": target, "met": met, **extra}
 
 
 def alternate(sides: list[Callable[[], float]], repeats: int) -> list[list[float]]:

@@ -55,15 +55,15 @@ def grading_cases(quick: bool) -> list[dict]:
                     check(ex.id, namespace[ex.answer])
                 samples.append(time.perf_counter() - began)
             row = result_row("exercise check()", {"exercise": ex.id, "cases": len(ex.cases())}, samples, None,
-                       ratio=statistics.median(samples) / CHECK_LIMIT_S)
+                             ratio=statistics.median(samples) / CHECK_LIMIT_S)
             row["target"], row["met"] = f"< {CHECK_LIMIT_S:g} s", row["ours_s"] < CHECK_LIMIT_S
             out.append(row)
     if not quick:
         for name in names:
             result = grade_notebook(solutions / f"{name}.ipynb")
             row = result_row("notebook graded", {"notebook": name, "points": f"{result.points}/{result.max_points}",
-                                           "cases": sum(len(ex.all_cases()) for ex in NOTEBOOKS[name])},
-                       [result.seconds], None, ratio=result.seconds / NOTEBOOK_LIMIT_S)
+                                                 "cases": sum(len(ex.all_cases()) for ex in NOTEBOOKS[name])},
+                             [result.seconds], None, ratio=result.seconds / NOTEBOOK_LIMIT_S)
             row["target"] = f"< {NOTEBOOK_LIMIT_S:g} s, full marks"
             row["met"] = result.seconds < NOTEBOOK_LIMIT_S and result.points == result.max_points
             out.append(row)

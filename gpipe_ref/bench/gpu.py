@@ -79,8 +79,8 @@ def gpu_cases(quick: bool) -> list[dict]:
                   "stages": 2, "devices": "cuda:0 x 2", "rounds": repeats}
         for name in [*GPU_SCHEDULES, *(["torchgpipe"] if torchgpipe is not None else [])]:
             row = result_row(f"GPU: {name} step / plain accumulation, width {width} {dtype_name}",
-                       {**config, "executor": "torchgpipe" if name == "torchgpipe" else "simulated"},
-                       timed[name], timed["plain"], target=1.10)
+                             {**config, "executor": "torchgpipe" if name == "torchgpipe" else "simulated"},
+                             timed[name], timed["plain"], target=1.10)
             row["spread"] = spread(timed[name])
             out.append(row)
     out += gpu_memory_cases()
@@ -104,8 +104,8 @@ def gpu_memory_cases(width: int = 2048, blocks: int = 8, samples: int = 512) -> 
         peak = torch.cuda.max_memory_allocated() - before
         counted = sum(pipe.timeline.peak_memory.values())
         row = result_row(f"GPU: peak CUDA memory vs the activation meter, checkpoint={mode}",
-                   {"width": width, "layers": 2 * blocks, "samples": samples, "chunks": 8, "stages": 2},
-                   [0.0], None)
+                         {"width": width, "layers": 2 * blocks, "samples": samples, "chunks": 8, "stages": 2},
+                         [0.0], None)
         row.update(ours_s=None, ratio=peak / counted if counted else None, peak_bytes=peak, counted_bytes=counted,
                    target="stated")
         rows.append(row)

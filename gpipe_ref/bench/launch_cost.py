@@ -81,10 +81,10 @@ def launch_cases(quick: bool) -> list[dict]:
     config = {"ranks": 2, "backend": "gloo", "rank function": "returns at once"}
     later = result_row("launch, a later call", config, timings["later"], None)
     first = result_row("launch, first call in a process (starts the process server) / a later call", config,
-                 [timings["first"]], None, ratio=timings["first"] / later["ours_s"])
+                       [timings["first"]], None, ratio=timings["first"] / later["ours_s"])
     first["target"], first["met"] = "stated", None
     later["ratio"] = later["ours_s"] / LAUNCH_LATER_LIMIT_S
     later["target"], later["met"] = f"< {LAUNCH_LATER_LIMIT_S} s", later["ours_s"] < LAUNCH_LATER_LIMIT_S
     versus = result_row("launch, a later call vs a plain fork of the caller (the launcher before issue 27)", config,
-                  timings["later"], timings["fork"], target=LAUNCH_FORK_RATIO)
+                        timings["later"], timings["fork"], target=LAUNCH_FORK_RATIO)
     return [first, later, versus]

@@ -41,11 +41,11 @@ def data_parallel_cases(quick: bool) -> list[dict]:
     repeats = 3 if quick else 7
     ours, peer = launch(_ddp_rank, 2, 3 if quick else 21, timeout=600)[0]  # ~90 ms a round: 21 rounds, ~4 s
     rows = [result_row("DataParallel vs torch DistributedDataParallel, 2 gloo ranks",
-                 {"model": "mlp 512 x 8", "rows per rank": 256, "bucket_cap_mb": 25}, ours, peer, target=1.05)]
+                       {"model": "mlp 512 x 8", "rows per rank": 256, "bucket_cap_mb": 25}, ours, peer, target=1.05)]
     sizes = [2 ** 10, 2 ** 20, 2 ** 24] if quick else [2 ** 10, 2 ** 16, 2 ** 20, 2 ** 24, 2 ** 26]
     for nbytes, a, b in launch(_ring_rank, 2, sizes, repeats, timeout=900)[0]:
         row = result_row("ring_all_reduce vs dist.all_reduce, 2 gloo ranks", {"bytes": nbytes}, a, b,
-                   theory="each rank sends 2(n-1)/n of the tensor")
+                         theory="each rank sends 2(n-1)/n of the tensor")
         row["ring_bandwidth_MBps"] = nbytes / row["ours_s"] / 1e6
         row["all_reduce_bandwidth_MBps"] = nbytes / row["peer_s"] / 1e6
         rows.append(row)
@@ -83,7 +83,7 @@ def tensor_parallel_cases(quick: bool) -> list[dict]:
     width, rows = (512, 128) if quick else (1024, 256)
     ours, peer, comm, counts, nbytes = launch(_tp_rank, 2, width, rows, 3 if quick else 7, timeout=600)[0]
     row = result_row("tensor-parallel MLP (2 gloo ranks) vs dense MLP (1 process)",
-               {"width": width, "hidden": 4 * width, "rows": rows}, ours, peer, theory=0.5)
+                     {"width": width, "hidden": 4 * width, "rows": rows}, ours, peer, theory=0.5)
     row["all_reduces_per_step"] = counts
     row["comm_share"] = statistics.median(comm) / row["ours_s"]
     return [row]

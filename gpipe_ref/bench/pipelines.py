@@ -113,9 +113,9 @@ def pipeline_cases(quick: bool) -> list[dict]:
     for schedule, m, ours, peer, events in measured:
         speedups = [p / o for o, p in zip(ours, peer)]
         row = result_row("pipeline speedup, 2 gloo ranks vs 1 process",
-                   {"schedule": schedule, "microbatches": m, "width": width, "rows": rows, "stages": 2,
-                    "balance": balance},
-                   ours, peer, theory=2 * m / (m + 1), ratio=statistics.median(speedups))
+                         {"schedule": schedule, "microbatches": m, "width": width, "rows": rows, "stages": 2,
+                          "balance": balance},
+                         ours, peer, theory=2 * m / (m + 1), ratio=statistics.median(speedups))
         row["speedup"] = row.pop("ratio")
         row["ratio"] = row["speedup"] / row["theory"]
         row["target"] = 0.9 if m == 8 else None
@@ -182,10 +182,10 @@ def torch_pipelining_cases(quick: bool) -> list[dict]:
     from ..distributed import launch
 
     width, rows, m = (512, 128, 4) if quick else (1024, 256, 8)
-    measured = launch(_torch_pipelining_rank, 2, width, rows, m, 3 if quick else 15, timeout=900)[0]
+    measured = launch(_torch_pipelining_rank, 2, width, rows, m, 3 if quick else 31, timeout=900)[0]
     return [result_row("ours vs torch.distributed.pipelining, 2 gloo ranks",
-                 {"schedule": name, "microbatches": m, "width": width, "rows": rows}, a, b,
-                 target=1.10 if schedule_spec(name).multi_stage else 1.00)
+                       {"schedule": name, "microbatches": m, "width": width, "rows": rows}, a, b,
+                       target=1.10 if schedule_spec(name).multi_stage else 1.00)
             for name, a, b in measured]
 
 
@@ -193,7 +193,7 @@ def executor_cases(quick: bool) -> list[dict]:
     from ..pipeline import GPipe
 
     torch.set_num_threads(1)
-    repeats = 3 if quick else 15  # a step takes 15-70 ms here: 15 rounds keep the medians steady at little cost
+    repeats = 3 if quick else 41  # a step takes 15-100 ms here: 41 rounds hold the median ratio within a few %
     schedules = one_stage_flush_schedules()  # gpipe, 1f1b, zero_bubble_h1
     cases = [(512, 512, 8, s) for s in schedules[:2]] if quick else \
         [(512, 512, 8, s) for s in schedules] + [(256, 256, 16, s) for s in schedules]
@@ -228,10 +228,10 @@ def executor_cases(quick: bool) -> list[dict]:
         config = {"width": width, "depth": 8, "samples": samples, "stages": 4, "chunks": chunks,
                   "schedule": schedule, "checkpoint": "never", "memory tracking": False}
         out.append(result_row("executor overhead vs plain gradient accumulation", config, samples_[0], samples_[1],
-                        target=1.10))
+                              target=1.10))
         if peer_pipe is not None:
             out.append(result_row(f"ours vs torchgpipe {torchgpipe.__version__}", config, samples_[0], samples_[2],
-                            target=1.0))
+                                  target=1.0))
     if torchgpipe is None:
         out.append({"name": "ours vs torchgpipe 0.0.7", "config": {}, "ours_s": None, "peer_s": None, "ratio": None,
                     "theory": None, "target": 1.0, "met": None,
@@ -255,7 +255,7 @@ def simulator_cases(quick: bool) -> list[dict]:
             if r:
                 samples.append(time.perf_counter() - began)
         row = result_row("simulator scale", {"schedule": name, "devices": p, "microbatches": m, "stages_per_device": v,
-                                       "actions": sum(len(a) for a in schedule.per_device)}, samples, None)
+                                             "actions": sum(len(a) for a in schedule.per_device)}, samples, None)
         row["ratio"] = row["ours_s"] / 0.5
         row["target"], row["met"] = "<= 0.5 s", row["ours_s"] <= 0.5
         out.append(row)

@@ -80,7 +80,9 @@ def format_row(row: dict) -> str:
     if "speedup" in row:
         parts.append(f"speedup {row['speedup']:.2f} (theory {row['theory']:.2f}, ratio {row['ratio']:.2f})")
     elif row["ratio"] is not None:
-        parts.append(f"ratio {row['ratio']:.3f}")
+        quartiles = row.get("ratio_quartiles")
+        parts.append(f"ratio {row['ratio']:.3f}" + (f" (rounds' middle half {quartiles[0]:.3f}-{quartiles[1]:.3f})"
+                                                    if quartiles else ""))
     if row.get("peer_s") is not None and row.get("ours_s") is not None:
         parts.append(f"ours {row['ours_s'] * 1e3:.2f} ms, peer {row['peer_s'] * 1e3:.2f} ms")
     elif row.get("ours_s") is not None:
@@ -90,7 +92,8 @@ def format_row(row: dict) -> str:
     if row.get("comm_share") is not None:
         parts.append(f"comm share {row['comm_share']:.0%}")
     if row.get("peak_bytes") is not None:
-        parts.append(f"peak {row['peak_bytes'] / 2**20:.1f} MiB, the meter counts {row['counted_bytes'] / 2**20:.1f} MiB")
+        parts.append(f"peak {row['peak_bytes'] / 2**20:.1f} MiB, "
+                     f"the meter counts {row['counted_bytes'] / 2**20:.1f} MiB")
     if row["target"] is not None and row["met"] is None:
         parts.append(f"{row['target']}")  # a figure stated, with nothing to meet
     elif row["target"] is not None:
