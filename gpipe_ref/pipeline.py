@@ -44,11 +44,11 @@ from .meter import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
 from .rematerialization import CHECKPOINT_MODES, rematerialized, rematerializes
-from .schedule import Action, Schedule, execution_order, make_schedule, schedule_names, schedule_spec, validate
+from .schedule import Action, Schedule, make_schedule, schedule_names, schedule_spec, validate
 from .simulator import place
 from .stage_ops import to_device
 from .timeline import Timeline
-from .workers import run_one_at_a_time, run_threads
+from .workers import one_at_a_time_order, run_one_at_a_time, run_threads
 
 __all__ = ["CHECKPOINT_MODES", "EXECUTORS", "GPipe", "rematerializes"]
 
@@ -271,9 +271,9 @@ class GPipe(nn.Module):
 
     def execution_order(self) -> list[Action]:
         """The actions in the order the simulated executor runs them one at a time
-        (:func:`~gpipe_ref.schedule.execution_order`, found once per schedule)."""
+        (:func:`~gpipe_ref.workers.one_at_a_time_order`, found once per schedule)."""
         if self._order is None or self._order[0] is not self.schedule:
-            self._order = (self.schedule, [action for _, action in execution_order(self.schedule)])
+            self._order = (self.schedule, one_at_a_time_order(self.schedule))
         return self._order[1]
 
     # -- forward, for loss_fn(pipe(x), y).backward() -----------------------------------

@@ -14,7 +14,9 @@ import gpipe_ref.executor as executor
 import gpipe_ref.pipeline as pipeline
 from gpipe_ref.models import mlp, regression_data
 from gpipe_ref.pipeline import GPipe
+from gpipe_ref.schedule import dependencies, make_schedule
 from gpipe_ref.timeline import Timeline
+from gpipe_ref.workers import one_at_a_time_order
 
 torch.set_num_threads(1)
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble_h1")
@@ -136,13 +138,27 @@ def test_the_timeline_is_placed_when_first_read(monkeypatch):
 
 def test_the_execution_order_is_found_once_per_schedule(monkeypatch):
     calls = []
-    original = pipeline.execution_order
-    monkeypatch.setattr(pipeline, "execution_order", lambda s: calls.append(s) or original(s))
+    original = pipeline.one_at_a_time_order
+    monkeypatch.setattr(pipeline, "one_at_a_time_order", lambda s: calls.append(s) or original(s))
     pipe, x, y = pipe_and_data("zero_bubble_h1", track_memory=False)
     for _ in range(3):
         pipe.step(x, y, nn.MSELoss())
     assert calls == [pipe.schedule]
-    assert [a for _, a in original(pipe.schedule)] == pipe.execution_order()
+    assert original(pipe.schedule) == pipe.execution_order()
+
+
+@pytest.mark.parametrize("name,v,p,m", [(name, 1, p, m) for name in ("gpipe", "1f1b", "zero_bubble_h1")
+                                         for p, m in [(1, 1), (2, 3), (3, 8), (4, 16)]]
+                         + [("interleaved_1f1b", 2, p, m) for p, m in [(1, 1), (2, 4), (3, 6), (4, 16)]])
+def test_the_one_at_a_time_order_keeps_every_devices_order_and_every_dependency(name, v, p, m):
+    schedule = make_schedule(name, p, m, v)
+    order = one_at_a_time_order(schedule)
+    assert sorted(order) == sorted(a for _, a in schedule.actions())
+    position = {a: i for i, a in enumerate(order)}
+    for actions in schedule.per_device:
+        assert [position[a] for a in actions] == sorted(position[a] for a in actions)
+    for a in order:
+        assert all(position[d] < position[a] for d in dependencies(a, schedule.num_stages))
 
 
 def test_no_memory_hooks_when_not_tracking(monkeypatch):
