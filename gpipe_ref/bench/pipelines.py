@@ -189,10 +189,37 @@ def torch_pipelining_cases(quick: bool) -> list[dict]:
             for name, a, b in measured]
 
 
-def executor_cases(quick: bool) -> list[dict]:
+def _executor_rank(rank: int, world: int, width: int, samples: int, chunks: int, schedule: str, repeats: int,
+                   with_torchgpipe: bool) -> list[list[float]]:
+    """One executor case in a fresh process, so that what the benchmark ran before does not shape its heap:
+    our step, the plain model accumulating, and torchgpipe's step when asked, timed in alternation."""
     from ..pipeline import GPipe
 
     torch.set_num_threads(1)
+    x, y = regression_data(samples=samples, width=width, seed=0)
+    reference = mlp(width=width, depth=8, seed=0)
+    ours = GPipe(mlp(width=width, depth=8, seed=0), [4] * 4, chunks=chunks, checkpoint="never",
+                 schedule=schedule, executor="simulated", track_memory=False)
+
+    def timed(fn):
+        began = time.perf_counter()
+        fn()
+        return time.perf_counter() - began
+
+    sides = [lambda: timed(lambda: ours.step(x, y, nn.MSELoss())),
+             lambda: timed(lambda: accumulate_gradients(reference, x, y, chunks))]
+    if with_torchgpipe:
+        import torchgpipe
+
+        peer = torchgpipe.GPipe(mlp(width=width, depth=8, seed=0), balance=[4] * 4, devices=["cpu"] * 4,
+                                chunks=chunks, checkpoint="never")
+        sides.append(lambda: timed(lambda: nn.functional.mse_loss(peer(x), y).backward()))
+    return alternate(sides, repeats)
+
+
+def executor_cases(quick: bool) -> list[dict]:
+    from ..distributed import launch
+
     repeats = 3 if quick else 41  # a step takes 15-100 ms here: 41 rounds hold the median ratio within a few %
     schedules = one_stage_flush_schedules()  # gpipe, 1f1b, zero_bubble_h1
     cases = [(512, 512, 8, s) for s in schedules[:2]] if quick else \
@@ -203,34 +230,14 @@ def executor_cases(quick: bool) -> list[dict]:
         torchgpipe = None
     out = []
     for width, samples, chunks, schedule in cases:
-        x, y = regression_data(samples=samples, width=width, seed=0)
-        reference = mlp(width=width, depth=8, seed=0)
-        ours = GPipe(mlp(width=width, depth=8, seed=0), [4] * 4, chunks=chunks, checkpoint="never",
-                     schedule=schedule, executor="simulated", track_memory=False)
-
-        def timed(fn):
-            began = time.perf_counter()
-            fn()
-            return time.perf_counter() - began
-
-        sides = [lambda: timed(lambda: ours.step(x, y, nn.MSELoss())),
-                 lambda: timed(lambda: accumulate_gradients(reference, x, y, chunks))]
-        peer_pipe = None
-        if torchgpipe is not None and schedule == schedules[0]:  # torchgpipe runs fill-drain only
-            peer_pipe = torchgpipe.GPipe(mlp(width=width, depth=8, seed=0), balance=[4] * 4, devices=["cpu"] * 4,
-                                         chunks=chunks, checkpoint="never")
-
-            def torchgpipe_step():
-                nn.functional.mse_loss(peer_pipe(x), y).backward()
-
-            sides.append(lambda: timed(torchgpipe_step))
-        samples_ = alternate(sides, repeats)
+        with_peer = torchgpipe is not None and schedule == schedules[0]  # torchgpipe runs fill-drain only
+        timed = launch(_executor_rank, 1, width, samples, chunks, schedule, repeats, with_peer, timeout=900)[0]
         config = {"width": width, "depth": 8, "samples": samples, "stages": 4, "chunks": chunks,
                   "schedule": schedule, "checkpoint": "never", "memory tracking": False}
-        out.append(result_row("executor overhead vs plain gradient accumulation", config, samples_[0], samples_[1],
+        out.append(result_row("executor overhead vs plain gradient accumulation", config, timed[0], timed[1],
                               target=1.10))
-        if peer_pipe is not None:
-            out.append(result_row(f"ours vs torchgpipe {torchgpipe.__version__}", config, samples_[0], samples_[2],
+        if with_peer:
+            out.append(result_row(f"ours vs torchgpipe {torchgpipe.__version__}", config, timed[0], timed[2],
                                   target=1.0))
     if torchgpipe is None:
         out.append({"name": "ours vs torchgpipe 0.0.7", "config": {}, "ours_s": None, "peer_s": None, "ratio": None,

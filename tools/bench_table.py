@@ -1,0 +1,55 @@
+"""The README's benchmark table from two runs' JSON: ``python tools/bench_table.py run1.json run2.json``.
+
+One row per case (matched by name and configuration, in the first run's order): each run's ratio with the
+middle half of its rounds' ratios where both sides were timed in alternation, the target, and whether both
+runs met it. Skipped rows are left out; they are named in the runs' JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+SHOWN = ("schedule", "microbatches", "chunks", "bytes", "devices", "stages_per_device", "exercise", "notebook")
+
+
+def label(row: dict) -> str:
+    config = ", ".join(f"{key}={row['config'][key]}" for key in SHOWN if key in row["config"])
+    return f"{row['name']} ({config})" if config else row["name"]
+
+
+def figure(row: dict | None) -> str:
+    if row is None or row.get("ratio") is None:
+        return "-"
+    text = f"{row['ratio']:.3f}"
+    if row.get("speedup") is not None:
+        text = f"speedup {row['speedup']:.2f} (theory {row['theory']:.2f})"
+    elif row.get("ratio_quartiles"):
+        low, high = row["ratio_quartiles"]
+        text += f" ({low:.2f}-{high:.2f})"
+    return text
+
+
+def verdict(rows: list[dict | None]) -> str:
+    results = [row.get("met") for row in rows if row is not None]
+    if not results or any(r is None for r in results):
+        return ""
+    return "met" if all(results) else "met in %d of %d" % (sum(results), len(results))
+
+
+def table(first: dict, second: dict) -> str:
+    later = {(r["name"], json.dumps(r["config"], sort_keys=True)): r for r in second["cases"]}
+    lines = ["| case | run 1 | run 2 | target | |", "|---|---|---|---|---|"]
+    for row in first["cases"]:
+        if row.get("skipped") or row.get("error"):
+            continue
+        other = later.get((row["name"], json.dumps(row["config"], sort_keys=True)))
+        target = row.get("target")
+        lines.append(f"| {label(row)} | {figure(row)} | {figure(other)} | {'' if target is None else target} "
+                     f"| {verdict([row, other])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    runs = [json.load(open(path)) for path in sys.argv[1:3]]
+    print(table(*runs))
