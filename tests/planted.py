@@ -65,3 +65,27 @@ def planted_answers() -> dict[str, str]:
                 for row in rows:
                     firsts.setdefault(row[0], row[-1])
     return firsts
+
+
+def solutions_pass_every_case(name: str, capsys) -> None:
+    """Each exercise of solution notebook ``name`` gets full marks from the grader, and its check() passes within
+    the limit (issue 17: check() answers in under 10 s on 2 cores; measured under 2 s)."""
+    import time
+
+    from gpipe_ref.grading import NOTEBOOKS
+
+    namespace = solution_namespace(name)
+    capsys.readouterr()  # what the notebook's cells printed
+    for ex in NOTEBOOKS[name]:
+        verdict = grade(ex.id, namespace)
+        assert verdict.passed and verdict.points == ex.points, verdict
+        began = time.perf_counter()
+        check(ex.id, namespace[ex.answer])
+        assert time.perf_counter() - began < CHECK_LIMIT_S and capsys.readouterr().out.startswith("✅"), ex.id
+
+
+def wrong_answer_loses_the_points(exercise_id: str, namespace: dict) -> None:
+    """A plausible wrong answer scores 0, and the feedback names the failing case."""
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
+    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback
