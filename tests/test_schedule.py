@@ -181,7 +181,7 @@ def test_validate_rejects_non_schedules_and_bad_fields():
         validate("0F0 0B0")
     good = gpipe(2, 2)
     bad = Schedule(good.name, 2, 2, 2, (0, 5), good.per_device)
-    with pytest.raises(ScheduleError, match=r"stage_to_device\[1\] must be a device in 0..1, got 5"):
+    with pytest.raises(ScheduleError, match=r"stage_to_device\[1\] \(a device\) must be an integer in \[0, 1\], got 5"):
         validate(bad)
     bad = Schedule(good.name, 2, 2, 3, (0, 1), good.per_device)
     with pytest.raises(ScheduleError, match=r"per_device must have one list per device \(3\), got 2"):

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..checks import non_negative, positive_int
+from ..checks import integer, non_negative, positive_int
 from .ir import Action, Schedule, ScheduleError
 
 __all__ = ["dependencies", "EncodedSchedule", "encode", "validate", "DeadlockReport", "DeadlockError", "Walk", "walk",
@@ -66,8 +66,10 @@ def encode(schedule: Schedule) -> EncodedSchedule:
             f"stage_to_device must have one entry per stage ({p}), got {len(schedule.stage_to_device)}"
         )
     for s, d in enumerate(schedule.stage_to_device):
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < n:
-            raise ScheduleError(f"stage_to_device[{s}] must be a device in 0..{n - 1}, got {d!r}")
+        try:
+            integer(f"stage_to_device[{s}] (a device)", d, 0, n - 1)
+        except ValueError as error:
+            raise ScheduleError(str(error)) from None
     if len(schedule.per_device) != n:
         raise ScheduleError(
             f"per_device must have one list per device ({n}), got {len(schedule.per_device)}"
