@@ -89,3 +89,15 @@ def wrong_answer_loses_the_points(exercise_id: str, namespace: dict) -> None:
     verdict = grade(exercise_id, namespace)
     assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
     assert verdict.feedback.startswith(("case ", "`")), verdict.feedback
+
+
+def scores_zero_and_the_shown_check_catches_it(exercise_id: str, namespace: dict, shown: str | None, capsys) -> None:
+    """A wrong answer scores 0; the shown check() fails too, naming ``shown``, unless ``shown`` is None (a mistake
+    only the hidden cases catch)."""
+    verdict = grade(exercise_id, namespace)
+    assert verdict.points == 0 and verdict.status == "failed", verdict
+    if shown is None:
+        return
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ Exercise {exercise_id}") and shown in out, out

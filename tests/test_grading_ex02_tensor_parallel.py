@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from planted import (CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer, solutions_pass_every_case,
+from planted import (CHECK_LIMIT_S, GRADE_LIMIT_S, assert_caught, run_answer,
+                     scores_zero_and_the_shown_check_catches_it, solutions_pass_every_case,
                      wrong_answer_loses_the_points)
 from gpipe_ref.grading import EXERCISES, check, grade
 
@@ -292,19 +293,7 @@ class CopyToTensorParallel(torch.autograd.Function):
 ]
 
 
-def _found_answer(exercise_id: str, code: str):
-    namespace = run_answer(FOUND_PRELUDE, code)
-    return namespace, namespace[EXERCISES[exercise_id].answer]
-
-
 @pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])
 def test_wrong_answer_scores_zero_and_the_shown_check_catches_it_when_it_should(exercise_id, what, shown, code,
                                                                               capsys):
-    namespace, answer = _found_answer(exercise_id, code)
-    verdict = grade(exercise_id, namespace)
-    assert verdict.points == 0 and verdict.status == "failed", verdict
-    if shown is None:  # a mistake only the hidden cases catch (a usable_memory other than the shown 0.9)
-        return
-    check(exercise_id, answer)
-    out = capsys.readouterr().out
-    assert out.startswith(f"❌ Exercise {exercise_id}") and shown in out, out
+    scores_zero_and_the_shown_check_catches_it(exercise_id, run_answer(FOUND_PRELUDE, code), shown, capsys)
