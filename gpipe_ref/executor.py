@@ -18,7 +18,7 @@ from .microbatch import batch_size
 from .rematerialization import Snapshot, captured, rematerializes, replayed
 from .schedule import Action
 from .stage_ops import (backward_into, check_activation, check_loss, detached, fusable_linear, grads_of, input_grads,
-                        linear_weight_grads, received, run_layers, to_device)
+                        linear_weight_grads, received, run_layers, to_device, weight_products)
 from .timeline import Timeline
 
 __all__ = ["StepRun"]
@@ -33,6 +33,7 @@ class _MicroState:
     token: object = None  # the meter's count of the held input
     snapshot: Snapshot | None = None  # re-materialization: the random state and buffers to replay
     chain_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # for W: grad of each layer output
+    products: list | None = None  # full B with the weight gradients as products: (weight, bias, input, edge)
 
 
 class StepRun:
@@ -67,7 +68,11 @@ class StepRun:
         self.weight_layers = [[(j, params, (layers[j].weight, layers[j].bias) if fusable_linear(layers[j]) else None)
                                for j, params in
                                ((j, [p for p in layer.parameters() if p.requires_grad]) for j, layer in enumerate(layers))
-                               if params] for layers in self.layers] if self.split_backward else []
+                               if params] for layers in self.layers]
+        # a full B forms the weight gradients as W does (linear_weight_grads) where every trainable layer of the
+        # stage is a fusable Linear: the stage's .grad then match loss.backward()'s up to rounding
+        self.products = [not self.split_backward and bool(layers) and all(linear for _, _, linear in layers)
+                         for layers in self.weight_layers]
         mode, m = pipe.checkpoint, schedule.num_microbatches
         self.checkpointed = [rematerializes(mode, i, m) for i in range(m)]
         self.losses: dict[int, torch.Tensor] = {}
@@ -109,6 +114,12 @@ class StepRun:
         if self.split_backward:
             chain = []
             x = run_layers(self.layers[stage], x, stage, chain)
+        elif (self.products[stage] and type(x) is torch.Tensor and torch.is_grad_enabled()
+              and (stage > 0 or not x.requires_grad)):  # a caller's input that wants a gradient: autograd's way
+            layer_outputs = []
+            out = run_layers(self.layers[stage], x, stage, layer_outputs)
+            st.products = weight_products(self.weight_layers[stage], x, layer_outputs, stage != self.last_stage)
+            x, chain = out, [out]
         else:
             x = run_layers(self.layers[stage], x, stage)
             chain = [x]
@@ -169,6 +180,8 @@ class StepRun:
                 grad = grad.to(root.device)
             if self.split_backward:
                 self._backward_split(stage, microbatch, st, root, grad)
+            elif st.products:
+                self._backward_products(stage, microbatch, st, root, grad)
             else:
                 self._backward_full(stage, microbatch, st, root, grad)
 
@@ -191,6 +204,25 @@ class StepRun:
             backward_into(root, grad)
         if stage > 0:
             self.send_gradient(stage, microbatch, input_grads(st.inputs))
+        self._release(stage, microbatch)
+
+    def _backward_products(self, stage: int, microbatch: int, st: _MicroState, root, grad) -> None:
+        """A full B whose weight gradients are matrix products, as W's (:func:`linear_weight_grads`): one autograd
+        call for the gradients of the stage input and of each Linear's output, not of the weights, which then
+        accumulate straight into ``.grad``. Where autograd would form each weight gradient and add it (the
+        plain model's way), this saves a pass over every weight per micro-batch: what the extra autograd calls of
+        a pipeline (one per stage, not one per micro-batch) cost a small model on a CPU (``bench``, 1F1B)."""
+        wants = stage > 0 and st.inputs.requires_grad
+        targets = ([st.inputs] if wants else []) + [edge for *_, edge in st.products if edge is not None]
+        differentiable = isinstance(root, tuple) or root.requires_grad  # not: the stage ignores its Linears
+        found = iter(grads_of(root, targets, grad, retain_graph=False) if targets and differentiable
+                     else [None] * len(targets))
+        if stage > 0:
+            self.send_gradient(stage, microbatch, next(found) if wants else None)
+        for weight, bias, x, edge in st.products:
+            g = grad if edge is None else next(found)  # None edge: the Linear's output is the stage's output
+            if g is not None:
+                linear_weight_grads(weight, bias, x, g)
         self._release(stage, microbatch)
 
     def _backward_split(self, stage: int, microbatch: int, st: _MicroState, root, grad) -> None:

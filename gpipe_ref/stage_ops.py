@@ -12,11 +12,13 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from .microbatch import Batch
 
 __all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "fusable_linear", "grads_of",
-           "input_grads", "linear_weight_grads", "received", "requires_grad", "run_layers", "to_device"]
+           "input_grads", "linear_weight_grads", "received", "requires_grad", "run_layers", "to_device",
+           "weight_products"]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -102,16 +104,17 @@ def backward_into(root: Batch, grad: Batch | None, inputs: Sequence[torch.Tensor
         (root,), (torch.ones_like(root) if grad is None else grad,), False, False, tuple(inputs), True, True)
 
 
-def grads_of(root: Batch, targets: Sequence[torch.Tensor], grad: Batch | None) -> tuple:
-    """``torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)``."""
+def grads_of(root: Batch, targets: Sequence, grad: Batch | None, retain_graph: bool = True) -> tuple:
+    """``torch.autograd.grad(root, targets, grad, retain_graph=retain_graph, allow_unused=True)``; a target is
+    a tensor or a ``GradientEdge``."""
     if isinstance(root, tuple):
         roots, grads = differentiable(root, grad)
         if not roots:
             return (None,) * len(targets)
-        return torch.autograd.Variable._execution_engine.run_backward(roots, grads, True, False, tuple(targets), True,
-                                                                      False)
+        return torch.autograd.Variable._execution_engine.run_backward(roots, grads, retain_graph, False,
+                                                                      tuple(targets), True, False)
     return torch.autograd.Variable._execution_engine.run_backward(
-        (root,), (torch.ones_like(root) if grad is None else grad,), True, False, tuple(targets), True, False)
+        (root,), (torch.ones_like(root) if grad is None else grad,), retain_graph, False, tuple(targets), True, False)
 
 
 def fusable_linear(layer: nn.Module) -> bool:
@@ -151,6 +154,20 @@ def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x, g: t
         else:
             bias.grad.addmv_(gt, _ones(g.shape[0], g.dtype, g.device))
     return True
+
+
+def weight_products(weight_layers: list, x: torch.Tensor, outputs: list, handed_on: bool) -> list | None:
+    """What a full B needs to form each fusable Linear's weight gradient itself: (weight, bias, the layer's input,
+    the ``GradientEdge`` of its output, or None for the stage's output when it is ``handed_on`` to the next
+    stage, whose B sends its gradient). Holding the edge, not the output, keeps no tensor autograd would not
+    keep. None when a dtype differs (autocast): B then leaves the weight gradients to autograd."""
+    products = []
+    for j, _, (weight, bias) in weight_layers:
+        inp, out = outputs[j - 1] if j else x, outputs[j]
+        if type(inp) is not torch.Tensor or type(out) is not torch.Tensor or not inp.dtype == out.dtype == weight.dtype:
+            return None
+        products.append((weight, bias, inp, None if handed_on and out is outputs[-1] else get_gradient_edge(out)))
+    return products
 
 
 @functools.lru_cache(maxsize=64)

@@ -42,24 +42,49 @@ def test_gradients_and_loss_equal_the_plain_model(schedule, checkpoint):
         torch.testing.assert_close(2 * a.grad, b.grad)
 
 
-@pytest.mark.parametrize("schedule,calls", [("gpipe", {"backward": 16}), ("1f1b", {"backward": 16}),
-                                            ("zero_bubble_h1", {"grad": 16})])
-def test_one_autograd_call_per_stage_and_micro_batch(monkeypatch, schedule, calls):
-    """4 stages x 4 micro-batches: one backward each; zero bubble's B takes the input and layer-output
-    gradients in one call, and its W needs none here: a Linear's weight gradient is one matrix product."""
+def counting_autograd_calls(monkeypatch) -> dict[str, int]:
+    """Count the engine's calls: ``backward`` (accumulating into .grad, as torch.autograd.backward) and
+    ``grad`` (returning the gradients, as torch.autograd.grad)."""
     counted = {"backward": 0, "grad": 0}
     engine = torch.autograd.Variable._execution_engine
 
-    class CountingEngine:  # what torch.autograd.backward (accumulate_grad) and .grad (not) call
+    class CountingEngine:
         def run_backward(self, *args, **kwargs):
             accumulate = args[6] if len(args) > 6 else kwargs["accumulate_grad"]
             counted["backward" if accumulate else "grad"] += 1
             return engine.run_backward(*args, **kwargs)
 
     monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", CountingEngine())
+    return counted
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_one_autograd_call_per_stage_and_micro_batch(monkeypatch, schedule):
+    """4 stages of Linear + ReLU x 4 micro-batches: one call each, for the input and the Linears' output
+    gradients; the weight gradients are then one matrix product each (zero bubble's W, and a full B on a
+    stage whose trainable layers are all Linears), with no autograd call."""
+    counted = counting_autograd_calls(monkeypatch)
     pipe, x, y = pipe_and_data(schedule, track_memory=False)
     pipe.step(x, y, nn.MSELoss())
-    assert counted == {"backward": 0, "grad": 0} | calls
+    assert counted == {"backward": 0, "grad": 16}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_with_other_trainable_layers_leaves_the_weights_to_autograd(monkeypatch, schedule):
+    """A LayerNorm in every stage: one backward per stage and micro-batch, into every .grad, as the plain
+    model's loss.backward(); the gradients still equal the plain model's."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(6, 6), nn.LayerNorm(6))]
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    pipe = GPipe(nn.Sequential(*layers), [2, 2, 2, 2], chunks=4, checkpoint="never", schedule=schedule,
+                 executor="simulated", track_memory=False)
+    x, y = regression_data(samples=8, width=6, seed=0)
+    counted = counting_autograd_calls(monkeypatch)
+    pipe.step(x, y, nn.MSELoss())
+    assert counted == {"backward": 16, "grad": 0}
+    nn.MSELoss()(reference(x), y).backward()
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
