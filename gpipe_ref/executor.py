@@ -217,12 +217,13 @@ class StepRun:
         differentiable = isinstance(root, tuple) or root.requires_grad  # not: the stage ignores its Linears
         found = iter(grads_of(root, targets, grad, retain_graph=False) if targets and differentiable
                      else [None] * len(targets))
-        if stage > 0:
-            self.send_gradient(stage, microbatch, next(found) if wants else None)
+        input_gradient = next(found) if wants else None
         for weight, bias, x, edge in st.products:
             g = grad if edge is None else next(found)  # None edge: the Linear's output is the stage's output
             if g is not None:
                 linear_weight_grads(weight, bias, x, g)
+        if stage > 0:  # sent when the whole B is done, as the schedule (and the simulator) has it
+            self.send_gradient(stage, microbatch, input_gradient)
         self._release(stage, microbatch)
 
     def _backward_split(self, stage: int, microbatch: int, st: _MicroState, root, grad) -> None:
