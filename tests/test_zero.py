@@ -180,11 +180,19 @@ def test_stage3_holds_one_layers_full_weights_at_a_time():
     assert live == padded + [0]  # during layer i's forward only its buffer; none between steps
 
 
-def _unused_parameter(rank: int, world: int) -> str:
-    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
-    zero = ZeRO(model, 2)
+class _BiasOnly(nn.Linear):
+    """A Linear whose forward uses only its bias."""
+
+    def forward(self, x):
+        return x + self.bias
+
+
+def _half_used_module(rank: int, world: int, stage: int) -> str:
+    """A module whose bias takes part in the loss but whose weight does not: one flat shard cannot leave half
+    of itself untouched."""
+    zero = ZeRO(nn.ModuleDict({"part": _BiasOnly(2, 2)}), stage)
     zero.zero_grad()
-    zero.module["used"](torch.randn(4, 3)).sum().backward()
+    zero.module["part"](torch.randn(4, 2)).sum().backward()
     try:
         zero.step()
     except RuntimeError as error:
@@ -192,9 +200,132 @@ def _unused_parameter(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_a_parameter_without_gradient_is_named():
-    for message in launch(_unused_parameter, 2, backend="gloo"):
-        assert "units ['unused'] got no gradient" in message
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_module_half_used_is_refused_naming_the_parameter(stage):
+    for message in launch(_half_used_module, 2, stage, backend="gloo"):
+        assert "parameters ['weight'] of module 'part' got no gradient" in message, message
+
+
+def _torch_clip(rank: int, world: int, stage: int) -> str:
+    model = make_model("mlp", 0)
+    zero = ZeRO(model, stage)
+    x, y = batches(0)[0]
+    zero.zero_grad()
+    nn.functional.mse_loss(zero(x), y).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        zero.step()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torchs_clip_grad_norm_is_refused_with_zeros_own(stage):
+    """Stages 0-1: each .grad is the rank's own un-averaged gradient, so clipping it is caught at step; 2-3:
+    .grad is a stand-in that refuses to be read. Both name zero.clip_grad_norm_."""
+    for message in launch(_torch_clip, 2, stage, backend="gloo"):
+        assert "zero.clip_grad_norm_(max_norm)" in message, message
+
+
+def _stage3_reads(rank: int, world: int) -> dict:
+    model = make_model("mlp", 0)
+    zero = ZeRO(model, 3)
+    x, y = batches(0)[0]
+    zero.zero_grad()
+    nn.functional.mse_loss(zero(x), y).backward()
+    zero.step()
+    errors = {}
+    for what, read in (("state_dict", model.state_dict), ("sum", lambda: float(model[0].weight.sum())),
+                       ("print", lambda: repr(model[0].bias)), ("grad", lambda: model[0].weight.grad.sum())):
+        try:
+            read()
+            errors[what] = "no error"
+        except RuntimeError as error:
+            errors[what] = str(error)
+    state = zero.state_dict()
+    return {"errors": errors, "state": state, "full": zero.full_parameters(), "shape": tuple(model[0].weight.shape),
+            "after_forward": float(zero(x).sum())}
+
+
+def test_stage3_parameters_refuse_to_be_read_between_uses_and_state_dict_gathers():
+    """After a stage-3 step every full weight is freed: reading one raises a message naming zero.state_dict()
+    (before, it read freed memory and killed the rank); zero.state_dict() gathers the whole model; a forward
+    gathers as before."""
+    for run in launch(_stage3_reads, 2, backend="gloo"):
+        for what in ("state_dict", "sum", "print"):
+            assert "call zero.state_dict() or zero.full_parameters()" in run["errors"][what], (what, run["errors"])
+        assert "zero.clip_grad_norm_" in run["errors"]["grad"]
+        assert run["shape"] == (7, 5)
+        weights = [v for k, v in run["state"].items()]
+        assert _largest_difference(weights, run["full"]) == 0.0
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight  # one weight, two modules
+
+    def forward(self, x, use_extra: bool = True):
+        return self.b(torch.tanh(self.a(x)))[:, :3]
+
+
+def _tied(rank: int, world: int, stage: int) -> list[float]:
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 4), torch.randn(8, 3)) for _ in range(3)]
+    torch.manual_seed(1)
+    plain = Tied()
+    optimizer = torch.optim.Adam(plain.parameters(), lr=LR)
+    torch.manual_seed(1)
+    zero = ZeRO(Tied(), stage, lr=LR)
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        optimizer.step()
+        zero.zero_grad()
+        nn.functional.mse_loss(zero(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        zero.step()
+    return _largest_difference(zero.full_parameters(), [p.detach() for p in plain.parameters()])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_weight_tied_between_two_modules_trains_as_plain_adam(stage):
+    """The shared weight belongs to its first module's unit; the second module gathers that unit too (stage 3).
+    Before: stage 2 raised an AttributeError and stage 3 killed the ranks."""
+    for difference in launch(_tied, 2, stage, backend="gloo"):
+        assert difference < 1e-6
+
+
+def _disagreeing(rank: int, world: int, what: str) -> None:
+    if what == "stage":
+        ZeRO(make_model("mlp", 0), 3 if rank == 0 else 2)
+    else:
+        ZeRO(nn.Linear(5, 7 if rank == 0 else 9), 1)
+
+
+@pytest.mark.parametrize("what,expected", [("stage", "stage: rank 0 3, rank 1 2"),
+                                           ("model", "parameters: rank 0")])
+def test_ranks_that_disagree_fail_at_construction_naming_them(what, expected):
+    """One all-gather at construction: a stage or a model that differs across ranks fails at once (before, the
+    ranks waited until the timeout, or died in gloo)."""
+    import time
+
+    began = time.perf_counter()
+    with pytest.raises(RankError, match=r"every rank must use the same") as caught:
+        launch(_disagreeing, 2, what, backend="gloo", timeout=60)
+    assert expected in str(caught.value) and time.perf_counter() - began < 10
+
+
+def _mixed_dtypes(rank: int, world: int) -> None:
+    layer = nn.Linear(3, 2)
+    layer.bias.data = layer.bias.data.double()
+    ZeRO(layer, 1)
+
+
+def test_a_module_with_two_dtypes_is_refused():
+    with pytest.raises(RankError, match=r"must share a dtype: module '\(the module itself\)' has"):
+        launch(_mixed_dtypes, 2, backend="gloo")
 
 
 def _bad_stage(rank: int, world: int) -> None:
@@ -202,7 +333,7 @@ def _bad_stage(rank: int, world: int) -> None:
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(RankError, match=r"stage must be one of \(0, 1, 2, 3\), got 4"):
+    with pytest.raises(RankError, match=r"stage must be an integer in \[0, 3\], got 4"):
         launch(_bad_stage, 2, backend="gloo")
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         ZeRO(nn.Linear(2, 2), 1)
@@ -217,3 +348,77 @@ def test_formulas_by_hand():
     """Ψ = 1000 padded elements on 4 ranks: 16 kB for DDP; 8 + 2, 4 + 3 and 4 kB for the stages."""
     assert [sum(zero_state_bytes(1000, s, 4).values()) for s in range(4)] == [16000, 10000, 7000, 4000]
     assert [zero_traffic_bytes(1000, s, 4) for s in range(4)] == [6000, 6000, 6000, 9000]
+
+
+# -- torch's habits, clipping, unused and tied parameters, dtypes (the reliability review of 2026-11-26) --------
+class Branchy(nn.Module):
+    """A trunk, a head, and an extra Linear that only some steps use (an unused unit on the others)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.extra, self.head = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x, use_extra: bool = True):
+        h = torch.tanh(self.trunk(x))
+        return self.head(torch.tanh(self.extra(h)) if use_extra else h)
+
+
+# (how the step zeroes the gradients, whether it uses the extra unit, whether it clips) for each of 5 steps
+PLAN = [("zero", True, True), ("model", False, False), (None, True, True), ("optimizer", True, False),
+        ("zero", False, True)]
+CLIP = 0.05
+
+
+def _train_with_habits(model: nn.Module, data, step, zeroings: dict, clip) -> None:
+    """The PLAN's steps, then a second step on the last backward (the same gradient again)."""
+    for (x, y), (zeroing, use_extra, clipped) in zip(data, PLAN):
+        zeroings[zeroing]()
+        nn.functional.mse_loss(model(x, use_extra), y).backward()
+        if clipped:
+            clip()
+        step()
+    step()
+
+
+def _habits(rank: int, world: int, stage: int, dtype) -> dict:
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 5, dtype=dtype), torch.randn(8, 3, dtype=dtype)) for _ in PLAN]
+    mine = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in data]
+    weights = {}
+    for way in ("plain", "ddp"):  # one process on the whole batch; torch's DDP on this rank's rows
+        torch.manual_seed(1)
+        module = Branchy().to(dtype)
+        model = module if way == "plain" else nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+        optimizer = torch.optim.Adam(module.parameters(), lr=LR, weight_decay=0.01)
+        _train_with_habits(model, data if way == "plain" else mine, optimizer.step,
+                           dict.fromkeys(("zero", "model", "optimizer"), optimizer.zero_grad) | {None: lambda: None},
+                           lambda: torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP))
+        weights[way] = [p.detach().clone() for p in module.parameters()]
+    torch.manual_seed(1)
+    module = Branchy().to(dtype)
+    zero = ZeRO(module, stage, lr=LR, weight_decay=0.01)
+    _train_with_habits(zero, mine, zero.step, {"zero": zero.zero_grad, "model": module.zero_grad,
+                                               "optimizer": zero.optimizer.zero_grad, None: lambda: None},
+                       lambda: zero.clip_grad_norm_(CLIP))
+    weights["zero"] = zero.full_parameters()
+    return weights | {"dtype": weights["zero"][0].dtype}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torchs_habits_clipping_and_an_unused_unit_equal_plain_adam_and_ddp(stage):
+    """6 Adam steps with weight decay that zero the gradients with zero.zero_grad(), model.zero_grad(),
+    zero.optimizer.zero_grad() or not at all (accumulating over two backwards), leave a unit unused on two
+    steps, clip by the global norm, and end with a second step on one backward: the weights equal one process
+    with torch's Adam and clip_grad_norm_, and torch's DDP (find_unused_parameters)."""
+    for run in launch(_habits, 2, stage, torch.float32, backend="gloo", timeout=120):
+        assert _largest_difference(run["ddp"], run["plain"]) < 1e-6
+        assert _largest_difference(run["zero"], run["plain"]) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_keeps_its_dtype(dtype):
+    """A float64 or bfloat16 model trains in its dtype (the flat buffers take it), as the plain model does."""
+    for run in launch(_habits, 2, 3, dtype, backend="gloo", timeout=120):
+        assert run["dtype"] == dtype
+        tolerance = 1e-8 if dtype == torch.float64 else 2e-2  # Adam divides by sqrt(v): rounding grows
+        assert _largest_difference([t.double() for t in run["zero"]], [t.double() for t in run["plain"]]) < tolerance

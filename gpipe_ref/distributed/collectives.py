@@ -6,6 +6,7 @@ from its left, so that rank r ends up holding the full sum of chunk r+1.
 All-gather: in n-1 more steps the summed chunks travel round the ring. Each
 rank sends 2(n-1)/n of the tensor, whatever n is: the reason rings scale
 (Patarasuk & Yuan 2009; used by Horovod, Sergeev & Del Balso 2018, and NCCL).
+The two halves also stand alone, in place on a flat buffer: ZeRO's reduce-scatter and all-gather.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.distributed as dist
 
 from ..checks import one_of
 
-__all__ = ["RING_PHASES", "RingState", "check_same_shape", "ring_all_reduce", "ring_chunk_to_send", "ring_states"]
+__all__ = ["RING_PHASES", "RingState", "check_same_shape", "ring_all_gather", "ring_all_reduce", "ring_chunk_to_send",
+           "ring_reduce_scatter", "ring_states"]
 
 RING_PHASES = ("reduce_scatter", "all_gather")
 
@@ -121,3 +123,34 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if not tensor.is_contiguous():
         tensor.data.copy_(flat.view_as(tensor))
     return sent
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
+    requests = [dist.isend(send.contiguous(), right), dist.irecv(recv, left)]
+    for request in requests:
+        request.wait()
+
+
+def ring_reduce_scatter(flat: torch.Tensor) -> int:
+    """Sum ``flat`` (N equal chunks) over the ranks by a ring, in place: afterwards chunk r of rank r holds the
+    sum of every rank's chunk r (the other chunks hold partial sums). Returns the bytes this rank sent."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = flat.view(n, -1)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):  # send the chunk summed so far, add the left neighbour's to the next one
+        send, receive = (rank - step - 1) % n, (rank - step - 2) % n  # the last step completes chunk `rank`
+        _exchange(chunks[send], incoming, (rank + 1) % n, (rank - 1) % n)
+        chunks[receive] += incoming
+    return (n - 1) * chunks[0].nbytes
+
+
+def ring_all_gather(flat: torch.Tensor) -> int:
+    """Chunk r of rank r travels round the ring to every rank, in place. Returns the bytes this rank sent."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = flat.view(n, -1)
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):  # pass on the chunk received last (first: our own)
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        _exchange(chunks[send], incoming, (rank + 1) % n, (rank - 1) % n)
+        chunks[receive].copy_(incoming)
+    return (n - 1) * chunks[0].nbytes

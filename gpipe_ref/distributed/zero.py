@@ -35,58 +35,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import one_of, positive, positive_int
+from ..checks import integer, one_of, positive, positive_int
 from ..model_states import MODEL_STATES, ZERO_STAGES, model_state_bytes
-from .collectives import ring_all_reduce
+from .agreement import check_agreement
+from .collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .zero_guards import ShardedGradient, hide_parameter, sharded_gradient, show_parameter
 
-__all__ = ["ZeRO", "zero_state_bytes", "zero_traffic_bytes", "ring_reduce_scatter", "ring_all_gather", "ZERO_STAGES",
-           "COLLECTIVES", "COMM_KINDS"]
+__all__ = ["ZeRO", "zero_state_bytes", "zero_traffic_bytes", "ZERO_STAGES", "COLLECTIVES", "COMM_KINDS"]
 
 COLLECTIVES = ("ring", "torch")
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
-    requests = [dist.isend(send.contiguous(), right), dist.irecv(recv, left)]
-    for request in requests:
-        request.wait()
-
-
-def ring_reduce_scatter(flat: torch.Tensor) -> int:
-    """Sum ``flat`` (N equal chunks) over the ranks by a ring, in place: afterwards chunk r of rank r holds the
-    sum of every rank's chunk r (the other chunks hold partial sums). Returns the bytes this rank sent."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    chunks = flat.view(n, -1)
-    incoming = torch.empty_like(chunks[0])
-    for step in range(n - 1):  # send the chunk summed so far, add the left neighbour's to the next one
-        send, receive = (rank - step - 1) % n, (rank - step - 2) % n  # the last step completes chunk `rank`
-        _exchange(chunks[send], incoming, (rank + 1) % n, (rank - 1) % n)
-        chunks[receive] += incoming
-    return (n - 1) * chunks[0].nbytes
-
-
-def ring_all_gather(flat: torch.Tensor) -> int:
-    """Chunk r of rank r travels round the ring to every rank, in place. Returns the bytes this rank sent."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    chunks = flat.view(n, -1)
-    incoming = torch.empty_like(chunks[0])
-    for step in range(n - 1):  # pass on the chunk received last (first: our own)
-        send, receive = (rank - step) % n, (rank - step - 1) % n
-        _exchange(chunks[send], incoming, (rank + 1) % n, (rank - 1) % n)
-        chunks[receive].copy_(incoming)
-    return (n - 1) * chunks[0].nbytes
-
-
 class _Unit:
-    """The parameters one module owns, as one flat buffer of ``padded`` elements (N shards of ``shard_size``)."""
+    """The parameters one module owns, as one flat buffer of ``padded`` elements (N shards of ``shard_size``).
+    A parameter shared by two modules (tied weights) belongs to the first that owns it."""
 
-    def __init__(self, name: str, module: nn.Module, world_size: int) -> None:
-        self.name, self.module = name, module
-        self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], world_size: int) -> None:
+        self.name, self.module, self.params = name, module, params
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO keeps a module's parameters in one flat buffer, so they must share a dtype: "
+                             f"module '{name or '(the module itself)'}' has {sorted(map(str, dtypes))}")
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.numel = sum(p.numel() for p in params)
         self.shard_size = math.ceil(self.numel / world_size)
         self.padded = self.shard_size * world_size
         self.ready = 0  # parameters whose gradient this backward has produced
+        self.received: set[int] = set()  # parameters (by index) that got a gradient since the last zeroing
+        self.reduced = False
+        self.version = None  # stages 0-1: the gradient buffer's version when the backward left it
+        self.guarded = False  # stages 2-3: the parameters' .grad hold ShardedGradient stand-ins
+
+    def label(self) -> str:
+        return self.name or "(the module itself)"
 
 
 class ZeRO:
@@ -96,16 +78,18 @@ class ZeRO:
 
         zero.zero_grad(); loss_fn(zero(x), y).backward(); zero.step()
 
-    ``stage`` 0 is DDP (nothing sharded), 1-3 the stages of sec. 5. One backward per step.
-    ``traffic`` holds the bytes this rank sent since the last ``zero_grad``, by collective;
-    ``held_bytes()`` the bytes it keeps between steps.
+    ``stage`` 0 is DDP (nothing sharded), 1-3 the stages of sec. 5. Gradients accumulate over backwards until
+    ``zero_grad`` (``model.zero_grad()`` and ``zero.optimizer.zero_grad()`` work too); ``clip_grad_norm_`` clips
+    the averaged gradient by its global norm; a module none of whose parameters got a gradient on any rank is left
+    untouched by the step, as DDP (``find_unused_parameters``) and Adam leave it. ``traffic`` holds the bytes
+    this rank sent since the last ``zero_grad``, by collective; ``held_bytes()`` the bytes it keeps between steps.
     """
 
     def __init__(self, module: nn.Module, stage: int, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, collectives: str = "torch") -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        one_of("stage", stage, ZERO_STAGES)
+        integer("stage", stage, min(ZERO_STAGES), max(ZERO_STAGES))
         one_of("collectives", collectives, COLLECTIVES)
         positive("lr", lr)
         if not dist.is_initialized():
@@ -113,43 +97,56 @@ class ZeRO:
                                "with gpipe_ref.distributed.launch or torchrun (init_from_env)")
         self.module, self.stage, self.collectives = module, stage, collectives
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.units = [_Unit(name, m, self.world_size) for name, m in module.named_modules()
-                      if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.units = _units(module, self.world_size)
         if not self.units:
             raise ValueError("module must have parameters that require a gradient, got none")
+        check_agreement("ZeRO", {"stage": stage, "collectives": collectives, "parameters": [
+            (unit.label(), [(tuple(p.shape), str(p.dtype)) for p in unit.params]) for unit in self.units]})
         self.traffic = dict.fromkeys(COMM_KINDS, 0)
-        shards = []
-        for unit in self.units:
-            full = torch.zeros(unit.padded)
-            with torch.no_grad():
-                torch.cat([p.detach().reshape(-1) for p in unit.params], out=full[:unit.numel])
-            dist.broadcast(full, 0)  # every replica starts from rank 0's weights
-            unit.full = full
-            self._point_params(unit)
-            lo = unit.shard_size * self.rank
-            if stage == 3:  # keep only this rank's shard; the full buffer is rebuilt when needed
-                unit.shard = nn.Parameter(full[lo:lo + unit.shard_size].clone())
-                full.untyped_storage().resize_(0)
-            elif stage in (1, 2):  # the optimizer steps a view of this rank's shard of the full weights
-                unit.shard = nn.Parameter(full[lo:lo + unit.shard_size])
-            else:
-                unit.shard = nn.Parameter(full)
-            if stage <= 1:  # the full gradient is kept: parameters accumulate into views of one flat buffer
-                unit.grad = torch.zeros(unit.padded)
-                offset = 0
-                for p in unit.params:
-                    p.grad = unit.grad[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
-                unit.shard.grad = unit.grad if stage == 0 else unit.grad[lo:lo + unit.shard_size]
-            else:  # only this rank's shard of the gradient is kept
-                unit.shard.grad = torch.zeros(unit.shard_size)
-                for p in unit.params:
-                    p.register_post_accumulate_grad_hook(lambda _p, unit=unit: self._grad_ready(unit))
-            if stage == 3:
-                unit.module.register_forward_pre_hook(lambda _m, _args, unit=unit: self._gather(unit))
-                unit.module.register_forward_hook(lambda _m, _args, out, unit=unit: self._after_forward(unit, out))
-            shards.append(unit.shard)
-        self.optimizer = torch.optim.Adam(shards, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._averaged = False  # this step's gradients are averaged (by clip_grad_norm_ or step)
+        self.optimizer = torch.optim.Adam([self._shard(unit) for unit in self.units], lr=lr, betas=betas, eps=eps,
+                                          weight_decay=weight_decay)
+        module.register_forward_pre_hook(lambda _m, _args: self._before_forward())
+        if stage == 3:
+            for owner, units in _users(module, self.units).items():
+                owner.register_forward_pre_hook(lambda _m, _args, units=units: self._gather(*units))
+                owner.register_forward_hook(lambda _m, _args, out, units=units: self._after_forward(units, out))
+            for unit in self.units:
+                self._free(unit)
+
+    def _shard(self, unit: _Unit) -> nn.Parameter:
+        """Build the unit's flat buffers (weights from rank 0), point its parameters and gradients at them, and
+        return the tensor Adam steps on this rank."""
+        full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1) for p in unit.params], out=full[:unit.numel])
+        dist.broadcast(full, 0)  # every replica starts from rank 0's weights
+        unit.full = full
+        self._point_params(unit)
+        lo = unit.shard_size * self.rank
+        if self.stage == 3:  # keep only this rank's shard; the full buffer is rebuilt when needed
+            unit.shard = nn.Parameter(full[lo:lo + unit.shard_size].clone())
+        elif self.stage in (1, 2):  # the optimizer steps a view of this rank's shard of the full weights
+            unit.shard = nn.Parameter(full[lo:lo + unit.shard_size])
+        else:
+            unit.shard = nn.Parameter(full)
+        if self.stage <= 1:  # the full gradient is kept: parameters accumulate into views of one flat buffer
+            unit.grad = torch.zeros_like(full)
+            unit.views = []
+            offset = 0
+            for p in unit.params:
+                unit.views.append(unit.grad[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            for k, (p, view) in enumerate(zip(unit.params, unit.views)):
+                p.grad = view
+                p.register_post_accumulate_grad_hook(lambda _p, unit=unit, k=k: self._accumulated(unit, k))
+            unit.shard_grad = unit.grad if self.stage == 0 else unit.grad[lo:lo + unit.shard_size]
+        else:  # only this rank's shard of the gradient is kept
+            unit.shard_grad = torch.zeros(unit.shard_size, dtype=unit.dtype, device=unit.device)
+            for k, p in enumerate(unit.params):
+                p.register_post_accumulate_grad_hook(lambda _p, unit=unit, k=k: self._grad_ready(unit, k))
+        unit.shard.grad = unit.shard_grad
+        return unit.shard
 
     @property
     def padded_numel(self) -> int:
@@ -160,6 +157,7 @@ class ZeRO:
         """Make the module's parameters views of the unit's full buffer (their own version counters stay)."""
         offset = 0
         for p in unit.params:
+            show_parameter(p)
             p.data = unit.full[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
@@ -195,70 +193,191 @@ class ZeRO:
 
     # -- stage 3: gather a unit's weights before use, free them after -----------------------------------------
 
-    def _gather(self, unit: _Unit) -> None:
-        if unit.full.untyped_storage().nbytes() == 0:
-            unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
-            self._all_gather(unit.full, unit.shard.detach())
+    def _gather(self, *units: _Unit) -> None:
+        for unit in units:
+            if unit.full.untyped_storage().nbytes() == 0:
+                unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
+                self._all_gather(unit.full, unit.shard.detach())
+                self._point_params(unit)
 
     def _free(self, unit: _Unit) -> None:
         unit.full.untyped_storage().resize_(0)
+        for p in unit.params:  # reading a freed parameter now raises (not a read of freed memory)
+            hide_parameter(p)
 
-    def _after_forward(self, unit: _Unit, output) -> None:
-        self._free(unit)
-        if torch.is_grad_enabled():  # gather again just before the backward of this unit runs
+    def _after_forward(self, units: list[_Unit], output) -> None:
+        for unit in units:
+            self._free(unit)
+        if torch.is_grad_enabled():  # gather again just before the backward of these units runs
             for t in _output_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, unit=unit: self._gather(unit))
+                    t.register_hook(lambda grad, units=units: self._gather(*units))
 
-    # -- stages 2 and 3: reduce-scatter a unit's gradients as soon as they are all there -----------------------
+    # -- the gradients as the backward leaves them ----------------------------------------------------------------
 
-    def _grad_ready(self, unit: _Unit) -> None:
+    def _accumulated(self, unit: _Unit, k: int) -> None:
+        """Stages 0-1: parameter ``k`` added its gradient into the flat buffer."""
+        unit.received.add(k)
+        unit.version = unit.grad._version
+
+    def _grad_ready(self, unit: _Unit, k: int) -> None:
+        """Stages 2-3: once every parameter of the unit has its gradient, reduce-scatter them into the shard."""
+        unit.received.add(k)
         unit.ready += 1
         if unit.ready < len(unit.params):
             return
         unit.ready = 0
-        flat = torch.zeros(unit.padded)
+        flat = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
         torch.cat([p.grad.reshape(-1) for p in unit.params], out=flat[:unit.numel])
-        for p in unit.params:
-            p.grad = None  # the full gradient is freed: only the shard stays
-        mine = torch.empty(unit.shard_size)
+        for p in unit.params:  # the full gradient is freed: only the shard stays; p.grad now refuses to be read
+            p.grad = sharded_gradient(p)
+        unit.guarded = True
+        mine = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
         self._reduce_scatter(flat, mine)
-        unit.shard.grad += mine / self.world_size
+        unit.shard_grad += mine / self.world_size
         unit.reduced = True
         if self.stage == 3:
             self._free(unit)
 
+    def _before_forward(self) -> None:
+        """Before a training forward: take up a zeroing done the torch way (``model.zero_grad()`` sets each
+        ``.grad`` to None; ``zero.optimizer.zero_grad()`` each shard's), and clear the stand-ins."""
+        if not torch.is_grad_enabled():
+            return
+        for unit in self.units:
+            unit.ready = 0
+            if unit.shard.grad is None:  # zero.optimizer.zero_grad()
+                self._zero(unit)
+            if self.stage <= 1:
+                for k, (p, view) in enumerate(zip(unit.params, unit.views)):
+                    if p.grad is None:  # model.zero_grad(): this gradient starts from zero
+                        view.zero_()
+                        unit.received.discard(k)
+                    elif p.grad is not view:  # a gradient put there by hand: it joins the flat buffer
+                        view.copy_(p.grad)
+                    p.grad = view
+                if unit.version is not None:  # our own writes are not a change after the backward
+                    unit.version = unit.grad._version
+            elif unit.guarded:
+                if any(type(p.grad) is not ShardedGradient for p in unit.params):  # model.zero_grad()
+                    self._zero(unit)
+                for p in unit.params:
+                    p.grad = None
+                unit.guarded = False
+
+    def _zero(self, unit: _Unit) -> None:
+        (unit.grad if self.stage <= 1 else unit.shard_grad).zero_()
+        unit.shard.grad = unit.shard_grad
+        unit.received.clear()
+        unit.reduced, unit.version = False, None
+
     # -- the training step ------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        for unit in self.units:
-            unit.reduced, unit.ready = False, 0
         return self.module(*args, **kwargs)
 
     def zero_grad(self) -> None:
         """Zero the gradients this rank keeps and the traffic count."""
         for unit in self.units:
-            (unit.grad if self.stage <= 1 else unit.shard.grad).zero_()
+            self._zero(unit)
+            if self.stage <= 1:
+                for p, view in zip(unit.params, unit.views):
+                    p.grad = view
         self.traffic = dict.fromkeys(COMM_KINDS, 0)
+
+    def _used_units(self) -> list[_Unit]:
+        """The units whose parameters got a gradient on some rank (one small all-reduce); refuses a unit some of
+        whose parameters did and some did not, which one flat Adam shard cannot leave half untouched."""
+        flags = torch.tensor([k in unit.received for unit in self.units for k in range(len(unit.params))],
+                             dtype=torch.int32, device=self.units[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a control message: not counted in traffic
+        used, offset = [], 0
+        for unit in self.units:
+            got = flags[offset:offset + len(unit.params)].tolist()
+            offset += len(unit.params)
+            if all(got):
+                used.append(unit)
+            elif any(got):
+                names = [name for name, p in unit.module.named_parameters(recurse=False)
+                         if any(p is q for q, g in zip(unit.params, got) if not g)]
+                raise RuntimeError(f"ZeRO: parameters {names} of module '{unit.label()}' got no gradient since the "
+                                   f"last zero_grad while the rest of the module did: ZeRO steps a module's "
+                                   f"parameters as one flat shard and cannot leave some of them untouched as Adam "
+                                   f"would; use every parameter of the module, or freeze the unused ones "
+                                   f"(requires_grad=False)")
+        return used
+
+    def _average(self) -> list[_Unit]:
+        """Average this step's gradients over the ranks, once (stages 0-1 here; 2-3 did it in the backward), into
+        the tensors Adam steps; the units to step. Refuses gradients changed in place after the backward."""
+        if self._averaged:
+            return self._stepped
+        if self.stage <= 1:
+            for unit in self.units:
+                if unit.version is not None and unit.grad._version != unit.version:
+                    raise RuntimeError(
+                        f"ZeRO stage {self.stage}: the gradients of module '{unit.label()}' were changed in place "
+                        f"after the backward (torch.nn.utils.clip_grad_norm_ on the module's parameters?). Each "
+                        f"rank's .grad holds its own un-averaged gradient here: clip with "
+                        f"zero.clip_grad_norm_(max_norm), which clips the averaged one")
+            self._before_forward()  # a model.zero_grad() between the forward and the backward, taken up
+        used = self._used_units()
+        for unit in used:
+            if self.stage == 0:
+                self._all_reduce(unit.grad)
+                unit.grad /= self.world_size
+                unit.version = unit.grad._version
+            elif self.stage == 1:  # the local gradient stays as it is (a second step, or the next backward,
+                # adds to it); the averaged shard is Adam's for this step only
+                flat = unit.grad.clone() if self.collectives == "ring" else unit.grad
+                mine = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
+                self._reduce_scatter(flat, mine)
+                unit.shard.grad = mine.div_(self.world_size)
+            elif not unit.reduced:
+                raise RuntimeError(f"ZeRO stage {self.stage}: the parameters of module '{unit.label()}' got their "
+                                   f"gradients in different backwards; stages 2-3 reduce-scatter a module's gradients "
+                                   f"once all of them are there in one backward: use every parameter of the module "
+                                   f"in each backward")
+        for unit in self.units:
+            if unit not in used:
+                unit.shard.grad = None  # Adam leaves it (and its moments) untouched, as torch's Adam does
+        self._averaged, self._stepped = True, used
+        return used
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for ZeRO: the norm of the averaged gradient over every rank's shard
+        (a sum over the ranks, as FSDP's ``clip_grad_norm_`` computes it), and each shard scaled by
+        ``max_norm / (norm + 1e-6)`` where that is below 1. Between the backward and ``step``, on every rank."""
+        positive("max_norm", max_norm)
+        if not (norm_type == math.inf or (isinstance(norm_type, (int, float)) and norm_type > 0)):
+            raise ValueError(f"norm_type must be a positive number or math.inf, got {norm_type!r}")
+        used = self._average()
+        local = torch.zeros(1, device=self.units[0].device)
+        for g in (unit.shard.grad for unit in used):
+            if norm_type == math.inf:
+                local = torch.maximum(local, g.abs().max().float())
+            else:
+                local += g.float().abs().pow(norm_type).sum()
+        if self.stage > 0:  # each rank holds its shard: combine them (a control message, not in traffic)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+        total = local[0] if norm_type == math.inf else local[0] ** (1.0 / norm_type)
+        scale = min(1.0, max_norm / (float(total) + 1e-6))
+        for unit in used:
+            unit.shard.grad.mul_(scale)
+            if self.stage == 1:  # the local gradient too (the same factor on every rank): a second step on this
+                unit.grad.mul_(scale)  # backward averages it again and must find it clipped, as torch's .grad
+            if self.stage <= 1:
+                unit.version = unit.grad._version
+        return total
 
     def step(self) -> None:
         """Average the gradients (stages 0-1: now; 2-3: done during the backward), step Adam on this rank's
         shard, and give every rank the updated weights (stages 1-2: all-gather; 3: they stay sharded)."""
-        if self.stage >= 2:
-            missing = [unit.name or "(the module itself)" for unit in self.units if not getattr(unit, "reduced", False)]
-            if missing:
-                raise RuntimeError(f"ZeRO stage {self.stage}: units {missing} got no gradient for every parameter "
-                                   "in this backward; every parameter must take part in every step's loss")
-        for unit in self.units:
-            if self.stage == 0:
-                self._all_reduce(unit.grad)
-                unit.grad /= self.world_size
-            elif self.stage == 1:
-                lo = unit.shard_size * self.rank
-                mine = torch.empty(unit.shard_size)
-                self._reduce_scatter(unit.grad, mine)
-                unit.grad[lo:lo + unit.shard_size] = mine / self.world_size
+        self._average()
         self.optimizer.step()
+        self._averaged = False
+        for unit in self.units:
+            unit.shard.grad = unit.shard_grad
         if self.stage in (1, 2):
             for unit in self.units:
                 with torch.no_grad():
@@ -268,16 +387,18 @@ class ZeRO:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this rank keeps between steps, by kind: each distinct storage counted once
-        (a view of a buffer already counted adds nothing; a freed full buffer has 0 bytes). Adam's step
-        counter, one scalar per shard, is left out, as in ``memory.measure_anatomy``."""
+        (a view of a buffer already counted adds nothing; a freed full buffer has 0 bytes; a stand-in
+        ``.grad`` counts nothing). Adam's step counter, one scalar per shard, is left out, as in
+        ``memory.measure_anatomy``."""
         seen: set[int] = set()
 
         def size(tensors) -> int:
             total = 0
             for t in tensors:
-                if t is None:
+                if t is None or isinstance(t, ShardedGradient):
                     continue
-                storage = t.untyped_storage()
+                with torch._C.DisableTorchFunctionSubclass():
+                    storage = t.untyped_storage()
                 if storage.data_ptr() in seen or storage.nbytes() == 0:
                     continue
                 seen.add(storage.data_ptr())
@@ -285,7 +406,7 @@ class ZeRO:
             return total
 
         params = [p for unit in self.units for p in unit.params] + [unit.shard for unit in self.units]
-        grads = [p.grad for unit in self.units for p in unit.params] + [unit.shard.grad for unit in self.units]
+        grads = [p.grad for unit in self.units for p in unit.params] + [unit.shard_grad for unit in self.units]
         states = [s[k] for s in self.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
         return dict(zip(MODEL_STATES, (size(params), size(grads), size(states))))
 
@@ -294,7 +415,7 @@ class ZeRO:
         them: a collective, so every rank must call it; not counted in ``traffic``)."""
         copies = {}
         for unit in self.units:
-            full = torch.empty(unit.padded)
+            full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
             if self.stage == 3:
                 dist.all_gather(list(full.view(self.world_size, -1).unbind()), unit.shard.detach().contiguous())
             else:
@@ -304,6 +425,42 @@ class ZeRO:
                 copies[id(p)] = full[offset:offset + p.numel()].view(p.shape).clone()
                 offset += p.numel()
         return [copies[id(p)] for p in self.module.parameters() if id(p) in copies]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()`` with every parameter whole (stage 3 gathers them: every rank must call it)."""
+        full = dict(zip((id(p) for p in self.module.parameters() if p.requires_grad), self.full_parameters()))
+        out = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            out[name] = full[id(value)] if id(value) in full else value.detach()
+        return out
+
+
+def _units(module: nn.Module, world_size: int) -> list[_Unit]:
+    """One unit per module that owns trainable parameters; a parameter owned twice goes to its first owner."""
+    seen: set[int] = set()
+    units = []
+    for name, m in module.named_modules():
+        params = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            units.append(_Unit(name, m, params, world_size))
+    return units
+
+
+def _users(module: nn.Module, units: list[_Unit]) -> dict[nn.Module, list[_Unit]]:
+    """Stage 3: for each module that owns trainable parameters, the units holding them (its own, and the unit
+    of a weight it shares with an earlier module), gathered before its forward and freed after."""
+    owner = {id(p): unit for unit in units for p in unit.params}
+    users = {}
+    for m in module.modules():
+        needed = []
+        for p in m.parameters(recurse=False):
+            unit = owner.get(id(p))
+            if unit is not None and unit not in needed:
+                needed.append(unit)
+        if needed:
+            users[m] = needed
+    return users
 
 
 def zero_state_bytes(numel: int, stage: int, world_size: int) -> dict[str, int]:
