@@ -233,3 +233,24 @@ def test_the_garbage_collector_is_paused_during_a_step_and_restored():
     for rank, (during, after, left_off) in enumerate(launch(_garbage_collector, 2, timeout=60)):
         assert (len(during) >= 4 and not any(during)) if rank == 1 else during == []  # the last stage's rank
         assert after and left_off
+
+
+def _disagreeing_pipeline(rank: int, world: int, what: str) -> None:
+    chunks, schedule = 2, "gpipe"
+    if rank == 1:
+        chunks, schedule = (4, schedule) if what == "chunks" else (chunks, "1f1b")
+    pipe = PipelineParallel(mlp(width=4, depth=2, seed=0), [2, 2], chunks=chunks, schedule=schedule)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+
+
+@pytest.mark.parametrize("what,expected", [("chunks", "chunks: rank 0 2, rank 1 4"),
+                                           ("schedule", "schedule: rank 0 'gpipe', rank 1 '1f1b'")])
+def test_ranks_that_disagree_fail_at_construction_naming_them(what, expected):
+    """One all-gather at construction: ranks with other micro-batch counts or schedules fail at once, naming
+    the setting and each rank's value (before, both waited for messages until the timeout)."""
+    import time
+
+    began = time.perf_counter()
+    with pytest.raises(RankError, match="PipelineParallel: every rank must use the same") as caught:
+        launch(_disagreeing_pipeline, 2, what, backend="gloo", timeout=60)
+    assert expected in str(caught.value) and time.perf_counter() - began < 10

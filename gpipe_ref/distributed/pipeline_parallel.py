@@ -60,6 +60,7 @@ from ..partition import split
 from ..pipeline import GPipe
 from ..schedule import Schedule
 from ..timeline import Event, Timeline
+from .agreement import check_agreement
 from .messages import DTYPES, HEADER_BYTES, NO_TENSOR, TUPLE_CODE, header_fields, pack_tuple, unpack_tuple
 
 __all__ = ["PipelineParallel", "RankStepRun", "TiedParameter"]
@@ -121,6 +122,7 @@ class PipelineParallel(GPipe):
                          stages_per_device=stages_per_device, executor="auto", track_memory=track_memory,
                          deferred_batch_norm=deferred_batch_norm)
         self.executor = "ranks"  # one process per pipeline device, no worker threads
+        check_agreement("PipelineParallel", _shared_settings(self, module, schedule), group=group)
         self.records_timeline = timeline
         self._message_bytes: dict[int, int] = {}  # tag -> size of its next message, the same on both ranks
         ties = _find_ties(module, self.balance, self.schedule.stage_to_device)
@@ -483,3 +485,14 @@ class RankStepRun(StepRun):
         all_events = [e for part, _ in gathered for e in part]
         peaks = {d: p for d, (_, p) in enumerate(gathered) if p is not None}
         self.timeline = Timeline(all_events, self.schedule.num_devices, unit="s", peak_memory=peaks)
+
+
+def _shared_settings(pipe: GPipe, module: nn.Sequential, schedule) -> dict:
+    """What every rank of a pipeline must agree on: a rank with other micro-batches, another schedule or another
+    cut would wait for messages that never come."""
+    order = [[str(a) for a in actions] for actions in pipe.schedule.per_device]
+    return {"chunks": pipe.chunks, "schedule": schedule if isinstance(schedule, str) else order,
+            "balance": list(pipe.balance), "stages_per_device": pipe.schedule.num_stages // pipe.schedule.num_devices,
+            "checkpoint": pipe.checkpoint, "deferred_batch_norm": pipe.deferred_batch_norm,
+            "layers": [(type(layer).__name__, [(tuple(p.shape), str(p.dtype)) for p in layer.parameters()])
+                       for layer in module]}
