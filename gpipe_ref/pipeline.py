@@ -343,6 +343,10 @@ class GPipe(nn.Module):
 
     def _prepare_step(self, inputs: Batch, targets: Batch, loss_fn: Callable, reduction: str) -> tuple:
         """Check a step's arguments; return (micro-batch inputs, targets, loss_fn, reduction, batch size)."""
+        if not torch.is_grad_enabled():  # loss.backward() would refuse too: the loss would have no graph
+            raise RuntimeError("step() computes gradients, but gradients are disabled here (torch.no_grad() or "
+                               "torch.inference_mode()): call step() outside that block, or pipe(inputs) for a "
+                               "forward without gradients")
         one_of("reduction", reduction, ("mean", "sum"))
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

@@ -23,7 +23,7 @@ from torch import nn
 
 from .meter import ActivationMeter
 from .microbatch import Batch
-from .stage_ops import backward_into, check_activation, run_layers
+from .stage_ops import check_activation, grads_of, run_layers
 
 __all__ = ["CHECKPOINT_MODES", "RNG_LOCK", "Snapshot", "captured", "rematerialized", "rematerializes", "replayed"]
 
@@ -42,6 +42,7 @@ class Snapshot:
 
     rng_state: tuple
     buffers: list[torch.Tensor]
+    autocast: tuple = ()  # (device type, enabled, dtype, cache enabled) for the stage's device and the CPU
 
 
 def _buffer_slots(stage: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -76,7 +77,15 @@ def captured(stage: nn.Module, device: torch.device) -> Iterator[Snapshot]:
     """Hold the generators for the block (the stage's forward) and yield the state it starts from."""
     with RNG_LOCK:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        yield Snapshot((torch.get_rng_state(), cuda), _copy_buffers(stage))
+        yield Snapshot((torch.get_rng_state(), cuda), _copy_buffers(stage), _autocast_state(device))
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    """Autocast as the forward runs it, on the stage's device and the CPU (as torch.utils.checkpoint keeps it):
+    a recomputation outside the autocast block must still compute in the forward's dtypes."""
+    kinds = dict.fromkeys((device.type, "cpu"))
+    return tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
+                  torch.is_autocast_cache_enabled()) for kind in kinds)
 
 
 @contextlib.contextmanager
@@ -84,7 +93,9 @@ def replayed(stage: nn.Module, device: torch.device, snapshot: Snapshot) -> Iter
     """Run the block (the recomputation) from ``snapshot``: the same random draws and buffers as the forward;
     afterwards the generators and the buffers are as they were before the block."""
     with RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            _buffers_replaced(stage, snapshot.buffers):
+            _buffers_replaced(stage, snapshot.buffers), contextlib.ExitStack() as autocast:
+        for kind, enabled, dtype, cache in snapshot.autocast:
+            autocast.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
         cpu, cuda = snapshot.rng_state
         torch.set_rng_state(cpu)
         if cuda is not None:
@@ -101,6 +112,7 @@ class _Kept:
     meter: ActivationMeter | None
     is_tuple: bool
     index: int
+    params: tuple = ()  # the stage's trainable parameters, inputs of the Function
     snapshot: Snapshot | None = None
     inputs: tuple = ()
     tokens: list | None = None
@@ -109,13 +121,15 @@ class _Kept:
 class _Rematerialization(torch.autograd.Function):
     """One stage on one micro-batch, re-materialized: the forward runs without autograd and keeps the
     stage's input and a :class:`Snapshot`; the backward recomputes the stage from them with autograd on and
-    backpropagates through the recomputed graph, as the executor's B does for a checkpointed action.
-    ``phony`` requires grad so the backward runs even when no input does (stage 0's data). A tuple input
-    arrives as several tensors; a tuple output leaves as several (an integer one, such as a mask, without
-    a gradient)."""
+    returns the gradients of the input and of the stage's trainable parameters, which are inputs of the
+    Function too: so ``torch.autograd.grad(loss, params)`` and ``backward(inputs=params)`` reach every
+    micro-batch, not only those kept whole. ``phony`` requires grad so the backward runs even when no input
+    does (stage 0's data). A tuple input arrives as several tensors; a tuple output leaves as several (an
+    integer one, such as a mask, without a gradient)."""
 
     @staticmethod
-    def forward(ctx, kept: _Kept, phony: torch.Tensor, *xs: torch.Tensor):
+    def forward(ctx, kept: _Kept, phony: torch.Tensor, *tensors: torch.Tensor):
+        xs = tensors[:len(tensors) - len(kept.params)]
         with captured(kept.stage, kept.device) as kept.snapshot:
             out = kept.stage(xs if kept.is_tuple else xs[0])
         check_activation(out, kept.index)
@@ -138,9 +152,11 @@ class _Rematerialization(torch.autograd.Function):
         recording = kept.meter.recording() if kept.meter is not None else contextlib.nullcontext()
         with replayed(kept.stage, kept.device, kept.snapshot), recording, torch.enable_grad():
             out = run_layers(kept.stage, xs if kept.is_tuple else xs[0], kept.index)
-        backward_into(out if isinstance(out, tuple) else (out,), grads)
+        targets = [t for t in xs if t.requires_grad] + list(kept.params)
+        found = iter(grads_of(out if isinstance(out, tuple) else (out,), targets, grads, retain_graph=False)
+                     if targets else ())
         ctx.kept = None  # the input, its token and the copies go with the graph
-        return (None, None, *(t.grad if t.requires_grad else None for t in xs))
+        return (None, None, *(next(found) if t.requires_grad else None for t in xs), *found)
 
 
 def rematerialized(stage: nn.Module, x: Batch, device: torch.device, meter: ActivationMeter | None = None,
@@ -150,5 +166,6 @@ def rematerialized(stage: nn.Module, x: Batch, device: torch.device, meter: Acti
     ``index`` names the stage in errors."""
     check_activation(x, index)
     phony = torch.empty(0, device=device, requires_grad=True)
-    kept = _Kept(stage, device, meter, isinstance(x, tuple), index)
-    return _Rematerialization.apply(kept, phony, *(x if isinstance(x, tuple) else (x,)))
+    params = tuple(p for p in stage.parameters() if p.requires_grad)
+    kept = _Kept(stage, device, meter, isinstance(x, tuple), index, params)
+    return _Rematerialization.apply(kept, phony, *(x if isinstance(x, tuple) else (x,)), *params)
