@@ -214,3 +214,50 @@ def test_sequence_parallel_bad_inputs_are_named():
     for p in (1.0, -0.1, True):
         with pytest.raises(ValueError, match=re.escape(f"p must be a number in [0, 1), got {p!r}")):
             SeededDropout(p)
+
+
+def _sp_mlp_bias(rank, world_size):
+    """ParallelMLP with sequence parallelism against the dense MLP: the replicated bias's gradient after
+    all_reduce_replicated_grads(), and the forward refusing to run while the sum is due."""
+    torch.manual_seed(0)
+    dense = mlp_block(WIDTH, HIDDEN)
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    dense(x).square().sum().backward()
+    layer = ParallelMLP.from_dense(dense, sequence_parallel=True)
+    mine = x.chunk(world_size, dim=1)[rank]
+    layer(mine).square().sum().backward()
+    local = layer.down.bias.grad.clone()
+    try:
+        layer(mine)
+        refused = "no error"
+    except RuntimeError as error:
+        refused = str(error)
+    layer.all_reduce_replicated_grads()
+    layer(mine)  # runs again once the sum is done
+    return {"local": _max_diff(local, dense[2].bias.grad), "summed": _max_diff(layer.down.bias.grad, dense[2].bias.grad),
+            "refused": refused}
+
+
+def test_sequence_parallel_mlp_sums_its_replicated_bias_or_refuses_to_run():
+    """Each rank's down.bias gradient covers its own tokens (4.5 off before the sum); summed, it equals the
+    dense one; a forward while the sum is due names the call (before: nothing said it was needed)."""
+    for result in launch(_sp_mlp_bias, 2, timeout=60):
+        assert result["local"] > 1e-3 and result["summed"] < 1e-5
+        assert "call all_reduce_replicated_grads() after each backward" in result["refused"]
+
+
+def _uneven_tokens(rank, world_size):
+    layer = ParallelMLP(WIDTH, HIDDEN, sequence_parallel=True)
+    layer(torch.randn(BATCH, 3 if rank == 0 else 2, WIDTH))
+
+
+def test_sequence_parallel_uneven_local_lengths_are_named_by_rank():
+    """3 and 2 tokens on two ranks: refused on every rank with each rank's shape (before: gloo's 'Received data
+    size doesn't match' from one rank)."""
+    import time
+
+    began = time.perf_counter()
+    with pytest.raises(RankError, match=re.escape("every rank's input must be (batch, s/t, h) of the same sizes, "
+                                                  f"got [({BATCH}, 3, {WIDTH}), ({BATCH}, 2, {WIDTH})] (by rank)")):
+        launch(_uneven_tokens, 2, timeout=30)
+    assert time.perf_counter() - began < 10

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding import ring_bytes_per_rank
+from .collectives import check_same_shape
 
 __all__ = ["ALL_REDUCES", "CollectiveCall", "record_collective", "record_collectives", "ring_bytes_sent",
            "count_all_reduces", "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
@@ -176,12 +177,24 @@ class _ScatterToRegion(torch.autograd.Function):
         return _gather_last(grad, ctx.group, "backward"), None
 
 
+def _check_even_split(x: torch.Tensor, group) -> None:
+    """The all-gather concatenates equal parts: every rank must hold (batch, s/t, h) of the same sizes. One small
+    all-gather of the shapes, so that an uneven split fails on every rank with the sizes, not deep in gloo."""
+    try:
+        check_same_shape(x, group)
+    except ValueError as error:
+        shapes = str(error).partition("got ")[2]
+        raise ValueError(f"sequence parallelism splits the sequence evenly over the group: every rank's input must "
+                         f"be (batch, s/t, h) of the same sizes, got {shapes}") from None
+
+
 class _GatherSequence(torch.autograd.Function):
     """Sequence parallelism's g: all-gather the tokens forward, reduce-scatter the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        _check_even_split(x, group)
         return _gather_sequence(x, group, "forward")
 
     @staticmethod

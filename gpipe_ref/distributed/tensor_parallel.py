@@ -38,7 +38,8 @@ from .parallel_regions import (ALL_REDUCES, CollectiveCall, copy_to_region, coun
 __all__ = ["ALL_REDUCES", "CollectiveCall", "record_collectives", "ring_bytes_sent", "count_all_reduces",
            "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region", "gather_sequence",
            "reduce_scatter_sequence", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
-           "ParallelSelfAttention", "SeededDropout", "mlp_sub_block", "ParallelMLPSubBlock", "saved_bytes_by_child"]
+           "ParallelSelfAttention", "SeededDropout", "mlp_sub_block", "ParallelMLPSubBlock", "saved_bytes_by_child",
+           "sum_grads_over_group"]
 
 
 def _divisible(name: str, value: int, group) -> int:
@@ -128,14 +129,18 @@ class RowParallelLinear(nn.Module):
 class ParallelMLP(nn.Module):
     """Column-parallel Linear -> activation -> row-parallel Linear (Megatron, Fig. 3a):
     one all-reduce in the forward, one in the backward. With ``sequence_parallel`` its input and output are
-    this rank's s/t tokens: an all-gather and a reduce-scatter each way instead (Korthikanti et al., sec. 4.2.2)."""
+    this rank's s/t tokens: an all-gather and a reduce-scatter each way instead (Korthikanti et al., sec. 4.2.2);
+    the down-projection's bias, held whole by every rank, then gets a gradient from this rank's tokens only:
+    call :meth:`all_reduce_replicated_grads` after each backward (a forward refuses to run while it is due)."""
 
     def __init__(self, width: int, hidden: int, group=None, activation: type[nn.Module] = nn.GELU,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.up = ColumnParallelLinear(width, hidden, group=group, sequence_parallel=sequence_parallel)
         self.activation = activation()
         self.down = RowParallelLinear(hidden, width, group=group, sequence_parallel=sequence_parallel)
+        self.unsummed = False  # a backward left the replicated bias's gradient to be summed over the group
 
     @classmethod
     def from_dense(cls, block: nn.Sequential, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
@@ -149,7 +154,29 @@ class ParallelMLP(nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unsummed and any(p.grad is not None and bool(p.grad.any()) for p in self.replicated_parameters()):
+            raise RuntimeError("ParallelMLP(sequence_parallel=True): the last backward left down.bias.grad holding "
+                               "this rank's tokens only; call all_reduce_replicated_grads() after each backward "
+                               "(before the optimizer's step), as Megatron-LM sums the replicated weights' "
+                               "gradients")
+        for p in self.replicated_parameters():  # watch each replicated bias once (from_dense replaces them)
+            if not getattr(p, "_gpipe_ref_watched", False):
+                p.register_post_accumulate_grad_hook(self._mark_unsummed)
+                p._gpipe_ref_watched = True
         return self.down(self.activation(self.up(x)))
+
+    def _mark_unsummed(self, param: nn.Parameter) -> None:
+        self.unsummed = True
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The weights every rank holds whole whose gradient needs a sum: with sequence parallelism, B's bias."""
+        return [self.down.bias] if self.sequence_parallel and self.down.bias is not None else []
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Call after the backward: sum the replicated bias's gradient over the group (one all-reduce of h
+        values, recorded as direction "step"). Without sequence parallelism there is nothing to sum."""
+        sum_grads_over_group(self.replicated_parameters(), self.group)
+        self.unsummed = False
 
 
 class ParallelSelfAttention(nn.Module):
@@ -291,14 +318,20 @@ class ParallelMLPSubBlock(nn.Module):
         as direction "step"; Megatron-LM does the same). Without it every rank already has the whole sum."""
         if not self.sequence_parallel:
             return
-        params = [p for p in self.replicated_parameters() if p.grad is not None]
-        if not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        record_collective("step", "all-reduce", flat.nbytes)
-        dist.all_reduce(flat, group=self.group)
-        for p, summed in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(summed.view_as(p.grad))
+        sum_grads_over_group(self.replicated_parameters(), self.group)
+        self.mlp.unsummed = False
+
+
+def sum_grads_over_group(params: list[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group`` in place, in one all-reduce (recorded as "step")."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    record_collective("step", "all-reduce", flat.nbytes)
+    dist.all_reduce(flat, group=group)
+    for p, summed in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(summed.view_as(p.grad))
 
 
 def saved_bytes_by_child(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
