@@ -36,6 +36,7 @@ and older ones stay intact for stashing at no copying cost.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -46,6 +47,7 @@ from torch.func import functional_call
 
 from .measure import torch_threads
 from .partition import check_balance, split
+from .rematerialization import captured, replayed
 from .checks import integer, positive, positive_int
 from .schedule import (POLICIES, Action, Schedule, WeightPolicy, gpipe, one_f_one_b, pipedream_async, schedule_names,
                        weight_versions)
@@ -88,6 +90,7 @@ class StagedTrainer:
         self.lr = float(lr)
         # version k of stage s: a dict name -> tensor; updates build new tensors, old versions stay valid
         self.history = [{0: {n: p.detach().clone() for n, p in stage.named_parameters()}} for stage in self.stages]
+        self.trainable = [{n for n, p in stage.named_parameters() if p.requires_grad} for stage in self.stages]
         self.version = [0] * len(self.stages)
 
     @property
@@ -100,10 +103,12 @@ class StagedTrainer:
     def _update(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
         current = self.weights(stage)
         self.version[stage] += 1
-        self.history[stage][self.version[stage]] = {n: current[n] - self.lr * grads[n] for n in current}
+        self.history[stage][self.version[stage]] = {n: current[n] - self.lr * grads[n] if n in grads else current[n]
+                                                    for n in current}  # a frozen parameter stays as it is
 
     def _forward(self, stage: int, weights: dict, x: torch.Tensor, target, loss_fn, scale: float):
-        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+        trainable = self.trainable[stage]
+        leaves = {n: w.detach().requires_grad_(n in trainable) for n, w in weights.items()}
         out = functional_call(self.stages[stage], leaves, (x,))
         if stage == self.num_stages - 1:
             out = loss_fn(out, target) * scale
@@ -191,13 +196,17 @@ class _TrainerStep:
         weights = trainer.history[s][version]
         last = self._is_last(s)
         x = self.inputs[i] if s == 0 else self.sent.pop(("act", s - 1, i)).detach().requires_grad_()
-        leaves, out = trainer._forward(s, weights, x, self.targets[i] if last else None, self.loss_fn,
-                                       self.scale[i])
+        # a backward that sees other weights re-runs this forward: keep what it must replay (the random state and
+        # a copy of the buffers, as re-materialization does), so BatchNorm's statistics advance once per forward
+        refor = self.versions[Action("B", s, i)] != version
+        with captured(trainer.stages[s], x.device) if refor else contextlib.nullcontext() as snapshot:
+            leaves, out = trainer._forward(s, weights, x, self.targets[i] if last else None, self.loss_fn,
+                                           self.scale[i])
         if last:
             record.losses[i] = out.item() / self.scale[i]
         else:
             self.sent[("act", s, i)] = out.detach()
-        self.kept[(s, i)] = (x, leaves, out, version)
+        self.kept[(s, i)] = (x, leaves, out, version, snapshot)
         self.in_flight[s][i] = version
         self._count_versions_held(s)
         if self.record_grads:
@@ -214,18 +223,20 @@ class _TrainerStep:
 
     def backward(self, s: int, i: int) -> None:
         trainer, record = self.trainer, self.record
-        x, leaves, out, forward_version = self.kept.pop((s, i))
+        x, leaves, out, forward_version, snapshot = self.kept.pop((s, i))
         backward_version = self.versions[Action("B", s, i)]
         last = self._is_last(s)
         if backward_version != forward_version:  # no stash: the backward sees today's weights
-            leaves, out = trainer._forward(s, trainer.history[s][backward_version], x,
-                                           self.targets[i] if last else None, self.loss_fn, self.scale[i])
+            with replayed(trainer.stages[s], x.device, snapshot):
+                leaves, out = trainer._forward(s, trainer.history[s][backward_version], x,
+                                               self.targets[i] if last else None, self.loss_fn, self.scale[i])
         grad_out = None if last else self.sent.pop(("grad", s + 1, i))
-        wrt = ([x] if s > 0 else []) + list(leaves.values())
+        trained = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
+        wrt = ([x] if s > 0 else []) + list(trained.values())
         grads = torch.autograd.grad(out, wrt, grad_out)
         if s > 0:
             self.sent[("grad", s, i)], grads = grads[0], grads[1:]
-        named = dict(zip(leaves, grads))
+        named = dict(zip(trained, grads))
         if self.record_grads:
             record.grads[(s, i)] = list(grads)
             record.applied_to[(s, i)] = [trainer.weights(t) for t in range(self.schedule.num_stages)]
