@@ -155,6 +155,9 @@ def fit_linear_cost(table: Mapping[int, tuple[float, float]]) -> LinearCost:
     measured = MeasuredCost(table).table
     if len(measured) < 2:
         raise ValueError(f"table must hold at least two micro-batch sizes to fit a line, got {list(measured)}")
+    if not any(forward > 0 for forward, _ in measured.values()):
+        raise ValueError(f"table must hold a forward time > 0 for some micro-batch size (the backward is fitted as "
+                         f"a ratio to it), got {dict(measured)}")
     xs = [1 / b for b in measured]
     ys = [forward / b for b, (forward, _) in measured.items()]
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)

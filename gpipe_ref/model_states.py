@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .checks import one_of, positive_int
 
-__all__ = ["MODEL_STATES", "ZERO_STAGES", "SHARDED_FROM_STAGE", "Precision", "PRECISIONS", "is_sharded",
+__all__ = ["MODEL_STATES", "format_bytes", "ZERO_STAGES", "SHARDED_FROM_STAGE", "Precision", "PRECISIONS", "is_sharded",
            "state_bytes_per_parameter", "model_state_bytes"]
 
 MODEL_STATES = ("weights", "gradients", "optimizer state")  # the keys of every model-state dict in the package
@@ -74,3 +74,11 @@ def model_state_bytes(parameters: int, precision: str = "fp32", zero_stage: int 
     positive_int("dp", dp)
     return {state: nbytes * parameters // dp if is_sharded(state, zero_stage) else nbytes * parameters
             for state, nbytes in PRECISIONS[precision].by_state().items()}
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in decimal units (GB = 1e9 bytes, as GPU datasheets count)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

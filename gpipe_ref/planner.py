@@ -35,7 +35,7 @@ from typing import Iterable
 
 from .activation_memory import layer_activation_bytes
 from .checks import fraction, instance, one_of, positive, positive_int
-from .model_states import PRECISIONS, state_bytes_per_parameter
+from .model_states import PRECISIONS, format_bytes, state_bytes_per_parameter
 from .schedule import Schedule, default_schedule, make_schedule, schedule_names, schedule_spec
 from .simulator import CostModel, simulate
 from .timeline import Timeline
@@ -314,9 +314,9 @@ def _why_nothing_fits(model: ModelConfig, cluster: ClusterConfig, plans: list[Pl
         closest = min(plans, key=lambda p: p.memory[TOTAL_MEMORY])
         usable = cluster.usable_bytes
         return NothingFits(
-            f"no layout fits: the smallest memory need is {closest.memory[TOTAL_MEMORY] / 1e9:.1f} GB per GPU "
-            f"({closest.label()}) but a GPU has {cluster.memory_bytes / 1e9:g} GB, "
-            f"{usable / 1e9:.1f} GB usable (usable_memory={cluster.usable_memory:g}); add GPUs or memory",
+            f"no layout fits: the smallest memory need is {format_bytes(closest.memory[TOTAL_MEMORY])} per GPU "
+            f"({closest.label()}) but a GPU has {format_bytes(cluster.memory_bytes)}, "
+            f"{format_bytes(usable)} usable (usable_memory={cluster.usable_memory:g}); add GPUs or memory",
             closest)
     layouts = _layouts(model, cluster)
     sizes = tuple(microbatch_sizes)

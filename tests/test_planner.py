@@ -177,10 +177,12 @@ def test_the_planner_says_why_nothing_fits():
     with pytest.raises(NothingFits) as error:
         plan(model, ClusterConfig(gpus=4))
     assert str(error.value) == (
-        "no layout fits: the smallest memory need is 105.9 GB per GPU (dp=1 tp=1 pp=4 b=1 m=64 1f1b recompute) "
-        "but a GPU has 80 GB, 72.0 GB usable (usable_memory=0.9); add GPUs or memory")
+        "no layout fits: the smallest memory need is 105.91 GB per GPU (dp=1 tp=1 pp=4 b=1 m=64 1f1b recompute) "
+        "but a GPU has 80.00 GB, 72.00 GB usable (usable_memory=0.9); add GPUs or memory")
     closest = error.value.closest
     assert closest.label() == "dp=1 tp=1 pp=4 b=1 m=64 1f1b recompute" and not closest.fits
+    with pytest.raises(NothingFits, match=r"need is 1.67 MB per GPU .* a GPU has 1.00 kB, 900 B usable"):
+        plan(SMALL, ClusterConfig(gpus=2, memory_bytes=1e3))  # units that fit the sizes (before: "0.0 GB")
     assert closest.memory["total"] == min(p.memory["total"] for p in candidates(model, ClusterConfig(gpus=4)))
     assert isinstance(error.value, ValueError)
     with pytest.raises(NothingFits) as error:  # dp = 7 never divides a batch of 8

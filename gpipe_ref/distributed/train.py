@@ -25,7 +25,7 @@ from torch import nn
 from ..checks import integer, one_of, positive, positive_int, probe_writable
 from ..models import Residual, mlp_block, regression_data
 from ..rematerialization import CHECKPOINT_MODES
-from ..schedule import schedule_names, schedule_spec
+from ..schedule import make_schedule, schedule_names, schedule_spec
 
 if TYPE_CHECKING:
     from ..timeline import Timeline
@@ -114,6 +114,8 @@ class TrainConfig:
                              f"got {self.microbatches}")
         if (4 * self.width) % self.tp:
             raise ValueError(f"the MLP hidden size 4*width = {4 * self.width} must be divisible by tp={self.tp}")
+        # the schedule's own rules (interleaved 1F1B's rounds of micro-batches, ...), here and not in the ranks
+        make_schedule(self.schedule, self.pp, self.microbatches, self.stages_per_device)
         return self
 
 

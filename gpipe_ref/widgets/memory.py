@@ -15,6 +15,7 @@ import io
 from dataclasses import replace
 
 from ..memory import CATEGORIES, MEMORY_SCHEDULES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy
+from ..model_states import format_bytes
 from ..schedule import schedule_spec
 from .base import Dashboard
 
@@ -26,14 +27,6 @@ RECOMPUTE_LABELS = [("none", "never"), ("checkpoint every stage input", "always"
 SCHEDULE_LABELS = [(schedule_spec(name).label, name) for name in MEMORY_SCHEDULES]  # the registry's labels
 PRECISION_LABELS = [(PRECISIONS[name].label, name) for name in PRECISIONS]
 ZERO_LABELS = [("0: none (DDP)", 0), ("1: optimizer state", 1), ("2: + gradients", 2), ("3: + weights (FSDP)", 3)]
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in decimal units (GB = 1e9 bytes, as GPU datasheets count)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def memory_readout(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float) -> str:
