@@ -394,6 +394,21 @@ def _habits(rank: int, world: int, stage: int, dtype) -> dict:
                            dict.fromkeys(("zero", "model", "optimizer"), optimizer.zero_grad) | {None: lambda: None},
                            lambda: torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP))
         weights[way] = [p.detach().clone() for p in module.parameters()]
+    if stage == 3 and dtype == torch.float32:  # torch's FSDP2 (fully_shard), each Linear a unit as in ZeRO
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(1)
+        module = Branchy()
+        mesh = init_device_mesh("cpu", (world,))
+        for child in module.children():
+            fully_shard(child, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        optimizer = torch.optim.Adam(module.parameters(), lr=LR, weight_decay=0.01)
+        _train_with_habits(module, mine, optimizer.step,
+                           dict.fromkeys(("zero", "model", "optimizer"), optimizer.zero_grad) | {None: lambda: None},
+                           lambda: torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP))
+        weights["fsdp2"] = [p.full_tensor() for p in module.parameters()]
     torch.manual_seed(1)
     module = Branchy().to(dtype)
     zero = ZeRO(module, stage, lr=LR, weight_decay=0.01)
@@ -409,10 +424,12 @@ def test_torchs_habits_clipping_and_an_unused_unit_equal_plain_adam_and_ddp(stag
     """6 Adam steps with weight decay that zero the gradients with zero.zero_grad(), model.zero_grad(),
     zero.optimizer.zero_grad() or not at all (accumulating over two backwards), leave a unit unused on two
     steps, clip by the global norm, and end with a second step on one backward: the weights equal one process
-    with torch's Adam and clip_grad_norm_, and torch's DDP (find_unused_parameters)."""
+    with torch's Adam and clip_grad_norm_, torch's DDP (find_unused_parameters), and at stage 3 torch's FSDP2."""
     for run in launch(_habits, 2, stage, torch.float32, backend="gloo", timeout=120):
         assert _largest_difference(run["ddp"], run["plain"]) < 1e-6
         assert _largest_difference(run["zero"], run["plain"]) < 1e-6
+        if stage == 3:
+            assert _largest_difference(run["fsdp2"], run["zero"]) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
