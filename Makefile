@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 LAB_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test lab browser notebooks exercises bench gpu-check clean
+.PHONY: test lab browser sandbox notebooks exercises bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,19 @@ browser:
 	  else echo "no $(CHROMIUM): the browser test will be skipped (apt-get install chromium)"; fi; \
 	fi
 
+# Debian's bubblewrap: the grader runs each learner kernel in its own sandbox (README, "threat model").
+sandbox:
+	@if ! command -v bwrap >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing bubblewrap with apt-get"; \
+	    (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || (apt-get update -qq && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null)) \
+	      || echo "could not install bubblewrap: grading will refuse unless run with --no-sandbox"; \
+	  else echo "no bwrap: grading refuses unless run with --no-sandbox (apt-get install bubblewrap)"; fi; \
+	fi
+
 # Jupyter, IPython and matplotlib write under $HOME: tests get a throw-away one.
-test: $(STAMP) browser
+test: $(STAMP) browser sandbox
 	@tmp=$$(mktemp -d); \
 	GPIPE_TEST_HOME=$$tmp HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
 	JUPYTER_CONFIG_DIR=$$tmp/jupyter/config JUPYTER_DATA_DIR=$$tmp/jupyter/data \
@@ -45,7 +56,7 @@ test: $(STAMP) browser
 
 # Learners answer in work/, their copy of exercises/: `exercises start` copies only the notebooks work/
 # lacks, so running it every time is safe.
-lab: $(STAMP)
+lab: $(STAMP) sandbox
 	$(PY) -m gpipe_ref exercises start work
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb \
 	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)

@@ -220,7 +220,7 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
         import os, signal
         os.kill(os.getppid(), signal.SIGKILL)
         """, "04_gpipe", cls / "ac_killer", {"04.3": HONEST_04_3})
-    expected[str(killer)] = 0
+    expected[str(killer)] = 2  # its parent is the sandbox's: the cell kills its own kernel (0), 04.3 is honest (2)
     forger = _inject("""
         import os, json, signal
         parent = os.getppid()
@@ -236,7 +236,7 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
                 pass
         os.kill(parent, signal.SIGKILL)
         """, "04_gpipe", cls / "ad_forger", {"04.3": HONEST_04_3})
-    expected[str(forger)] = 0
+    expected[str(forger)] = 2  # the sandbox shows it no grader pipe: its own kernel dies, 04.3 is honest
     solution = cls / "zz_solution" / "03_model_parallel.ipynb"
     solution.parent.mkdir()
     shutil.copy(ROOT / "solutions" / "03_model_parallel.ipynb", solution)
@@ -258,8 +258,10 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
         nb = scored[path]
         assert nb["points"] == points, (path, nb["exercises"])
         assert all(0 <= e["points"] <= e["max_points"] for e in nb["exercises"])
-    assert "not graded: the grading process ended without a result" in json.dumps(scored[str(killer)])
-    assert "not graded: the grading process ended without a result" in json.dumps(scored[str(forger)])
+    for attacker in (killer, forger):  # in the sandbox the grader is out of reach: only its own cell loses
+        verdict = scored[str(attacker)]["exercises"][0]
+        assert verdict["exercise"] == "04.1" and verdict["points"] == 0, verdict
+        assert "the grading process ended without a result" not in json.dumps(scored[str(attacker)])
     assert not re.search(r"^\s+04\.2\s+2\s+2\s+FORGED", result.stdout, re.M)  # no row of its own
     assert "\x1b" not in result.stdout
     warned = {Path(p).parent.name for p, nb in scored.items() if nb["warnings"]}
@@ -279,9 +281,11 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_changed_package_stops_grading_with_an_alert(tmp_path):
-    """Appending a fake run_cases to the installed judge.py: the judge in memory is untouched, and the grader
-    stops with an alert naming the file (here on a copy of the package, put first on PYTHONPATH)."""
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandbox", "no-sandbox"])
+def test_a_changed_package_stops_grading_with_an_alert(tmp_path, sandboxed):
+    """Appending a fake run_cases to the installed judge.py (here on a copy of the package, put first on
+    PYTHONPATH): in the sandbox the package is read-only and the write fails; without it the judge in memory is
+    untouched, and the grader stops with an alert naming the file."""
     copy = tmp_path / "site"
     shutil.copytree(ROOT / "gpipe_ref", copy / "gpipe_ref", ignore=shutil.ignore_patterns("__pycache__"))
     attacker = _inject("""
@@ -292,7 +296,14 @@ def test_a_changed_package_stops_grading_with_an_alert(tmp_path):
     _inject("", "04_gpipe", tmp_path / "class" / "b", {})
     env = {**os.environ, "PYTHONPATH": str(copy)}
     grades = tmp_path / "grades.json"
-    result = _grade(tmp_path / "class", "--jobs", "1", "--json", grades, env=env, cwd=tmp_path)
+    result = _grade(tmp_path / "class", "--jobs", "1", "--json", grades, *([] if sandboxed else ["--no-sandbox"]),
+                    env=env, cwd=tmp_path)
+    if sandboxed:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert "def run_cases(*a, **k)" not in (copy / "gpipe_ref" / "grading" / "judge.py").read_text()
+        data = json.loads(grades.read_text())
+        assert sorted(nb["points"] for nb in data["notebooks"]) == [0, 2]  # b: nothing; a: its honest 04.3
+        return
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "ALERT" in result.stderr and "grading/judge.py" in result.stderr
     data = json.loads(grades.read_text())

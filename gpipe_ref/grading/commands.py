@@ -179,7 +179,8 @@ def grade(args: argparse.Namespace, output: ResultsOutput, prog: str, *, done: d
     try:
         results = grade_paths(args.paths, jobs=args.jobs, cell_timeout=args.cell_timeout,
                               case_timeout=args.case_timeout, notebook_timeout=args.notebook_timeout,
-                              on_result=save, done=done)
+                              on_result=save, done=done, sandbox="none" if getattr(args, "no_sandbox", False)
+                              else "bwrap")
     except PackageChanged as changed:
         alert, results = str(changed), getattr(changed, "results", [])
     report = _print_report(results)

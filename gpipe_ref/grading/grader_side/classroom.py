@@ -132,14 +132,15 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
                 cell_timeout: float = DEFAULT_CELL_TIMEOUT, case_timeout: float | None = None,
                 notebook_timeout: float = DEFAULT_NOTEBOOK_TIMEOUT, progress: bool = True,
                 on_result: Callable[[list[NotebookResult]], Any] | None = None,
-                done: dict[str, dict[str, Any]] | None = None) -> list[NotebookResult]:
+                done: dict[str, dict[str, Any]] | None = None, sandbox: str = "bwrap") -> list[NotebookResult]:
     """Grade every notebook ``paths`` name, ``jobs`` at a time (default: the CPU count), with a progress bar.
 
     ``on_result(results)`` is called with the results so far after each notebook. ``done``: results of an
     earlier run by path; a notebook whose bytes still have the recorded sha256 is not graded again.
     Raises :class:`PackageChanged` when the package's files change during grading (the results handed to
-    ``on_result`` before that are kept)."""
+    ``on_result`` before that are kept). ``sandbox``: as :func:`grader.grade_notebook`'s."""
     check_timeouts(cell_timeout, case_timeout, notebook_timeout)
+    grader.check_sandbox(sandbox)
     jobs = os.cpu_count() or 1 if jobs is None else jobs
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
@@ -162,7 +163,8 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
         return results
     preload()
     hashes = package_hashes()
-    limits = {"cell_timeout": cell_timeout, "case_timeout": case_timeout, "notebook_timeout": notebook_timeout}
+    limits = {"cell_timeout": cell_timeout, "case_timeout": case_timeout, "notebook_timeout": notebook_timeout,
+              "sandbox": sandbox}
     from tqdm.auto import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: this process forks

@@ -29,15 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ...checks import positive
+from ...checks import one_of, positive
 from ..cases import Exercise, Verdict
 from ..exercises.catalog import NOTEBOOKS
 from ..judge import run_cases
 from ..notebooks import NotebookError, check_of, exercise_of, read
 from .kernel import Kernel, Trouble
+from .sandbox import SANDBOXES, sandbox_problem
 
 __all__ = ["DEFAULT_CELL_TIMEOUT", "DEFAULT_NOTEBOOK_TIMEOUT", "MAX_TIMEOUT", "SUSPICIOUS", "NotebookResult",
-           "OutOfTime", "check_timeouts", "grade_notebook", "suspicious", "timeout_seconds"]
+           "OutOfTime", "check_sandbox", "check_timeouts", "grade_notebook", "suspicious", "timeout_seconds"]
 
 DEFAULT_CELL_TIMEOUT = 60.0
 DEFAULT_NOTEBOOK_TIMEOUT = 900.0
@@ -144,14 +145,17 @@ def _not_attempted_error(text: str | None) -> bool:
 
 def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    case_timeout: float | None = None, notebook_timeout: float = DEFAULT_NOTEBOOK_TIMEOUT,
-                   kernel_name: str = "python3", token: str | None = None) -> NotebookResult:
+                   kernel_name: str = "python3", token: str | None = None, sandbox: str = "bwrap") -> NotebookResult:
     """Grade one learner notebook (its bytes ``data`` when given, else read from ``path``); never raises for
     anything the notebook does.
 
     ``cell_timeout``: seconds a notebook cell may run; ``case_timeout``: seconds an answer may take on one
     case (default: each exercise's own, 20-40 s); ``notebook_timeout``: seconds for the whole notebook,
-    re-runs included. ``token`` marks every process the kernel starts (made up when None)."""
+    re-runs included. ``token`` marks every process the kernel starts (made up when None). ``sandbox``: "bwrap"
+    runs each kernel in its own sandbox (:mod:`.sandbox`) and refuses to grade where it cannot; "none" grades
+    without one (the README's threat model says what that leaves open)."""
     check_timeouts(cell_timeout, case_timeout, notebook_timeout)
+    check_sandbox(sandbox)
     began = time.monotonic()
     result = NotebookResult(str(path))
     if data is None:
@@ -172,7 +176,7 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
         (Path(root) / "work" / Path(path).name).write_bytes(data)  # the learner's own copy, in its own folder
         grading = _Grading(nb, NOTEBOOKS[name], Path(root), result.warnings, cell_timeout=cell_timeout,
                            case_timeout=case_timeout, deadline=began + notebook_timeout, kernel_name=kernel_name,
-                           token=token or secrets.token_hex(16))
+                           token=token or secrets.token_hex(16), sandbox=sandbox)
         grading.run()
     result.verdicts = grading.final_verdicts()
     result.seconds = time.monotonic() - began
@@ -185,8 +189,8 @@ class _Grading:
     kernel and settles at least one exercise or cell."""
 
     def __init__(self, nb, exercises: list[Exercise], root: Path, warnings: list[str], *, cell_timeout: float,
-                 case_timeout: float | None, deadline: float, kernel_name: str, token: str) -> None:
-        self.nb, self.root, self.warnings = nb, root, warnings
+                 case_timeout: float | None, deadline: float, kernel_name: str, token: str, sandbox: str) -> None:
+        self.nb, self.root, self.warnings, self.sandbox = nb, root, warnings, sandbox
         self.cell_timeout, self.case_timeout, self.deadline = cell_timeout, case_timeout, deadline
         self.kernel_name, self.token = kernel_name, token
         self.exercises = {ex.id: ex for ex in exercises}
@@ -264,7 +268,7 @@ class _Grading:
         """Run the notebook (up to cell ``upto``) in a fresh kernel and grade ``grade``; return the failing
         cell and its trouble (cell -1: grading itself needs a fresh kernel for the rest)."""
         errors: dict[str, str] = {}  # exercise cells that raised: graded all the same, the name may be defined
-        with Kernel(self.root, self.token, self.kernel_name) as kernel:
+        with Kernel(self.root, self.token, self.kernel_name, sandbox=self.sandbox) as kernel:
             trouble = self.run_cells(kernel, upto, errors)
             if trouble is None:
                 trouble = self.grade_in(kernel, grade, errors)
@@ -320,6 +324,16 @@ class _Grading:
 
 class _KernelLost(Exception):
     """The kernel hung or died while answering a case."""
+
+
+def check_sandbox(sandbox: str) -> None:
+    """``sandbox`` is one of :data:`.sandbox.SANDBOXES`, and "bwrap" can run here; else one line saying why."""
+    one_of("sandbox", sandbox, SANDBOXES)
+    problem = sandbox_problem() if sandbox == "bwrap" else None
+    if problem:
+        raise RuntimeError(f"grading runs each notebook's kernel in a sandbox, which cannot run here: {problem}; "
+                           f"grade without it only knowingly (sandbox='none', the grade command's --no-sandbox; "
+                           f"see the README's threat model)")
 
 
 def check_timeouts(cell_timeout: float, case_timeout: float | None, notebook_timeout: float) -> None:

@@ -1,5 +1,7 @@
 """One learner notebook's kernel: a fresh IPython kernel in a throw-away folder, ended with every process it started.
 
+The kernel runs in a bubblewrap sandbox (:mod:`.sandbox`) unless asked for ``sandbox="none"``.
+
 The kernel talks to the grader over IPC sockets (no TCP port) kept in a private
 folder next to its working folder; its working folder and HOME are that
 throw-away folder, so files the learner's code writes or deletes by relative
@@ -22,6 +24,7 @@ from ..cases import MARKER_VARIABLE
 from ..judge import clean
 from ..kernel_side.wire import MAX_CHARS, Malformed, loads
 from .processes import end_processes
+from .sandbox import sandbox_command
 
 __all__ = ["Kernel", "Trouble"]
 
@@ -41,7 +44,8 @@ class Trouble:
 class Kernel:
     """A fresh kernel started in ``root/work`` (``with Kernel(...) as kernel:`` ends it and its processes)."""
 
-    def __init__(self, root: Path, token: str, kernel_name: str = "python3", startup_timeout: float = 60.0) -> None:
+    def __init__(self, root: Path, token: str, kernel_name: str = "python3", startup_timeout: float = 60.0,
+                 sandbox: str = "bwrap") -> None:
         from jupyter_client import KernelManager
 
         self.token = token
@@ -49,8 +53,14 @@ class Kernel:
         for folder in (work, home, ipc):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         number = len(list(ipc.glob("k*.json")))
-        self.manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=str(ipc / f"k{number}"),
-                                     connection_file=str(ipc / f"k{number}.json"))
+        wrapper = sandbox_command(root) if sandbox == "bwrap" else []
+
+        class Manager(KernelManager):  # the kernel's command, inside the sandbox
+            def format_kernel_cmd(self, extra_arguments=None):
+                return wrapper + super().format_kernel_cmd(extra_arguments)
+
+        self.manager = Manager(kernel_name=kernel_name, transport="ipc", ip=str(ipc / f"k{number}"),
+                               connection_file=str(ipc / f"k{number}.json"))
         env = {**os.environ, MARKER_VARIABLE: token, "HOME": str(home), "MPLBACKEND": "Agg",
                "MPLCONFIGDIR": str(home / "matplotlib"), "IPYTHONDIR": str(home / "ipython"),
                "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "PYTHONDONTWRITEBYTECODE": "1"}
