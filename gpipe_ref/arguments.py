@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from .checks import non_negative, positive, positive_int, probe_writable
+from .checks import non_negative, positive, positive_int, probe_writable, write_atomically
 
 __all__ = ["COST", "COUNT", "MAX_SIMULATED", "PROG", "RATE", "CommandLineParser", "ResultsFile", "checked", "folder",
            "output_file", "writable_folder"]
@@ -109,7 +109,7 @@ class ResultsFile:
         try:
             if self.makes_folders:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+            write_atomically(self.path, json.dumps(results, indent=2, default=str) + "\n")
         except OSError as exc:
             if self.failure is None:
                 print(f"{self.prog}: warning: --json: cannot write {self.path!r}: {exc.strerror or exc}; "

@@ -2,17 +2,21 @@
 
 One place for the rules the package repeats (a count must be a positive
 integer, a cost a non-negative number, a mode one of a set), so each message
-reads the same: ``"chunks must be an integer >= 1, got 0"``.
+reads the same: ``"chunks must be an integer >= 1, got 0"``. And an output file's two rules: checked
+writable before a long run, and written whole or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
+import tempfile
 from typing import Any, Iterable, TypeVar
 
 __all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "probability", "instance",
-           "one_of", "probe_writable"]
+           "one_of", "probe_writable", "write_atomically"]
 
 T = TypeVar("T")
 
@@ -94,10 +98,30 @@ def one_of(name: str, value: Any, allowed: Iterable[T]) -> T:
 
 
 def probe_writable(path: str | os.PathLike) -> None:
-    """OSError unless ``path`` can be opened for writing (checked before a long run, not after);
-    an existing file is left as it is, a new one is removed again."""
-    existed = os.path.exists(path)
-    with open(path, "a"):  # appends nothing
-        pass
-    if not existed:
-        os.unlink(path)
+    """OSError unless a file can be written at ``path`` (checked before a long run, not after): its folder takes
+    a new file, and ``path`` is not a folder. Nothing at ``path`` is opened: a FIFO there would block."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    handle, probe = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".probe-")
+    os.close(handle)
+    os.unlink(probe)
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to a new file beside ``path``, then rename it over ``path``: a reader sees the old file or
+    the new one, never half of one; whatever was at ``path`` (a FIFO, a symlink, a read-only file) is replaced,
+    never written through."""
+    path = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(handle, 0o666 & ~umask)  # as open() would make it
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

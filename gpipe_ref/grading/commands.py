@@ -20,9 +20,11 @@ from typing import Any, Protocol
 
 from .cases import CATEGORIES, THINKING
 from .exercises.catalog import NOTEBOOKS
+from ..checks import write_atomically
 from .grader_side.classroom import PackageChanged, grade_paths
 from .grader_side.reports import feedback_markdown, feedback_name, format_by_exercise, format_table, gradebook_csv, \
     summary
+from .grader_side.signing import verified
 from .notebooks import AnswersWouldBeLost, answers_in, build, listing, read, start
 
 __all__ = ["ResultsOutput", "earlier_results", "exercise_listing", "exercises", "grade", "keep_answers", "mutate"]
@@ -154,13 +156,21 @@ def _start(args: argparse.Namespace, prog: str) -> int:
 def earlier_results(json_file: str) -> dict[str, dict]:
     """--resume: the notebooks already graded in the --json file ``json_file``, by path."""
     path = Path(json_file)
-    if not path.exists() or path.stat().st_size == 0:
+    if not os.path.lexists(path):
+        return {}
+    if path.is_symlink() or not path.is_file():  # a FIFO would block the read; a link points elsewhere
+        raise ValueError(f"--resume: {json_file!r} is not a regular file: the grader writes only regular files")
+    if path.stat().st_size == 0:
         return {}
     try:
         data = json.loads(path.read_text())
-        return {nb["path"]: nb for nb in data["notebooks"] if isinstance(nb, dict) and "path" in nb}
+        notebooks = {nb["path"]: nb for nb in data["notebooks"] if isinstance(nb, dict) and "path" in nb}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--resume: {json_file!r} is not the JSON of an earlier grade run ({exc})") from None
+    if not verified(data):
+        raise ValueError(f"--resume: {json_file!r} does not carry this grader's signature (it was changed, or "
+                         f"not written by the grader on this account): grade again without --resume")
+    return notebooks
 
 
 def grade(args: argparse.Namespace, output: ResultsOutput, prog: str, *, done: dict[str, dict] | None = None,
@@ -229,7 +239,7 @@ class _ReportWriter:
     def quietly(self, path: Path, text: str, option: str) -> bool:
         """Write a report file; a failure is said on stderr and grading goes on."""
         try:
-            path.write_text(text)
+            write_atomically(path, text)
             return True
         except OSError as exc:
             print(f"{self.prog} grade: warning: {option}: cannot write {str(path)!r}: {exc.strerror or exc}",

@@ -33,7 +33,7 @@ from ..cases import Verdict
 from ..exercises.catalog import NOTEBOOKS
 from ..notebooks import NotebookError, read
 from . import grader
-from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, suspicious
+from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, shown, suspicious
 from .processes import become_private, become_subreaper, end_processes, live_processes
 
 __all__ = ["PACKAGE", "PackageChanged", "Submission", "Worker", "changed_files", "collect", "grade_paths",
@@ -71,15 +71,22 @@ def collect(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Notebo
     notebooks, bad = [], []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             found = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
             if not found:
-                bad.append(NotebookResult(str(path), error=f"{path}: a folder with no .ipynb notebooks"))
-            notebooks += found
-        elif path.exists():
-            notebooks.append(path)
+                bad.append(NotebookResult(shown(path), error=f"{shown(path)}: a folder with no .ipynb notebooks"))
+        elif os.path.lexists(path):
+            found = [path]
         else:
-            bad.append(NotebookResult(str(path), error=f"{path}: no such file or folder"))
+            bad.append(NotebookResult(shown(path), error=f"{shown(path)}: no such file or folder"))
+            continue
+        for notebook in found:
+            if notebook.is_symlink() or not notebook.is_file():  # graded as what it points to, or a FIFO's wait
+                kind = "a symbolic link" if notebook.is_symlink() else "not a regular file"
+                bad.append(NotebookResult(shown(notebook), error=f"{shown(notebook)}: {kind}, refused: a "
+                                          f"submission must be a regular file"))
+            else:
+                notebooks.append(notebook)
     return notebooks, bad
 
 
@@ -115,7 +122,7 @@ def _worker_main(submission: Submission, write_end: int, limits: dict[str, Any])
         payload = json.dumps(result.to_dict()).encode()
     except BaseException as error:  # the grader's own failure, not the notebook's
         traceback.print_exc()
-        payload = json.dumps(NotebookResult(str(submission.path), error=f"{submission.path}: the grader failed "
+        payload = json.dumps(NotebookResult(shown(submission.path), error=f"{shown(submission.path)}: the grader failed "
                                             f"({type(error).__name__}: {error})").to_dict()).encode()
         code = 1
     try:
@@ -151,9 +158,9 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
         try:
             data = path.read_bytes()
         except OSError as error:
-            results.append(NotebookResult(str(path), error=f"{path}: cannot read it ({error.strerror})"))
+            results.append(NotebookResult(shown(path), error=f"{shown(path)}: cannot read it ({error.strerror})"))
             continue
-        earlier = (done or {}).get(str(path))
+        earlier = (done or {}).get(shown(path))
         if earlier and earlier.get("sha256") == hashlib.sha256(data).hexdigest() and not earlier.get("error"):
             results.append(NotebookResult.from_dict(earlier))
             continue
@@ -320,11 +327,13 @@ def result_of(worker: Worker, notebook_timeout: float) -> NotebookResult:
         how = f"killed by signal {os.WTERMSIG(status)}"
     else:
         how = f"exit status {os.WEXITSTATUS(status)}"
+    result = NotebookResult(shown(path), sha256=hashlib.sha256(worker.submission.data).hexdigest())
     if time.monotonic() > worker.deadline:
         why = f"the notebook ran past its time limit of {notebook_timeout:g} s"
-    else:
-        why = f"the grading process ended without a result ({how}): the notebook's code may have killed it"
-    result = NotebookResult(str(path), sha256=hashlib.sha256(worker.submission.data).hexdigest())
+    else:  # a sandboxed kernel cannot reach its worker: the grader's own failure, graded again by --resume
+        result.error = (f"{shown(path)}: not graded: the grading process ended without a result ({how}); the "
+                        f"grader's fault, not the notebook's: grade again (--resume grades only these)")
+        return result
     try:
         nb, result.notebook = read(path, worker.submission.data)
     except NotebookError as error:

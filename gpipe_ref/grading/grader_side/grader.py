@@ -38,7 +38,7 @@ from .kernel import Kernel, Trouble
 from .sandbox import SANDBOXES, sandbox_problem
 
 __all__ = ["DEFAULT_CELL_TIMEOUT", "DEFAULT_NOTEBOOK_TIMEOUT", "MAX_TIMEOUT", "SUSPICIOUS", "NotebookResult",
-           "OutOfTime", "check_sandbox", "check_timeouts", "grade_notebook", "suspicious", "timeout_seconds"]
+           "OutOfTime", "check_sandbox", "check_timeouts", "shown", "grade_notebook", "suspicious", "timeout_seconds"]
 
 DEFAULT_CELL_TIMEOUT = 60.0
 DEFAULT_NOTEBOOK_TIMEOUT = 900.0
@@ -143,6 +143,12 @@ def _not_attempted_error(text: str | None) -> bool:
     return bool(text) and text.startswith("NotImplementedError") and "Exercise" in text
 
 
+def shown(path: os.PathLike | str) -> str:
+    """A path as text that prints and encodes anywhere: bytes that are not UTF-8 (a Windows archive unzipped)
+    are shown as ``\\xNN`` escapes instead of stopping the reports."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    case_timeout: float | None = None, notebook_timeout: float = DEFAULT_NOTEBOOK_TIMEOUT,
                    kernel_name: str = "python3", token: str | None = None, sandbox: str = "bwrap") -> NotebookResult:
@@ -157,7 +163,7 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
     check_timeouts(cell_timeout, case_timeout, notebook_timeout)
     check_sandbox(sandbox)
     began = time.monotonic()
-    result = NotebookResult(str(path))
+    result = NotebookResult(shown(path))
     if data is None:
         try:
             data = Path(path).read_bytes()

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..exercises.catalog import EXERCISES
 from .grader import NotebookResult
+from .signing import signed
 
 __all__ = ["by_exercise", "feedback_markdown", "feedback_name", "format_by_exercise", "format_table", "gradebook_csv",
            "summary"]
@@ -34,11 +35,12 @@ def format_table(result: NotebookResult) -> str:
 
 
 def summary(results: list[NotebookResult]) -> dict[str, Any]:
-    """The JSON the grader writes: every notebook, the totals, and per exercise what the class did."""
+    """The JSON the grader writes: every notebook, the totals, and per exercise what the class did, signed
+    (:mod:`.signing`: ``--resume`` trusts nothing else)."""
     graded = [r for r in results if not r.error]
-    return {"notebooks": [r.to_dict() for r in results], "points": sum(r.points for r in graded),
-            "max_points": sum(r.max_points for r in graded), "errors": sum(1 for r in results if r.error),
-            "exercises": by_exercise(results)}
+    return signed({"notebooks": [r.to_dict() for r in results], "points": sum(r.points for r in graded),
+                   "max_points": sum(r.max_points for r in graded), "errors": sum(1 for r in results if r.error),
+                   "exercises": by_exercise(results)})
 
 
 def _reason(verdict) -> str:
