@@ -318,7 +318,7 @@ def result_of(worker: Worker, notebook_timeout: float) -> NotebookResult:
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) in (0, 1) and received.startswith(nonce):
         try:
             result = NotebookResult.from_dict(json.loads(received[len(nonce):]))
-            if result.path != str(path):
+            if result.path != shown(path):
                 raise ValueError("a result for another notebook")
             return result
         except (ValueError, KeyError, TypeError):

@@ -1,0 +1,170 @@
+"""gpipe_ref.grading.grader_side.sandbox: a class graded with attacks that reach past the kernel, each learner
+in a bubblewrap sandbox (the attacks of issue 30); the honest classmates keep their points, the run ends, and
+the files on disk agree with what the grader printed, seconds after it exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from gpipe_ref.grading.grader_side.sandbox import sandbox_problem
+from test_grading_attacks import HONEST_04_1, HONEST_04_3, _grade, _inject
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")]
+FORKER = "gpipe-attack-forker"
+
+ATTACKS = {  # folder: the 04.1 cell's extra code; every one of them also answers 04.3 honestly (2 points)
+    "aa_forker": f"""
+        import subprocess, sys  # a process that forks and exits about once a millisecond, then rewrites the grades
+        code = '''
+import os, time  # {FORKER}
+end = time.time() + 8
+while time.time() < end:
+    if os.fork():
+        os._exit(0)
+    time.sleep(0.001)
+for name in ("grades.json", "grades.csv"):
+    try:
+        open(os.environ.get("TARGET", "/nonexistent") + "/" + name, "w").write("forged")
+    except OSError:
+        pass
+'''
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True, env={{"TARGET": "{{target}}"}})
+        """,
+    "ab_reader": """
+        import glob, os  # the grader's argv and the classmates' notebooks, from /proc and the class folder
+        seen = []
+        for entry in os.listdir("/proc"):
+            try:
+                seen.append(open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace"))
+            except OSError:
+                pass
+        stolen = [p for line in seen for p in line.split("\\0") if p.endswith(".ipynb")]
+        stolen += glob.glob("{target}/**/*.ipynb", recursive=True) + glob.glob("/root/**/solutions/*.ipynb",
+                                                                                 recursive=True)
+        for path in stolen:
+            try:
+                import nbformat
+                for cell in nbformat.read(path, as_version=4).cells:
+                    if "def gpipe_actions" in cell.source and "Action(" in cell.source:
+                        exec(cell.source)
+            except Exception:
+                pass
+        """,
+    "ac_killer": """
+        import os, signal  # every grading process it can see: the workers grading the classmates
+        for entry in os.listdir("/proc"):
+            try:
+                line = open(f"/proc/{entry}/cmdline", "rb").read()
+                if b"gpipe_ref" in line and int(entry) != os.getpid():
+                    os.kill(int(entry), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        """,
+    "ad_poisoner": """
+        import os, site, sys  # persistent poisoning: a .pth, a kernelspec in HOME, a .pyc in the package
+        import gpipe_ref.grading.judge as judge
+        payload = "import builtins; builtins.__import__ = None\\n"
+        for folder in site.getsitepackages() + [os.path.dirname(judge.__file__) + "/__pycache__",
+                                                 os.path.expanduser("~/.local/share/jupyter/kernels/python3")]:
+            for name in ("zz_poison.pth", "judge.cpython-311.pyc", "kernel.json"):
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    open(os.path.join(folder, name), "w").write(payload)
+                except OSError:
+                    pass
+        """,
+}
+
+
+def _site_files() -> set[str]:
+    import site
+
+    return {str(p) for folder in site.getsitepackages() for p in Path(folder).glob("*.pth")}
+
+
+def _forkers() -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if FORKER in line and "pytest" not in line:
+                found.append(line[:100])
+    return found
+
+
+def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
+    """Forking faster than a kill loop, reading the grader's argv and the classmates' notebooks, killing the
+    other workers, poisoning site-packages, HOME's kernelspecs and the package's bytecode, a symlinked and a
+    FIFO submission, a folder whose name is not UTF-8: graded together with --jobs 2."""
+    cls = tmp_path / "class"
+    expected = {}
+    for folder, code in ATTACKS.items():
+        path = _inject(code.replace("{target}", str(tmp_path)).replace("{{target}}", str(tmp_path)), "04_gpipe",
+                       cls / folder, {"04.3": HONEST_04_3})
+        expected[str(path)] = 2
+    for number in range(2):  # honest classmates, graded after the attackers
+        path = _inject("", "04_gpipe", cls / f"zz_honest{number}", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
+        expected[str(path)] = 5
+    odd = Path(os.fsdecode(bytes(cls) + b"/zy_caf\xe9"))  # a name from a Windows archive: not UTF-8
+    expected[os.fsencode(_inject("", "04_gpipe", odd, {"04.3": HONEST_04_3})).decode("utf-8", "backslashreplace")] = 2
+    (cls / "zx_link").mkdir()
+    (cls / "zx_link" / "04_gpipe.ipynb").symlink_to(ROOT / "solutions" / "04_gpipe.ipynb")
+    (cls / "zw_fifo").mkdir()
+    os.mkfifo(cls / "zw_fifo" / "04_gpipe.ipynb")
+    pth_before, grades = _site_files(), tmp_path / "grades.json"
+    began = time.monotonic()
+    result = _grade(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv", "--cell-timeout", "30",
+                    timeout=600)
+    seconds = time.monotonic() - began
+    printed = result.stdout
+    time.sleep(10)  # past the forker's 8 s: it would have rewritten the grades by now
+    assert not _forkers()
+    data = json.loads(grades.read_text())
+    scored = {nb["path"]: nb for nb in data["notebooks"]}
+    for path, points in expected.items():
+        assert scored[path]["points"] == points, (path, scored[path]["exercises"])
+    refused = {Path(p).parent.name: nb["error"] for p, nb in scored.items() if nb["error"]}
+    assert "a symbolic link, refused" in refused["zx_link"] and "not a regular file, refused" in refused["zw_fifo"]
+    assert result.returncode == 2, result.stderr[-2000:]  # the two refused paths
+    assert f"total: {data['points']}/{data['max_points']} points" in printed
+    assert "forged" not in (tmp_path / "grades.csv").read_text() and "zy_caf\\xe9" in printed
+    assert _site_files() == pth_before
+    assert not list((ROOT / "gpipe_ref" / "grading" / "__pycache__").glob("judge.cpython-311.pyc")) or \
+        "poison" not in (ROOT / "gpipe_ref" / "grading" / "__pycache__" / "judge.cpython-311.pyc").read_bytes().decode(
+            errors="replace")
+    print(f"{len(scored)} paths graded in {seconds:.1f} s with --jobs 2, each kernel sandboxed")
+
+
+def test_outputs_are_replaced_never_written_through_and_resume_trusts_only_signed_results(tmp_path):
+    """A FIFO where grades.json goes (it hung the grader) and a read-only forged report (--resume kept it)."""
+    cls = tmp_path / "class"
+    _inject("", "04_gpipe", cls / "a", {"04.3": HONEST_04_3})
+    grades = tmp_path / "grades.json"
+    os.mkfifo(grades)
+    result = _grade(cls, "--json", grades, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert stat.S_ISREG(os.lstat(grades).st_mode) and json.loads(grades.read_text())["points"] == 2
+    os.unlink(grades)
+    os.mkfifo(grades)
+    result = _grade(cls, "--json", grades, "--resume", timeout=60)
+    assert result.returncode == 2 and "is not a regular file" in result.stderr
+    os.unlink(grades)
+    forged = {"notebooks": [{"path": str(cls / "a" / "04_gpipe.ipynb"), "notebook": "04_gpipe", "error": None,
+                             "sha256": None, "exercises": []}], "points": 13, "max_points": 13}
+    grades.write_text(json.dumps(forged))
+    grades.chmod(0o444)
+    result = _grade(cls, "--json", grades, "--resume", timeout=60)
+    assert result.returncode == 2 and "does not carry this grader's signature" in result.stderr
