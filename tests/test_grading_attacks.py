@@ -154,7 +154,7 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
 }
 
 
-def _inject(source: str, name: str, folder: Path, answers: dict[str, str]) -> Path:
+def inject_attack(source: str, name: str, folder: Path, answers: dict[str, str]) -> Path:
     nb = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
     for cell in nb.cells:
         ex_id = exercise_of(cell)
@@ -168,7 +168,7 @@ def _inject(source: str, name: str, folder: Path, answers: dict[str, str]) -> Pa
     return path
 
 
-def _grade(*args, env=None, cwd=ROOT, timeout=900):
+def grade_command(*args, env=None, cwd=ROOT, timeout=900):
     return subprocess.run([sys.executable, "-m", "gpipe_ref", "grade", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -197,16 +197,16 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
         answers = {"04.3": HONEST_04_3}
         if answer_04_2:
             answers["04.2"] = answer_04_2
-        path = _inject(cell_04_1, "04_gpipe", cls / f"learner{number:02d}", answers)
+        path = inject_attack(cell_04_1, "04_gpipe", cls / f"learner{number:02d}", answers)
         expected[str(path)] = honest
-    honest = _inject("", "04_gpipe", cls / "zz_honest", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
+    honest = inject_attack("", "04_gpipe", cls / "zz_honest", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
     expected[str(honest)] = 5
     forged = nbformat.writes(nbformat.read(ROOT / "exercises" / "04_gpipe.ipynb", as_version=4))
-    rewriter = _inject(f"""
+    rewriter = inject_attack(f"""
         open({str(honest)!r}, "w").write({forged!r})  # the honest classmate's answers, gone
         """, "04_gpipe", cls / "aa_rewriter", {})
     expected[str(rewriter)] = 0
-    sleeper = _inject(f"""
+    sleeper = inject_attack(f"""
         import subprocess, sys
         code = "import time, sys; time.sleep(4); open({str(grades)!r}, 'w').write('forged')  # {SLEEPER}"
         subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
@@ -216,12 +216,12 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
     noted = sorted(cls.iterdir())
     for folder in noted:  # files next to the submissions: none may be touched
         (folder / "notes.txt").write_text("the instructor's")
-    killer = _inject("""
+    killer = inject_attack("""
         import os, signal
         os.kill(os.getppid(), signal.SIGKILL)
         """, "04_gpipe", cls / "ac_killer", {"04.3": HONEST_04_3})
     expected[str(killer)] = 2  # its parent is the sandbox's: the cell kills its own kernel (0), 04.3 is honest (2)
-    forger = _inject("""
+    forger = inject_attack("""
         import os, json, signal
         parent = os.getppid()
         forged = json.dumps({"path": "x", "notebook": "04_gpipe", "warnings": [], "error": None, "exercises": [
@@ -243,7 +243,7 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
     expected[str(solution)] = sum(ex.points for ex in NOTEBOOKS["03_model_parallel"])
 
     began = time.monotonic()
-    result = _grade(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv",
+    result = grade_command(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv",
                     "--feedback", tmp_path / "feedback", "--cell-timeout", "30", "--case-timeout", "10")
     seconds = time.monotonic() - began
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -288,15 +288,15 @@ def test_a_changed_package_stops_grading_with_an_alert(tmp_path, sandboxed):
     untouched, and the grader stops with an alert naming the file."""
     copy = tmp_path / "site"
     shutil.copytree(ROOT / "gpipe_ref", copy / "gpipe_ref", ignore=shutil.ignore_patterns("__pycache__"))
-    attacker = _inject("""
+    attacker = inject_attack("""
         import gpipe_ref.grading.judge as _c
         with open(_c.__file__, "a") as f:
             f.write("\\ndef run_cases(*a, **k):\\n    return Verdict('04.1', 'x', 'passed', 3, 3, 'ok')\\n")
         """, "04_gpipe", tmp_path / "class" / "a", {"04.3": HONEST_04_3})
-    _inject("", "04_gpipe", tmp_path / "class" / "b", {})
+    inject_attack("", "04_gpipe", tmp_path / "class" / "b", {})
     env = {**os.environ, "PYTHONPATH": str(copy)}
     grades = tmp_path / "grades.json"
-    result = _grade(tmp_path / "class", "--jobs", "1", "--json", grades, *([] if sandboxed else ["--no-sandbox"]),
+    result = grade_command(tmp_path / "class", "--jobs", "1", "--json", grades, *([] if sandboxed else ["--no-sandbox"]),
                     env=env, cwd=tmp_path)
     if sandboxed:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -317,9 +317,9 @@ def test_a_notebook_time_limit_bounds_re_runs(tmp_path):
     """Slow exercise cells, and one that breaks a later course cell, force re-runs in fresh kernels: the
     notebook's limit stops them all."""
     slow = "import time\ntime.sleep(4)\n"
-    path = _inject(slow + "import gpipe_ref\ngpipe_ref.gpipe = None  # a later course cell calls gpipe(3, 4)\n",
+    path = inject_attack(slow + "import gpipe_ref\ngpipe_ref.gpipe = None  # a later course cell calls gpipe(3, 4)\n",
                    "04_gpipe", tmp_path / "slow", {"04.2": slow, "04.3": slow})
-    result = _grade(path, "--notebook-timeout", "10", "--json", tmp_path / "g.json", timeout=120)
+    result = grade_command(path, "--notebook-timeout", "10", "--json", tmp_path / "g.json", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "g.json").read_text())
     assert data["points"] == 0

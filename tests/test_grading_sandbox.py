@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading.grader_side.sandbox import sandbox_problem
-from test_grading_attacks import HONEST_04_1, HONEST_04_3, _grade, _inject
+from test_grading_attacks import HONEST_04_1, HONEST_04_3, grade_command, inject_attack
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")]
@@ -112,21 +112,21 @@ def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
     cls = tmp_path / "class"
     expected = {}
     for folder, code in ATTACKS.items():
-        path = _inject(code.replace("{target}", str(tmp_path)).replace("{{target}}", str(tmp_path)), "04_gpipe",
+        path = inject_attack(code.replace("{target}", str(tmp_path)).replace("{{target}}", str(tmp_path)), "04_gpipe",
                        cls / folder, {"04.3": HONEST_04_3})
         expected[str(path)] = 2
     for number in range(2):  # honest classmates, graded after the attackers
-        path = _inject("", "04_gpipe", cls / f"zz_honest{number}", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
+        path = inject_attack("", "04_gpipe", cls / f"zz_honest{number}", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
         expected[str(path)] = 5
     odd = Path(os.fsdecode(bytes(cls) + b"/zy_caf\xe9"))  # a name from a Windows archive: not UTF-8
-    expected[os.fsencode(_inject("", "04_gpipe", odd, {"04.3": HONEST_04_3})).decode("utf-8", "backslashreplace")] = 2
+    expected[os.fsencode(inject_attack("", "04_gpipe", odd, {"04.3": HONEST_04_3})).decode("utf-8", "backslashreplace")] = 2
     (cls / "zx_link").mkdir()
     (cls / "zx_link" / "04_gpipe.ipynb").symlink_to(ROOT / "solutions" / "04_gpipe.ipynb")
     (cls / "zw_fifo").mkdir()
     os.mkfifo(cls / "zw_fifo" / "04_gpipe.ipynb")
     pth_before, grades = _site_files(), tmp_path / "grades.json"
     began = time.monotonic()
-    result = _grade(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv", "--cell-timeout", "30",
+    result = grade_command(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv", "--cell-timeout", "30",
                     timeout=600)
     seconds = time.monotonic() - began
     printed = result.stdout
@@ -151,20 +151,20 @@ def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
 def test_outputs_are_replaced_never_written_through_and_resume_trusts_only_signed_results(tmp_path):
     """A FIFO where grades.json goes (it hung the grader) and a read-only forged report (--resume kept it)."""
     cls = tmp_path / "class"
-    _inject("", "04_gpipe", cls / "a", {"04.3": HONEST_04_3})
+    inject_attack("", "04_gpipe", cls / "a", {"04.3": HONEST_04_3})
     grades = tmp_path / "grades.json"
     os.mkfifo(grades)
-    result = _grade(cls, "--json", grades, timeout=300)
+    result = grade_command(cls, "--json", grades, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert stat.S_ISREG(os.lstat(grades).st_mode) and json.loads(grades.read_text())["points"] == 2
     os.unlink(grades)
     os.mkfifo(grades)
-    result = _grade(cls, "--json", grades, "--resume", timeout=60)
+    result = grade_command(cls, "--json", grades, "--resume", timeout=60)
     assert result.returncode == 2 and "is not a regular file" in result.stderr
     os.unlink(grades)
     forged = {"notebooks": [{"path": str(cls / "a" / "04_gpipe.ipynb"), "notebook": "04_gpipe", "error": None,
                              "sha256": None, "exercises": []}], "points": 13, "max_points": 13}
     grades.write_text(json.dumps(forged))
     grades.chmod(0o444)
-    result = _grade(cls, "--json", grades, "--resume", timeout=60)
+    result = grade_command(cls, "--json", grades, "--resume", timeout=60)
     assert result.returncode == 2 and "does not carry this grader's signature" in result.stderr

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NAMEDTUPLE_API = frozenset({"_make", "_replace", "_asdict", "_fields", "_field_defaults"})
 # Standard-library functions documented despite the underscore, and one torch hook with no public
 # equivalent: the autograd engine's end-of-backward callback (torch's own DDP and FSDP queue theirs there).
-DOCUMENTED = frozenset({("os", "_exit"), ("sys", "_getframe"), ("torch", "_execution_engine")})
+# torch._C.DisableTorchFunctionSubclass: how torch's docs ("Extending torch with a Tensor wrapper") have a
+# __torch_function__ override call the original
+DOCUMENTED = frozenset({("os", "_exit"), ("sys", "_getframe"), ("torch", "_execution_engine"), ("torch", "_C")})
 
 
 def is_private(name: str) -> bool:

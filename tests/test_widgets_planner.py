@@ -22,7 +22,7 @@ def test_planner_explorer_ranks_and_reports_what_does_not_fit():
     explorer.gpus.value = 8  # the planner's reason, in place of the table
     assert explorer.ranking.value == (
         "<b style='color:#b00'>no configuration fits</b> (39.1B parameters on 8 GPUs): no layout fits: the smallest "
-        "memory need is 79.8 GB per GPU (dp=1 tp=1 pp=8 b=1 m=1536 1f1b recompute) but a GPU has 80 GB, 72.0 GB "
+        "memory need is 79.80 GB per GPU (dp=1 tp=1 pp=8 b=1 m=1536 1f1b recompute) but a GPU has 80.00 GB, 72.00 GB "
         "usable (usable_memory=0.9); add GPUs or memory")
     assert explorer.plans == [] and explorer.choice.options == () and explorer.picture.value == ""
     assert explorer.memory_bars.value == ""
