@@ -49,8 +49,7 @@ for name in ("grades.json", "grades.csv"):
             except OSError:
                 pass
         stolen = [p for line in seen for p in line.split("\\0") if p.endswith(".ipynb")]
-        stolen += glob.glob("{target}/**/*.ipynb", recursive=True) + glob.glob("/root/**/solutions/*.ipynb",
-                                                                                 recursive=True)
+        stolen += glob.glob("{target}/**/*.ipynb", recursive=True) + glob.glob("{solutions}/*.ipynb")
         for path in stolen:
             try:
                 import nbformat
@@ -61,7 +60,8 @@ for name in ("grades.json", "grades.csv"):
                 pass
         """,
     "ac_killer": """
-        import os, signal  # every grading process it can see: the workers grading the classmates
+        import os, signal  # every grading process it can see: the workers grading the classmates (and their
+        # kernels, whose connection files their argv names: a request sent there would fail their cases)
         for entry in os.listdir("/proc"):
             try:
                 line = open(f"/proc/{entry}/cmdline", "rb").read()
@@ -112,8 +112,8 @@ def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
     cls = tmp_path / "class"
     expected = {}
     for folder, code in ATTACKS.items():
-        path = inject_attack(code.replace("{target}", str(tmp_path)).replace("{{target}}", str(tmp_path)), "04_gpipe",
-                       cls / folder, {"04.3": HONEST_04_3})
+        code = code.replace("{target}", str(tmp_path)).replace("{solutions}", str(ROOT / "solutions"))
+        path = inject_attack(code, "04_gpipe", cls / folder, {"04.3": HONEST_04_3})
         expected[str(path)] = 2
     for number in range(2):  # honest classmates, graded after the attackers
         path = inject_attack("", "04_gpipe", cls / f"zz_honest{number}", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
