@@ -173,7 +173,8 @@ def grade_command(*args, env=None, cwd=ROOT, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _sleepers() -> list[str]:
+def processes_running(marker: str) -> list[str]:
+    """The processes (but pytest) whose command line holds ``marker``."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -181,7 +182,7 @@ def _sleepers() -> list[str]:
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if SLEEPER in cmdline and "pytest" not in cmdline:
+            if marker in cmdline and "pytest" not in cmdline:
                 found.append(f"{entry}: {cmdline[:120]}")
     return found
 
@@ -250,7 +251,7 @@ def test_a_class_of_attacks_earns_nothing(tmp_path):
     time.sleep(5)  # the detached processes would have rewritten grades.json by now
     assert all(p.read_text() == "the instructor's" for p in cls.glob("*/notes.txt"))
     assert sorted(p.parent for p in cls.glob("*/notes.txt")) == noted
-    assert not _sleepers(), _sleepers()
+    assert not processes_running(SLEEPER), processes_running(SLEEPER)
     data = json.loads(grades.read_text())
     scored = {nb["path"]: nb for nb in data["notebooks"]}
     assert set(scored) == set(expected)

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading.grader_side.sandbox import sandbox_problem
-from test_grading_attacks import HONEST_04_1, HONEST_04_3, grade_command, inject_attack
+from test_grading_attacks import HONEST_04_1, HONEST_04_3, grade_command, inject_attack, processes_running
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")]
@@ -92,19 +90,6 @@ def _site_files() -> set[str]:
     return {str(p) for folder in site.getsitepackages() for p in Path(folder).glob("*.pth")}
 
 
-def _forkers() -> list[str]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if FORKER in line and "pytest" not in line:
-                found.append(line[:100])
-    return found
-
-
 def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
     """Forking faster than a kill loop, reading the grader's argv and the classmates' notebooks, killing the
     other workers, poisoning site-packages, HOME's kernelspecs and the package's bytecode, a symlinked and a
@@ -131,7 +116,7 @@ def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
     seconds = time.monotonic() - began
     printed = result.stdout
     time.sleep(10)  # past the forker's 8 s: it would have rewritten the grades by now
-    assert not _forkers()
+    assert not processes_running(FORKER)
     data = json.loads(grades.read_text())
     scored = {nb["path"]: nb for nb in data["notebooks"]}
     for path, points in expected.items():

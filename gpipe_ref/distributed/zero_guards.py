@@ -30,19 +30,29 @@ def _attribute(func) -> str:
     return name
 
 
+_PARAMETER_REFUSAL = ("ZeRO stage 3 keeps only this rank's shard of each parameter between uses (its full tensor is "
+                      "freed), so '{name}' cannot read it here: call zero.state_dict() or zero.full_parameters() on "
+                      "every rank (they gather the weights), or use the parameter inside the module's forward")
+_GRADIENT_REFUSAL = ("ZeRO stages 2-3 keep only this rank's shard of the averaged gradient: p.grad is not the gradient "
+                     "('{name}' refused). Clip with zero.clip_grad_norm_(max_norm), zero the gradients with "
+                     "zero.zero_grad() (model.zero_grad() works too)")
+
+
+def _metadata_or_refusal(func, args, kwargs, refusal: str):
+    """What a stand-in answers: its metadata, as the plain tensor would; anything else raises ``refusal``."""
+    name = _attribute(func)
+    if name in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    raise RuntimeError(refusal.format(name=name))
+
+
 class ShardedParameter(nn.Parameter):
     """A stage-3 parameter while its full buffer is freed (between its module's uses, and between steps)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = _attribute(func)
-        if name in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        raise RuntimeError(
-            f"ZeRO stage 3 keeps only this rank's shard of each parameter between uses (its full tensor is freed), "
-            f"so '{name}' cannot read it here: call zero.state_dict() or zero.full_parameters() on every rank "
-            f"(they gather the weights), or use the parameter inside the module's forward")
+        return _metadata_or_refusal(func, args, kwargs, _PARAMETER_REFUSAL)
 
 
 class ShardedGradient(torch.Tensor):
@@ -50,14 +60,7 @@ class ShardedGradient(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = _attribute(func)
-        if name in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        raise RuntimeError(
-            f"ZeRO stages 2-3 keep only this rank's shard of the averaged gradient: p.grad is not the gradient "
-            f"('{name}' refused). Clip with zero.clip_grad_norm_(max_norm), zero the gradients with zero.zero_grad() "
-            f"(model.zero_grad() works too)")
+        return _metadata_or_refusal(func, args, kwargs, _GRADIENT_REFUSAL)
 
 
 def sharded_gradient(param: torch.Tensor) -> ShardedGradient:
