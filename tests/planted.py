@@ -38,6 +38,22 @@ def run_answer(prelude: str, code: str) -> dict:
 CHECK_LIMIT_S, GRADE_LIMIT_S = 10.0, 60.0
 
 
+def passes_check_and_grade(exercise_id: str, namespace: dict, capsys, grade_limit: float | None = GRADE_LIMIT_S) -> None:
+    """A right answer: check() says so in under CHECK_LIMIT_S, and grade() gives full marks (in under
+    ``grade_limit`` seconds when given)."""
+    import time
+
+    start = time.perf_counter()
+    check(exercise_id, namespace[EXERCISES[exercise_id].answer])
+    checked = time.perf_counter() - start
+    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+    start = time.perf_counter()
+    verdict = grade(exercise_id, namespace)
+    graded = time.perf_counter() - start
+    assert verdict.passed, verdict
+    assert checked < CHECK_LIMIT_S and (grade_limit is None or graded < grade_limit), (checked, graded)
+
+
 def solution_namespace(name: str) -> dict:
     """Run a solution notebook's code cells (not its checks) in one namespace."""
     nb = nbformat.read(SOLUTIONS / f"{name}.ipynb", as_version=4)
