@@ -5,6 +5,7 @@ calls are refused, and exercises/ is what the build writes from solutions/."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from gpipe_ref.grading.cases import Case, Exercise
 from gpipe_ref.grading.judge import forbidden_use, judge, run_cases, same
 from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
 from gpipe_ref.grading.kernel_side.guard import resolve
-from gpipe_ref.grading.kernel_side.runner import run_one
+from gpipe_ref.grading.kernel_side.runner import Request, run_one
 from gpipe_ref.grading.kernel_side.wire import dumps, loads
 from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister
 
@@ -148,7 +149,7 @@ def test_run_cases_survives_what_answers_do():
 
     def verdict(answer, timeout=5.0, namespace=None):
         namespace = {"f": answer} if namespace is None else namespace
-        return run_cases(ex, [case], lambda index: loads(dumps(run_one(ex, case, namespace, timeout))))
+        return run_cases(ex, [case], lambda index: loads(dumps(run_one(Request.of(ex, case), namespace, timeout))))
 
     assert verdict(lambda x: 1.0).passed
     assert verdict(lambda x: 1 / 0).status == "error" and "ZeroDivisionError" in verdict(lambda x: 1 / 0).feedback
@@ -267,3 +268,100 @@ def test_an_exercise_names_a_known_category():
     with pytest.raises(ValueError, match=r"category must be one of .*'design'.*got 'quiz'"):
         Exercise("99.1", "t", "answer", 1, list, list, category="quiz")
     assert all(e.category in CATEGORIES for e in EXERCISES.values())
+
+
+def test_every_exercise_draws_cases_for_each_submission():
+    """Each exercise adds cases drawn from the grader's random source: another draw, other inputs."""
+    for ex in EXERCISES.values():
+        fixed = [case.label for case in ex.all_cases()]
+        draws = [[case.label for case in ex.all_cases(random.Random(seed))] for seed in range(5)]
+        assert all(len(labels) > len(fixed) and labels[:len(fixed)] == fixed for labels in draws), ex.id
+        assert len({tuple(labels[len(fixed):]) for labels in draws}) > 1, ex.id  # the draw changes the inputs
+
+
+def test_a_table_of_the_published_cases_fails_the_drawn_ones():
+    """Every shown and hidden case is in the package's source: an answer that looks their expected values up
+    passes them all, and fails once the grader draws inputs nobody knew."""
+    table = {case.label: case.expected() for case in EXERCISES["04.2"].all_cases()}
+    namespace = {"bubble_fraction": lambda p, m: table.get(f"p={p}, m={m}", 0.0)}
+    assert grade("04.2", namespace, draw=None).passed
+    assert not any(grade("04.2", namespace, draw=seed).passed for seed in range(3))
+
+
+def test_the_draw_is_the_graders_secret_and_the_submissions_own(tmp_path, monkeypatch):
+    """Seeded by the grader's key and the submission's digest: a resubmission of the same bytes draws the same
+    cases, another submission or another key other ones."""
+    from gpipe_ref.grading.grader_side.signing import draw_seed
+
+    monkeypatch.setenv("GPIPE_GRADER_KEY", str(tmp_path / "a.key"))
+    first = draw_seed("04.2", "digest-1")
+    assert draw_seed("04.2", "digest-1") == first
+    assert len({first, draw_seed("04.2", "digest-2"), draw_seed("04.3", "digest-1")}) == 3
+    monkeypatch.setenv("GPIPE_GRADER_KEY", str(tmp_path / "b.key"))
+    assert draw_seed("04.2", "digest-1") != first
+
+
+def _code_reachable(function) -> list:
+    """Every code object ``function`` can run: its own and nested ones, and those of the functions its closure
+    and its globals hold, transitively."""
+    seen, codes, stack = set(), [], [function]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, types.FunctionType):
+            stack.append(item.__code__)
+            stack += [cell.cell_contents for cell in item.__closure__ or () if _has_contents(cell)]
+            stack += [item.__globals__[name] for name in item.__code__.co_names if name in item.__globals__]
+            stack += list(item.__defaults__ or ())
+        elif isinstance(item, types.CodeType):
+            codes.append(item)
+            stack += [c for c in item.co_consts if isinstance(c, types.CodeType)]
+    return codes
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def test_what_the_kernel_receives_holds_no_expected_side():
+    """The request the grader sends for a case, unpickled as a kernel would: the case's ``run`` and the module
+    functions it uses, and no code of the case's ``expected``."""
+    import base64
+    import pickle
+
+    from gpipe_ref.grading.grader_side.kernel import request_text
+
+    for ex in EXERCISES.values():
+        for case in ex.all_cases(random.Random(4)):
+            request = pickle.loads(base64.b64decode(request_text(ex, case)))
+            assert (request.exercise, request.label, request.answer) == (ex.id, case.label, ex.answer)
+            reachable = _code_reachable(request.run)
+            assert case.expected.__code__ not in reachable, (ex.id, case.label)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_the_solutions_pass_every_draw(name):
+    """The course's solutions pass the drawn cases of five draws: every draw stays within what the exercise
+    promises (a layer count the stages divide, a world the shards fit...)."""
+    from gpipe_ref.grading.learner import judge_in_process
+    from gpipe_ref.grading.mutants import solution_notebook
+
+    import matplotlib.pyplot as plt
+
+    setup, cells = solution_notebook(ROOT / "solutions" / f"{name}.ipynb")
+    namespace: dict = {"__name__": "__main__"}
+    for source in setup:
+        exec(compile(source, name, "exec"), namespace)
+    plt.close("all")
+    for exercise_id in cells:
+        ex = EXERCISES[exercise_id]
+        for seed in range(5):
+            verdict = judge_in_process(ex, ex.drawn(random.Random(seed)), namespace, None)
+            assert verdict.passed, (exercise_id, seed, verdict.feedback)

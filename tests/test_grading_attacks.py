@@ -50,8 +50,8 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         """, None, 2),
     "forged replies from the runner (points 100, status passed)": ("""
         import json, gpipe_ref.grading.kernel_side.runner as _r
-        _r.reply = lambda ex, i, t, ns=None: json.dumps({"exercise": ex, "label": "?", "outcome": "returned",
-                                                        "value": 0.5, "points": 100, "status": "passed"})
+        _r.reply = lambda request, t, ns=None: json.dumps({"exercise": "04.1", "label": "?", "outcome": "returned",
+                                                          "value": 0.5, "points": 100, "status": "passed"})
         """, None, 0),
     "forged report lines, replaced stdout, print and json.dumps": ("""
         import sys, io, json, builtins
@@ -118,26 +118,26 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
                 if os.path.isfile(path):
                     os.remove(path)
         """, None, 2),
-    "expected values collected in a cell, outside any answer": ("""
-        from gpipe_ref.grading import EXERCISES
-        TABLE = {}
-        for case in EXERCISES["04.2"].all_cases():
-            try:
-                TABLE[case.label] = case.expected()
-            except Exception:  # a hidden case's: refused in the grader's kernel
-                pass
+    "expected values collected in a cell, the old seal's marker unset": ("""
+        import os
+        os.environ.pop("GPIPE_GRADE_RUN", None)
+        from gpipe_ref.grading import EXERCISES  # the sandbox hides the exercise modules: this cell raises
+        TABLE = {case.label: case.expected() for case in EXERCISES["04.2"].all_cases()}
         """, """
         def bubble_fraction(p, m):
             return TABLE[f"p={p}, m={m}"]
         """, 2),
     "the kernel's runner replaced by one replying with expected values": ("""
-        import gpipe_ref.grading as _g, gpipe_ref.grading.kernel_side.runner as _r, gpipe_ref.grading.kernel_side.wire as _w
+        import base64, pickle
+        import gpipe_ref.grading.kernel_side.runner as _r, gpipe_ref.grading.kernel_side.wire as _w
         _original = _r.reply
-        def _forged(eid, index, timeout, namespace=None):
-            if eid != "04.2":
-                return _original(eid, index, timeout, namespace)
-            case = _g.exercise(eid).all_cases()[index]
-            return _w.dumps({"exercise": eid, "label": case.label, "outcome": "returned",
+        def _forged(request, timeout, namespace=None):
+            asked = pickle.loads(base64.b64decode(request))
+            if asked.exercise != "04.2":
+                return _original(request, timeout, namespace)
+            from gpipe_ref.grading import exercise  # hidden in the sandbox: this case errs
+            case = next(c for c in exercise("04.2").all_cases() if c.label == asked.label)
+            return _w.dumps({"exercise": "04.2", "label": asked.label, "outcome": "returned",
                              "value": _w.encode(case.expected())})
         _r.reply = _forged
         """, None, 2),

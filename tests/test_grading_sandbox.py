@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")]
 FORKER = "gpipe-attack-forker"
 
-ATTACKS = {  # folder: the 04.1 cell's extra code; every one of them also answers 04.3 honestly (2 points)
+ATTACKS = {  # folder: the 04.1 cell's extra code (and 04.2's answer); every one also answers 04.3 honestly (2 points)
     "aa_forker": f"""
         import subprocess, sys  # a process that forks and exits about once a millisecond, then rewrites the grades
         code = '''
@@ -81,6 +81,50 @@ for name in ("grades.json", "grades.csv"):
                 except OSError:
                     pass
         """,
+    "zy_intruder": """
+        import glob, os, time  # execute requests into the kernels of the classmates graded beside it (folders
+        from jupyter_client import BlockingKernelClient  # sort so), for 8 s: their connection files are in the
+        # grader's folders and in their kernels' argv
+        own = [a for a in open("/proc/self/cmdline", "rb").read().decode().split("\\0") if a.endswith(".json")]
+        sabotage = "import gpipe_ref.grading.kernel_side.runner as r; r.reply = lambda *a, **k: 1 / 0"
+        end, tried = time.time() + 8, set(own)
+        while time.time() < end:
+            found = set(glob.glob("/tmp/gpipe-grade-*/ipc/*.json"))
+            for entry in os.listdir("/proc"):
+                try:
+                    argv = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace").split("\\0")
+                    found.update(a for a in argv if a.endswith(".json"))
+                except OSError:
+                    pass
+            for path in found - tried:
+                tried.add(path)
+                try:
+                    client = BlockingKernelClient(connection_file=path)
+                    client.load_connection_file()
+                    client.start_channels()
+                    client.execute(sabotage)
+                except Exception:
+                    pass
+            time.sleep(0.2)
+        """,
+    "af_unsealer": ("""
+        import os  # the old seal's marker unset, then the exercise modules and the grader's key
+        os.environ.pop("GPIPE_GRADE_RUN", None)
+        for path in (os.environ.get("GPIPE_TEST_HOME", "/") + "/.config/gpipe_ref/grader.key",
+                     os.path.expanduser("~/.config/gpipe_ref/grader.key")):
+            try:
+                KEY = open(path).read()
+            except OSError:
+                pass
+        try:
+            from gpipe_ref.grading.exercises.catalog import EXERCISES
+            TABLE = {case.label: case.expected() for case in EXERCISES["04.2"].all_cases()}
+        except ImportError:
+            TABLE = {}
+        """, """
+        def bubble_fraction(p, m):
+            return TABLE.get(f"p={p}, m={m}", 0.0)
+        """),
 }
 
 
@@ -92,13 +136,16 @@ def _site_files() -> set[str]:
 
 def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
     """Forking faster than a kill loop, reading the grader's argv and the classmates' notebooks, killing the
-    other workers, poisoning site-packages, HOME's kernelspecs and the package's bytecode, a symlinked and a
+    other workers, execute requests into the classmates' kernels, poisoning site-packages, HOME's kernelspecs
+    and the package's bytecode, the hidden cases' expected values read with the old seal unset, a symlinked and a
     FIFO submission, a folder whose name is not UTF-8: graded together with --jobs 2."""
     cls = tmp_path / "class"
     expected = {}
-    for folder, code in ATTACKS.items():
+    for folder, attack in ATTACKS.items():
+        code, answer_04_2 = (attack, None) if isinstance(attack, str) else attack
         code = code.replace("{target}", str(tmp_path)).replace("{solutions}", str(ROOT / "solutions"))
-        path = inject_attack(code, "04_gpipe", cls / folder, {"04.3": HONEST_04_3})
+        answers = {"04.3": HONEST_04_3, **({"04.2": answer_04_2} if answer_04_2 else {})}
+        path = inject_attack(code, "04_gpipe", cls / folder, answers)
         expected[str(path)] = 2
     for number in range(2):  # honest classmates, graded after the attackers
         path = inject_attack("", "04_gpipe", cls / f"zz_honest{number}", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
@@ -153,3 +200,45 @@ def test_outputs_are_replaced_never_written_through_and_resume_trusts_only_signe
     grades.chmod(0o444)
     result = grade_command(cls, "--json", grades, "--resume", timeout=60)
     assert result.returncode == 2 and "does not carry this grader's signature" in result.stderr
+
+
+def test_a_sandboxed_kernel_imports_the_course_but_not_the_exercise_modules(tmp_path):
+    """What a notebook imports works; the cases' expected side, the hidden and drawn lists and the reference
+    solutions (grading/exercises) are an empty read-only folder."""
+    import subprocess
+    import sys
+
+    from gpipe_ref.grading.grader_side.sandbox import sandbox_command
+
+    for name in ("work", "home", "ipc"):
+        (tmp_path / name).mkdir()
+    probe = """
+import os
+from gpipe_ref.grading import check  # the exercise notebooks' first import
+import gpipe_ref.grading.kernel_side.runner
+folder = os.path.join(os.path.dirname(gpipe_ref.grading.__file__), "exercises")
+print("listing", os.listdir(folder))
+for name in ("gpipe_ref.grading.exercises.catalog", "gpipe_ref.grading.exercises.ex04_gpipe"):
+    try:
+        __import__(name)
+        print("imported", name)
+    except ImportError:
+        print("hidden", name)
+try:
+    import gpipe_ref.grading as grading
+    grading.EXERCISES
+    print("imported EXERCISES")
+except ImportError:
+    print("hidden EXERCISES")
+try:
+    open(os.path.join(folder, "catalog.py"), "w").write("EXERCISES = {}")
+    print("wrote")
+except OSError:
+    print("read-only")
+"""
+    done = subprocess.run([*sandbox_command(tmp_path), sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["listing []", "hidden gpipe_ref.grading.exercises.catalog",
+                                       "hidden gpipe_ref.grading.exercises.ex04_gpipe", "hidden EXERCISES",
+                                       "read-only", ""], done.stdout

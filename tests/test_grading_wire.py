@@ -4,6 +4,7 @@ runs (guard) and how a reply is read (judge). Each test plays a learner who trie
 from __future__ import annotations
 
 import json
+import random
 import math
 import textwrap
 import sys
@@ -17,7 +18,7 @@ from gpipe_ref.grading.kernel_side import wire
 from gpipe_ref.grading.cases import Case, Exercise, Verdict
 from gpipe_ref.grading.judge import judge, run_cases
 from gpipe_ref.grading.kernel_side.guard import EXPECTED_VALUES
-from gpipe_ref.grading.kernel_side.runner import run_one
+from gpipe_ref.grading.kernel_side.runner import Request, run_one
 from gpipe_ref.schedule import Action
 
 # -- wire: what an answer's result may be, and what the grader accepts back -----------------------------------
@@ -175,7 +176,7 @@ def test_a_result_over_the_limit_becomes_a_short_refusal():
 def test_a_refused_result_loses_the_points_with_its_reason():
     namespace = {"AlwaysEqual": AlwaysEqual}
     exec("def microbatch_sizes(batch, m):\n    return [AlwaysEqual(0)] * m\n", namespace)
-    reply = run_one(EXERCISES["04.3"], EXERCISES["04.3"].cases()[0], namespace, 5)
+    reply = run_one(Request.of(EXERCISES["04.3"], EXERCISES["04.3"].cases()[0]), namespace, 5)
     assert reply["outcome"] == "refused" and "AlwaysEqual" in reply["error"] and "value" not in reply
     verdict = grade("04.3", namespace)
     assert verdict.points == 0 and "AlwaysEqual (a subclass of int" in verdict.feedback
@@ -270,7 +271,7 @@ def test_a_forbidden_function_is_refused_on_every_path(attempt):
     code, extra = GPIPE_ATTEMPTS[attempt]
     namespace = _namespace(code, **extra)
     ex = EXERCISES["04.1"]
-    reply = run_one(ex, ex.cases()[0], namespace, 10)
+    reply = run_one(Request.of(ex, ex.cases()[0]), namespace, 10)
     assert reply["outcome"] == "forbidden" and reply["name"].startswith("gpipe_ref.schedule."), reply
     assert "value" not in reply
     verdict = grade("04.1", namespace)
@@ -296,7 +297,7 @@ def test_a_thread_started_before_the_answer_is_refused_too():
             done.wait(10)
             return out[0]
         """)
-    assert run_one(EXERCISES["04.1"], EXERCISES["04.1"].cases()[0], namespace, 10)["outcome"] == "forbidden"
+    assert run_one(Request.of(EXERCISES["04.1"], EXERCISES["04.1"].cases()[0]), namespace, 10)["outcome"] == "forbidden"
 
 
 def test_the_right_answer_beside_them_passes():
@@ -354,7 +355,7 @@ def test_expected_values_and_builtins_are_refused_while_the_answer_runs(attempt)
     code, name = SIZES_ATTEMPTS[attempt]
     namespace = _namespace(code)
     ex = EXERCISES["04.3"]
-    reply = run_one(ex, ex.cases()[1], namespace, 10)
+    reply = run_one(Request.of(ex, ex.cases()[1]), namespace, 10)
     if name is None:  # the kernel's runner keeps no case in its frames: the walk finds nothing to call
         assert reply["outcome"] == "raised" and "value" not in reply, reply
         name = EXPECTED_VALUES  # grade() runs in one process: run_cases's frame holds the case, and the guard
@@ -366,11 +367,11 @@ def test_expected_values_and_builtins_are_refused_while_the_answer_runs(attempt)
 
 
 def test_every_case_expected_is_guarded_and_callable_outside():
-    """The guard knows expected by its code: all_cases() builds new functions of the same code."""
+    """The guard knows expected by its code: all_cases() builds new functions of the same code, whatever the draw."""
     from gpipe_ref.grading.kernel_side.runner import expected_codes
 
     for ex in EXERCISES.values():
-        for case in ex.all_cases():
+        for case in ex.all_cases(random.Random(7)):
             assert case.expected.__code__ in expected_codes(), (ex.id, case.label)
     assert EXERCISES["04.3"].cases()[1].expected() == [3, 3, 2, 2]  # outside an answer the grader calls it
 
@@ -383,7 +384,7 @@ def test_a_rank_launched_by_the_answer_is_guarded_too():
             getattr(dp, "naive_data_parallel" + "_step")(model, None, None, None, None)
         """)
     ex = EXERCISES["01.1"]
-    reply = run_one(ex, ex.cases()[0], namespace, 40)
+    reply = run_one(Request.of(ex, ex.cases()[0]), namespace, 40)
     assert reply["outcome"] == "forbidden", reply
     assert reply["name"] == "gpipe_ref.distributed.data_parallel.naive_data_parallel_step"
 
@@ -405,7 +406,7 @@ def test_a_rank_that_catches_the_refusal_is_still_refused():
                     p.grad /= dist.get_world_size()
         """)
     ex = EXERCISES["01.1"]
-    reply = run_one(ex, ex.cases()[0], namespace, 40)
+    reply = run_one(Request.of(ex, ex.cases()[0]), namespace, 40)
     assert reply["outcome"] == "forbidden", reply
     assert reply["name"] == "gpipe_ref.distributed.data_parallel.naive_data_parallel_step"
 
@@ -425,7 +426,7 @@ def test_a_generic_wrapper_of_a_forbidden_class_is_not_refused():
                     p.grad /= dist.get_world_size()
         """)
     ex = EXERCISES["01.1"]
-    assert run_one(ex, ex.cases()[0], namespace, 40)["outcome"] == "returned"
+    assert run_one(Request.of(ex, ex.cases()[0]), namespace, 40)["outcome"] == "returned"
 
 
 def test_the_guard_is_gone_after_the_answer():
@@ -434,7 +435,7 @@ def test_the_guard_is_gone_after_the_answer():
 
     before = sys.getprofile(), threading.getprofile()
     namespace = _namespace("import gpipe_ref\ndef gpipe_actions(p, m):\n    return getattr(gpipe_ref, 'gpipe')(p, m)\n")
-    assert run_one(EXERCISES["04.1"], EXERCISES["04.1"].cases()[0], namespace, 5)["outcome"] == "forbidden"
+    assert run_one(Request.of(EXERCISES["04.1"], EXERCISES["04.1"].cases()[0]), namespace, 5)["outcome"] == "forbidden"
     assert (sys.getprofile(), threading.getprofile()) == before
     from gpipe_ref.schedule import gpipe
 
@@ -509,6 +510,6 @@ def test_a_compare_that_raises_is_a_failure_with_a_reason():
 def test_the_reply_is_json_text_that_names_its_case():
     ex = EXERCISES["04.3"]
     case = ex.cases()[1]
-    text = wire.dumps(run_one(ex, case, _namespace(f"def microbatch_sizes(batch, m):\n    return {RIGHT_SIZES}\n"), 5))
+    text = wire.dumps(run_one(Request.of(ex, case), _namespace(f"def microbatch_sizes(batch, m):\n    return {RIGHT_SIZES}\n"), 5))
     assert json.loads(text) == {"exercise": "04.3", "label": case.label, "outcome": "returned", "value": [3, 3, 2, 2]}
     assert judge(ex, case, wire.loads(text)) is None

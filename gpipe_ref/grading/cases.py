@@ -2,21 +2,25 @@
 
 An :class:`Exercise` names the function (or class) a learner writes and the
 cases that judge it: a few shown in the notebook, more kept hidden for the
-grader. A case runs the learner's answer, compares the result with the
-expected value and, on a mismatch, says what went in, what was expected,
-what came out, and a hint. An answer scores its points only when every case
-passes: a plausible wrong answer must not earn them.
+grader, and a few drawn afresh by the grader for each submission. A case runs
+the learner's answer, compares the result with the expected value and, on a
+mismatch, says what went in, what was expected, what came out, and a hint. An
+answer scores its points only when every case passes: a plausible wrong answer
+must not earn them.
+
+The learner's kernel gets one case at a time: its ``run`` function, sent by
+value (:mod:`.kernel_side.runner`). The expected side, the hidden and drawn
+lists and the exercise modules stay with the grader (a sandboxed kernel cannot
+import them), and the drawn cases' inputs exist nowhere before they are sent.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["CATEGORIES", "MARKER_VARIABLE", "SEALED_CODE", "STATUSES", "THINKING", "Case", "Exercise", "Verdict",
-           "sealed"]
+__all__ = ["CATEGORIES", "MARKER_VARIABLE", "STATUSES", "THINKING", "Case", "Exercise", "Verdict"]
 
 
 @dataclass(frozen=True)
@@ -42,21 +46,6 @@ class Case:
 
 
 MARKER_VARIABLE = "GPIPE_GRADE_RUN"  # set in every kernel the grader starts (and every process it starts)
-
-
-def sealed(expected: Callable[[], Any]) -> Callable[[], Any]:
-    """A hidden case's ``expected``: refused in a kernel the grader started, so a notebook cell that collects
-    ``all_cases()`` gets no expected value to read (check() only needs the shown cases')."""
-    def hidden_expected() -> Any:
-        if os.environ.get(MARKER_VARIABLE):
-            raise PermissionError("a hidden case's expected value is computed by the grader only, never in the "
-                                  "learner's kernel")
-        return expected()
-
-    return hidden_expected
-
-
-SEALED_CODE = sealed(lambda: None).__code__
 
 
 # What an exercise asks of the learner. The first four make the learner think (issue 17 wants two thirds of
@@ -87,15 +76,16 @@ class Exercise:
     forbidden: tuple[str, ...] | Callable[[], Sequence[str]] = ()
     timeout: float = 20.0  # seconds per case
     category: str = "formula"  # one of CATEGORIES
+    drawn: Callable[[random.Random], list[Case]] | None = None  # hidden too, inputs drawn by the grader
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
             raise ValueError(f"category must be one of {tuple(CATEGORIES)}, got {self.category!r} (exercise {self.id})")
 
-    def all_cases(self) -> list[Case]:
-        """The shown cases, then the hidden ones, whose expected values only the grader's process computes."""
-        return list(self.cases()) + [dataclasses.replace(case, expected=sealed(case.expected))
-                                     for case in self.hidden()]
+    def all_cases(self, draw: random.Random | None = None) -> list[Case]:
+        """The shown cases, the hidden ones, then (with ``draw``, the grader's random source) the drawn ones."""
+        drawn = list(self.drawn(draw)) if draw is not None and self.drawn is not None else []
+        return list(self.cases()) + list(self.hidden()) + drawn
 
     def forbidden_names(self) -> tuple[str, ...]:
         """The dotted names an answer may not use, computed now (a schedule registered later counts)."""

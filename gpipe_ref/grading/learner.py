@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from .cases import Case, Exercise, Verdict
-from .exercises.catalog import exercise
 from .judge import run_cases
-from .kernel_side.runner import run_one
+from .kernel_side.runner import Request, run_one
 from .kernel_side.wire import dumps, loads
 
 __all__ = ["FAILED_CHECKS", "check", "grade", "judge_in_process"]
@@ -16,7 +16,7 @@ __all__ = ["FAILED_CHECKS", "check", "grade", "judge_in_process"]
 def judge_in_process(ex: Exercise, cases: list[Case], namespace: dict[str, Any], timeout: float | None) -> Verdict:
     """Run and judge in this process; each reply makes the round trip through data, as in the grader."""
     limit = ex.timeout if timeout is None else timeout
-    return run_cases(ex, cases, lambda index: loads(dumps(run_one(ex, cases[index], namespace, limit))))
+    return run_cases(ex, cases, lambda index: loads(dumps(run_one(Request.of(ex, cases[index]), namespace, limit))))
 
 
 FAILED_CHECKS: dict[str, int] = {}  # failed check() calls in a row, per exercise: the hint comes from the second
@@ -26,6 +26,8 @@ def check(exercise_id: str, answer: Any, hint: bool | None = None) -> None:
     """Run the cases shown for ``exercise_id`` on ``answer`` and print a short verdict (feedback only: the
     grader never reads it). A failure says what is wrong; its hint comes with the next failure in a row, or at
     once with ``hint=True``."""
+    from .exercises.catalog import exercise  # here, not above: a sandboxed grading kernel has no exercise modules
+
     ex = exercise(exercise_id)
     cases = list(ex.cases())
     verdict = judge_in_process(ex, cases, {ex.answer: answer}, None)
@@ -45,9 +47,12 @@ def check(exercise_id: str, answer: Any, hint: bool | None = None) -> None:
         print(f"❌ {name}: not yet.\n   {feedback}")
 
 
-def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None) -> Verdict:
-    """Judge the answer ``namespace`` holds for ``exercise_id`` on every case, shown and hidden, in this process
-    (for tests and instructors; ``python -m gpipe_ref grade`` judges outside the learner's kernel).
-    ``timeout``: seconds per case, default the exercise's own."""
+def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None, draw: int | None = 0) -> Verdict:
+    """Judge the answer ``namespace`` holds for ``exercise_id`` on every case, shown, hidden and drawn, in this
+    process (for tests and instructors; ``python -m gpipe_ref grade`` judges outside the learner's kernel).
+    ``timeout``: seconds per case, default the exercise's own; ``draw``: the seed of the drawn cases (None:
+    none drawn)."""
+    from .exercises.catalog import exercise
+
     ex = exercise(exercise_id)
-    return judge_in_process(ex, ex.all_cases(), namespace, timeout)
+    return judge_in_process(ex, ex.all_cases(None if draw is None else random.Random(draw)), namespace, timeout)

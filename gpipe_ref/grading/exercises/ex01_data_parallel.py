@@ -78,11 +78,16 @@ def _average_hidden() -> list[Case]:
             _average_gradients_case(2, seed=3, frozen=True)]
 
 
+def _average_drawn(rng: random.Random) -> list[Case]:
+    return [_average_gradients_case(rng.randrange(2, 5), seed=rng.randrange(10 ** 6), per_rank=rng.randrange(1, 5),
+                                    frozen=rng.random() < 0.3)]
+
+
 AVERAGE_GRADIENTS = Exercise(
     "01.1", "Average gradients with all-reduce", "average_gradients", 3, _average_cases, _average_hidden,
     forbidden=("gpipe_ref.distributed.data_parallel.DataParallel",
                "gpipe_ref.distributed.data_parallel.naive_data_parallel_step",
-               "torch.nn.parallel.DistributedDataParallel"), timeout=40, category="build")
+               "torch.nn.parallel.DistributedDataParallel"), timeout=40, category="build", drawn=_average_drawn)
 
 # -- 01.2 which chunk a rank sends at step k of a ring all-reduce ------------------------------------
 
@@ -144,12 +149,16 @@ def _ring_case(world: int, seed: int) -> Case:
                      "rank just added to, and which chunk does it hold complete at the end?")
 
 
+def _ring_drawn(rng: random.Random) -> list[Case]:
+    return [_ring_case(rng.randrange(2, 13), rng.randrange(10 ** 6))]
+
+
 RING_CHUNK = Exercise(
     "01.2", "Ring all-reduce: which chunk to send", "ring_chunk_to_send", 3,
     lambda: [_ring_case(2, 0), _ring_case(4, 1)],
     lambda: [_ring_case(n, 10 + n) for n in (3, 5, 6, 7, 8, 16)],
     forbidden=("gpipe_ref.distributed.collectives.ring_chunk_to_send",
-               "gpipe_ref.distributed.collectives.ring_all_reduce"), category="derive")
+               "gpipe_ref.distributed.collectives.ring_all_reduce"), category="derive", drawn=_ring_drawn)
 
 # -- 01.3 find the bug: DDP's gradient buckets (simplified: closed before the cap; real DDP closes at >= cap) ----
 
@@ -223,9 +232,14 @@ def _bucket_hidden() -> list[Case]:
     return cases
 
 
+def _bucket_drawn(rng: random.Random) -> list[Case]:
+    return [_bucket_case([rng.choice([4, 1024, MB // 4, MB // 2, MB, 3 * MB]) for _ in range(rng.randrange(1, 12))],
+                         rng.choice([0.5, 1.0, 2.0, 4.0])) for _ in range(2)]
+
+
 BUCKETS = Exercise(
     "01.3", "Find the bug: DDP's gradient buckets", "assign_buckets", 2, _bucket_cases, _bucket_hidden,
-    forbidden=("gpipe_ref.distributed.data_parallel.assign_buckets",), category="debug")
+    forbidden=("gpipe_ref.distributed.data_parallel.assign_buckets",), category="debug", drawn=_bucket_drawn)
 
 # -- 01.4 predict, then check: bytes each rank sends to average one gradient ----------------------------------
 # Measured: the library's own code (section 2's master step, section 4's ring_all_reduce) runs on threads that
@@ -408,12 +422,16 @@ def _traffic_hidden() -> list[Case]:
     return cases
 
 
+def _traffic_drawn(rng: random.Random) -> list[Case]:
+    return [_traffic_case(rng.randrange(2, 9), rng.randrange(1, 5000), rng.choice([2, 4, 8]))]
+
+
 TRAFFIC = Exercise(
     "01.4", "Predict, then check: bytes through each rank", "predict_traffic", 3, _traffic_cases, _traffic_hidden,
     forbidden=("gpipe_ref.sharding.ring_bytes_per_rank", "gpipe_ref.distributed.collectives.ring_all_reduce",
                "gpipe_ref.distributed.data_parallel.naive_data_parallel_step",
                "gpipe_ref.distributed.data_parallel.reduce_grads_on_master_and_step",
                "gpipe_ref.distributed.launch.launch", "gpipe_ref.grading.exercises.ex01_data_parallel.measure_traffic"),
-    category="predict")
+    category="predict", drawn=_traffic_drawn)
 
 EXERCISES = [AVERAGE_GRADIENTS, RING_CHUNK, BUCKETS, TRAFFIC]

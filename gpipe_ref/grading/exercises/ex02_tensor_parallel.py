@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import math
 
 import torch
@@ -45,11 +46,22 @@ def _column_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, w
                      "feature need from the bias?")
 
 
+def _linear_shapes(rng: random.Random) -> tuple:
+    """(seed, batch, fan_in, fan_out, world) with the split dimension a multiple of world: the first two sizes."""
+    world = rng.choice([1, 2, 3, 4])
+    batch = tuple(rng.randrange(1, 6) for _ in range(rng.randrange(1, 3)))
+    return rng.randrange(10 ** 6), batch, world * rng.randrange(1, 5), world * rng.randrange(1, 5), world
+
+
+def _column_drawn(rng: random.Random) -> list[Case]:
+    return [_column_case(*_linear_shapes(rng))]
+
+
 COLUMN = Exercise(
     "02.1", "Column-parallel Linear", "column_parallel_outputs", 3,
     lambda: [_column_case(0, (4,), 6, 8, 2), _column_case(1, (3,), 5, 12, 4)],
     lambda: [_column_case(2, (1,), 3, 4, 1), _column_case(3, (2, 5), 8, 6, 3), _column_case(4, (7,), 16, 16, 8)],
-    forbidden=("gpipe_ref.distributed.tensor_parallel.ColumnParallelLinear",), category="formula")
+    forbidden=("gpipe_ref.distributed.tensor_parallel.ColumnParallelLinear",), category="formula", drawn=_column_drawn)
 
 # -- 02.2 row-parallel Linear --------------------------------------------------------------------------
 
@@ -75,11 +87,15 @@ def _row_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, worl
                      "the bias, how many times would it be in the sum?")
 
 
+def _row_drawn(rng: random.Random) -> list[Case]:
+    return [_row_case(*_linear_shapes(rng))]
+
+
 ROW = Exercise(
     "02.2", "Row-parallel Linear", "row_parallel_linear", 3,
     lambda: [_row_case(0, (4,), 8, 6, 2), _row_case(1, (3,), 12, 5, 4)],
     lambda: [_row_case(2, (1,), 4, 3, 1), _row_case(3, (2, 5), 6, 8, 3), _row_case(4, (7,), 16, 16, 8)],
-    forbidden=("gpipe_ref.distributed.tensor_parallel.RowParallelLinear",), category="formula")
+    forbidden=("gpipe_ref.distributed.tensor_parallel.RowParallelLinear",), category="formula", drawn=_row_drawn)
 
 # -- 02.3 the backward of f ----------------------------------------------------------------------------------
 
@@ -122,12 +138,17 @@ def _f_case(world: int, seed: int, width: int = 4, hidden: int = 8) -> Case:
                      "else might still read the tensor autograd hands you?")
 
 
+def _f_drawn(rng: random.Random) -> list[Case]:
+    world = rng.choice([2, 3])
+    return [_f_case(world, rng.randrange(10 ** 6), width=rng.randrange(2, 7), hidden=world * rng.randrange(1, 4))]
+
+
 COPY = Exercise(
     "02.3", "The operator f: identity forward, all-reduce backward", "CopyToTensorParallel", 3,
     lambda: [_f_case(2, 0)], lambda: [_f_case(4, 1, width=6, hidden=8), _f_case(2, 2, width=3, hidden=6)],
     kind="class",
     forbidden=("gpipe_ref.distributed.tensor_parallel.copy_to_region",
-               "gpipe_ref.distributed.parallel_regions._CopyToRegion"), timeout=40, category="build")
+               "gpipe_ref.distributed.parallel_regions._CopyToRegion"), timeout=40, category="build", drawn=_f_drawn)
 
 # -- 02.4 predict, then check: the bytes a Megatron MLP block sends --------------------------------------------
 
@@ -245,6 +266,12 @@ def _prediction_case(batch: int, seq_len: int, hidden: int, tp: int, element: in
                      "place of each all-reduce under sequence parallelism, and what does one rank send to nobody?")
 
 
+def _prediction_drawn(rng: random.Random) -> list[Case]:
+    tp = rng.choice([1, 2, 4])
+    return [_prediction_case(rng.randrange(1, 5), tp * rng.randrange(1, 5), rng.randrange(1, 9), tp,
+                             rng.choice([2, 4]))]
+
+
 PREDICT_BYTES = Exercise(
     "02.4", "Predict, then check: what a Megatron MLP block sends", "predict_mlp_bytes", 3,
     lambda: [_prediction_case(2, 4, 8, 2, 4), _prediction_case(3, 8, 6, 4, 2), _prediction_case(1, 6, 4, 4, 4)],
@@ -257,6 +284,6 @@ PREDICT_BYTES = Exercise(
                "gpipe_ref.distributed.tensor_parallel.ParallelMLPSubBlock",
                "gpipe_ref.distributed.tensor_parallel.ParallelMLP",
                "gpipe_ref.widgets.sharding.sharding_readout", "gpipe_ref.distributed.launch.launch"),
-    category="predict")
+    category="predict", drawn=_prediction_drawn)
 
 EXERCISES = [COLUMN, ROW, COPY, PREDICT_BYTES]

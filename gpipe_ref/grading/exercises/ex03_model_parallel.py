@@ -47,11 +47,20 @@ def _idle_hidden() -> list[Case]:
     return cases
 
 
+def _idle_drawn(rng: random.Random) -> list[Case]:
+    cases = []
+    for _ in range(2):
+        p = rng.randrange(1, 9)
+        cases.append(_idle_case([rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(p)],
+                                [rng.choice([1.0, 2.0, 4.0]) for _ in range(p)], rng.choice([0.0, 0.25, 1.0])))
+    return cases
+
+
 NAIVE_IDLE = Exercise(
     "03.1", "Idle time of naive model parallelism", "naive_idle_fraction", 2,
     lambda: [_idle_case([1.0] * 4, [2.0] * 4, 0.25), _idle_case([1.0, 3.0], [2.0, 6.0], 1.0),
              _idle_case([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 0.5)],
-    _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"), category="derive")
+    _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"), category="derive", drawn=_idle_drawn)
 
 # -- 03.2 a balance that minimises the slowest stage --------------------------------------------------------
 
@@ -96,13 +105,19 @@ def _balance_hidden() -> list[Case]:
     return cases
 
 
+def _balance_drawn(rng: random.Random) -> list[Case]:
+    sizes = [rng.randrange(1, 13) for _ in range(2)]
+    return [_balance_case([float(rng.randrange(1, 10)) for _ in range(n)], rng.randrange(1, min(n, 6) + 1))
+            for n in sizes]
+
+
 BEST_BALANCE = Exercise(
     "03.2", "A balance that minimises the slowest stage", "best_balance", 3,
     lambda: [_balance_case([1.0, 1.0, 1.0, 1.0], 2), _balance_case([4.0, 1.0, 1.0, 2.0], 2),
              _balance_case([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3), _balance_case([1.0, 1.0, 1.0, 9.0], 3)],
     _balance_hidden,
     forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
-               "gpipe_ref.partition.balance_by_time"), category="design")
+               "gpipe_ref.partition.balance_by_time"), category="design", drawn=_balance_drawn)
 
 # -- 03.3 cutting an nn.Sequential into stages ----------------------------------------------------------------
 
@@ -153,11 +168,16 @@ def _split_case(layers: int, balance: list[int]) -> Case:
                      "list(model)?")
 
 
+def _split_drawn(rng: random.Random) -> list[Case]:
+    balance = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 6))]
+    return [_split_case(sum(balance), balance)]
+
+
 SPLIT = Exercise(
     "03.3", "Cut a model into stages", "split_into_stages", 2,
     lambda: [_split_case(4, [2, 2]), _split_case(6, [1, 2, 3])],
     lambda: [_split_case(1, [1]), _split_case(5, [5]), _split_case(5, [1, 1, 1, 1, 1]), _split_case(8, [3, 1, 4])],
-    forbidden=("gpipe_ref.partition.split",), category="build")
+    forbidden=("gpipe_ref.partition.split",), category="build", drawn=_split_drawn)
 
 # -- 03.4 a cut that meets a step-time target within a per-stage memory limit ----------------------------------
 
@@ -247,6 +267,16 @@ def _fit_hidden() -> list[Case]:
     return cases
 
 
+def _fit_drawn(rng: random.Random) -> list[Case]:
+    n = rng.randrange(2, 10)
+    stages, microbatches = rng.randrange(1, min(n, 5) + 1), rng.choice([1, 2, 4, 8])
+    costs = [float(rng.randrange(1, 8)) for _ in range(n)]
+    memory = [float(rng.randrange(1, 6)) for _ in range(n)]
+    limit = float(max(max(memory), round(sum(memory) / stages * rng.choice([0.8, 1.0, 1.3]))))
+    target = _fit_target(costs, memory, stages, microbatches, limit, rng.choice([0.97, 1.0, 1.1]))
+    return [_fit_case(costs, memory, stages, microbatches, target, limit)]
+
+
 FIT_BALANCE = Exercise(
     "03.4", "A cut that meets a step-time target within a memory limit", "fit_balance", 3,
     lambda: [_fit_case([4.0, 1.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0], 2, 4, 25.0, 2.0),  # memory forces 2 + 2
@@ -254,7 +284,7 @@ FIT_BALANCE = Exercise(
              _fit_case([2.0, 2.0, 2.0, 2.0], [3.0, 1.0, 1.0, 3.0], 2, 2, 11.0, 4.0)],
     _fit_hidden,
     forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
-               "gpipe_ref.partition.balance_by_time", "gpipe_ref.partition.balance_report"), category="design")
+               "gpipe_ref.partition.balance_by_time", "gpipe_ref.partition.balance_report"), category="design", drawn=_fit_drawn)
 
 # -- 03.5 find the bug: a hand-run backward across stage boundaries ---------------------------------------------
 
@@ -349,10 +379,14 @@ def _boundary_hidden() -> list[Case]:
             _boundary_case([1, 3, 2, 1, 1], seed=3), _boundary_case([3, 1, 4, 2, 2, 2], seed=4)]
 
 
+def _boundary_drawn(rng: random.Random) -> list[Case]:
+    return [_boundary_case([rng.randrange(1, 4) for _ in range(rng.randrange(1, 6))], seed=rng.randrange(10 ** 6))]
+
+
 BOUNDARY = Exercise(
     "03.5", "Find the bug: a backward across stage boundaries", "train_step", 3,
     lambda: [_boundary_case([2, 2]), _boundary_case([2, 4, 2])],
     _boundary_hidden,
-    forbidden=("gpipe_ref.pipeline.GPipe",), category="debug")
+    forbidden=("gpipe_ref.pipeline.GPipe",), category="debug", drawn=_boundary_drawn)
 
 EXERCISES = [NAIVE_IDLE, BEST_BALANCE, SPLIT, FIT_BALANCE, BOUNDARY]

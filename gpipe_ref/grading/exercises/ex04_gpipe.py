@@ -5,6 +5,7 @@ The last asks for a micro-batch size chosen under a step-time target and a memor
 
 from __future__ import annotations
 
+import random
 from ...microbatch import sizes
 from ...microbatch_size import LinearCost
 from ...simulator import CostModel, simulate
@@ -33,11 +34,15 @@ def _gpipe_case(p: int, m: int) -> Case:
                      "is written dFk. A backward order that differs between devices can deadlock")
 
 
+def _gpipe_drawn(rng: random.Random) -> list[Case]:
+    return [_gpipe_case(rng.randrange(1, 9), rng.randrange(1, 17))]
+
+
 GPIPE_SCHEDULE = Exercise(
     "04.1", "The GPipe schedule as data", "gpipe_actions", 3,
     lambda: [_gpipe_case(2, 2), _gpipe_case(4, 8)],
     lambda: [_gpipe_case(1, 1), _gpipe_case(1, 5), _gpipe_case(5, 1), _gpipe_case(3, 7), _gpipe_case(8, 16)],
-    forbidden=schedule_generators, category="build")
+    forbidden=schedule_generators, category="build", drawn=_gpipe_drawn)
 
 # -- 04.2 the bubble fraction -----------------------------------------------------------------------------
 
@@ -50,12 +55,16 @@ def _bubble_case(p: int, m: int) -> Case:
                      "slots of (F + B) does the step last, and in how many of them does one device compute?")
 
 
+def _bubble_drawn(rng: random.Random) -> list[Case]:
+    return [_bubble_case(rng.randrange(1, 65), rng.randrange(1, 257)) for _ in range(2)]
+
+
 BUBBLE = Exercise(
     "04.2", "The bubble fraction", "bubble_fraction", 2,
     lambda: [_bubble_case(3, 6), _bubble_case(5, 2), _bubble_case(6, 100)],  # none in the lesson's table
     lambda: [_bubble_case(1, 1), _bubble_case(1, 7), _bubble_case(8, 1), _bubble_case(3, 5),
              _bubble_case(16, 64), _bubble_case(64, 1024)],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula")
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula", drawn=_bubble_drawn)
 
 # -- 04.3 uneven micro-batches ----------------------------------------------------------------------------
 
@@ -68,12 +77,17 @@ def _split_case(batch: int, m: int) -> Case:
                      "(what torch.tensor_split does); torch.chunk can return fewer than m pieces")
 
 
+def _split_drawn(rng: random.Random) -> list[Case]:
+    m = rng.randrange(1, 33)
+    return [_split_case(rng.randrange(m, 200), m)]
+
+
 SPLIT_SIZES = Exercise(
     "04.3", "Micro-batch sizes for an uneven split", "microbatch_sizes", 2,
     lambda: [_split_case(8, 4), _split_case(10, 4), _split_case(7, 3)],
     lambda: [_split_case(1, 1), _split_case(5, 5), _split_case(6, 4), _split_case(17, 5), _split_case(100, 7),
              _split_case(33, 32), _split_case(9, 1)],
-    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"), category="formula")
+    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"), category="formula", drawn=_split_drawn)
 
 # -- 04.4 find the bug: gradient accumulation that does not match one device --------------------------------------
 
@@ -127,12 +141,17 @@ def _accumulation_case(batch: int, m: int, seed: int = 0) -> Case:
                      ".grad, and how much should each micro-batch's loss count towards the batch's mean?")
 
 
+def _accumulation_drawn(rng: random.Random) -> list[Case]:
+    m = rng.randrange(1, 9)
+    return [_accumulation_case(rng.randrange(m, 40), m, seed=rng.randrange(10 ** 6))]
+
+
 ACCUMULATE = Exercise(
     "04.4", "Find the bug: gradient accumulation", "accumulate_gradients", 3,
     lambda: [_accumulation_case(8, 4), _accumulation_case(10, 4)],
     lambda: [_accumulation_case(1, 1), _accumulation_case(7, 1), _accumulation_case(9, 9), _accumulation_case(33, 5),
              _accumulation_case(6, 4, seed=3), _accumulation_case(64, 7, seed=11)],
-    forbidden=("gpipe_ref.pipeline.GPipe",), category="debug")
+    forbidden=("gpipe_ref.pipeline.GPipe",), category="debug", drawn=_accumulation_drawn)
 
 # -- 04.5 design under a step-time target: the micro-batch size ----------------------------------------------------
 
@@ -257,6 +276,12 @@ def _design_hidden() -> list[Case]:
          for n, (batch, stages, overhead, per_sample, budget, target, ratio) in enumerate(_seeded_designs(6, 45))]
 
 
+def _design_drawn(rng: random.Random) -> list[Case]:
+    return [_design_case(f"drawn {n}", batch, stages, overhead, per_sample, budget, target, ratio)
+            for n, (batch, stages, overhead, per_sample, budget, target, ratio)
+            in enumerate(_seeded_designs(2, rng.randrange(10 ** 9)))]
+
+
 DESIGN = Exercise(
     "04.5", "Design under a step-time target: the micro-batch size", "choose_design", 3, _design_shown,
     _design_hidden,
@@ -264,6 +289,6 @@ DESIGN = Exercise(
                "gpipe_ref.microbatch_size.linear_optimum", "gpipe_ref.microbatch_size.megatron_step_time",
                "gpipe_ref.microbatch_size.fill_drain_bubble", "gpipe_ref.simulator.bubble_formula",
                "gpipe_ref.grading.exercises.ex04_gpipe.reference_design"),
-    category="design")
+    category="design", drawn=_design_drawn)
 
 EXERCISES = [GPIPE_SCHEDULE, BUBBLE, SPLIT_SIZES, ACCUMULATE, DESIGN]

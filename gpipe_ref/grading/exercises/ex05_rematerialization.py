@@ -10,7 +10,6 @@ from torch import nn
 
 import dataclasses
 import functools
-import math
 import random
 
 from ...memory import (PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch,
@@ -72,11 +71,16 @@ def _peak_hidden() -> list[Case]:
     return cases
 
 
+def _peak_drawn(rng: random.Random) -> list[Case]:
+    return _peak_cases(rng.choice(["gpipe", "1f1b"]), rng.choice(["never", "always", "except_last"]),
+                       rng.randrange(1, 5), rng.randrange(1, 9), rng.randrange(1, 4))
+
+
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
                 _peak_shown, _peak_hidden,
                 forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.measured_peaks",
                            "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
-                           "gpipe_ref.memory.measure_anatomy"), category="formula")
+                           "gpipe_ref.memory.measure_anatomy"), category="formula", drawn=_peak_drawn)
 
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
 
@@ -134,12 +138,17 @@ def _checkpoint_case(width: int, depth: int, rows: int, seed: int, input_grad: b
                      "documentation.")
 
 
+def _checkpoint_drawn(rng: random.Random) -> list[Case]:
+    return [_checkpoint_case(rng.choice([4, 8, 16]), rng.randrange(1, 5), rng.randrange(1, 9), rng.randrange(10 ** 6),
+                             input_grad=rng.random() < 0.5)]
+
+
 CHECKPOINTED = Exercise(
     "05.2", "A checkpointed stage forward", "checkpointed_forward", 3,
     lambda: [_checkpoint_case(8, 2, 4, 0), _checkpoint_case(8, 2, 4, 0, input_grad=False)],
     lambda: [_checkpoint_case(4, 1, 1, 1), _checkpoint_case(16, 4, 3, 2), _checkpoint_case(8, 3, 8, 3),
              _checkpoint_case(4, 1, 1, 1, input_grad=False), _checkpoint_case(16, 4, 3, 2, input_grad=False)],
-    forbidden=("gpipe_ref.pipeline.GPipe",), category="build")
+    forbidden=("gpipe_ref.pipeline.GPipe",), category="build", drawn=_checkpoint_drawn)
 
 # -- 05.3 how many micro-batches a device holds --------------------------------------------------------------
 
@@ -153,6 +162,14 @@ def _held_case(schedule: str, p: int, m: int, device: int) -> Case:
                      "is that on device `device`, and does the step always have that many micro-batches?")
 
 
+def _held_drawn(rng: random.Random) -> list[Case]:
+    cases = []
+    for _ in range(2):
+        p = rng.randrange(1, 9)
+        cases.append(_held_case(rng.choice(["gpipe", "1f1b"]), p, rng.randrange(1, 21), rng.randrange(p)))
+    return cases
+
+
 HELD = Exercise(
     "05.3", "Micro-batches held: GPipe vs 1F1B", "held_microbatches", 2,
     # (p, m) the lesson does not print (it shows p = 4, m = 8)
@@ -161,7 +178,7 @@ HELD = Exercise(
     lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
                                                     ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
              for d in range(p)],
-    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula")
+    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula", drawn=_held_drawn)
 
 # -- 05.4 a design under a memory budget and a step-time target ---------------------------------------------------
 
@@ -354,6 +371,10 @@ def _design_hidden() -> list[Case]:
             _design("the last stage is the fullest", SETUP, LinearCost(0.1, 2e-5), 8_934_376, 0.33072)] + [_seeded(seed) for seed in range(3)]
 
 
+def _design_drawn(rng: random.Random) -> list[Case]:
+    return [_seeded(rng.randrange(10 ** 9))]
+
+
 DESIGN = Exercise(
     "05.4", "Design under a memory budget: schedule, micro-batches, checkpointing", "design_pipeline", 3,
     _design_shown, _design_hidden,
@@ -363,6 +384,6 @@ DESIGN = Exercise(
                "gpipe_ref.grading.exercises.ex05_rematerialization.design_time",
                "gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
                "gpipe_ref.microbatch_size.best_choice", "gpipe_ref.microbatch_size.microbatch_choices"),
-    timeout=20.0, category="design")
+    timeout=20.0, category="design", drawn=_design_drawn)
 
 EXERCISES = [PEAK, CHECKPOINTED, HELD, DESIGN]

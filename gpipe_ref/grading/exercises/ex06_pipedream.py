@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from ...schedule import POLICIES, Action, one_f_one_b, pipedream_async, weight_versions
 from ...simulator import simulate
 from ..cases import Case, Exercise
@@ -30,12 +31,20 @@ def _warmup_case(p: int, m: int, device: int, shown: bool = True) -> Case:
                      "micro-batches?")
 
 
+def _warmup_drawn(rng: random.Random) -> list[Case]:
+    cases = []
+    for _ in range(2):
+        p = rng.randrange(1, 9)
+        cases.append(_warmup_case(p, rng.randrange(1, 33), rng.randrange(p), shown=False))
+    return cases
+
+
 WARMUP = Exercise(
     "06.1", "1F1B: forwards before the first backward", "forwards_before_first_backward", 2,
     lambda: [_warmup_case(4, 8, d) for d in range(4)] + [_warmup_case(4, 2, d) for d in range(4)],
     lambda: [_warmup_case(p, m, d, shown=False)
              for p, m in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 32), (5, 5)) for d in range(p)],
-    forbidden=schedule_generators, category="formula")
+    forbidden=schedule_generators, category="formula", drawn=_warmup_drawn)
 
 # -- 06.2 the 1F1B schedule ---------------------------------------------------------------------------------------
 
@@ -72,11 +81,15 @@ def _microbatches(n: int) -> str:
     return f"{n} micro-batch" + ("" if n == 1 else "es")
 
 
+def _one_f_one_b_drawn(rng: random.Random) -> list[Case]:
+    return [_one_f_one_b_case(rng.randrange(1, 9), rng.randrange(1, 17))]
+
+
 ONE_F_ONE_B = Exercise(
     "06.2", "The 1F1B schedule", "one_f_one_b_actions", 3,
     lambda: [_one_f_one_b_case(2, 4), _one_f_one_b_case(4, 8), _one_f_one_b_case(4, 2)],
     lambda: [_one_f_one_b_case(p, m) for p, m in ((1, 1), (1, 4), (3, 1), (4, 2), (5, 7), (8, 16))],
-    forbidden=schedule_generators, category="build")
+    forbidden=schedule_generators, category="build", drawn=_one_f_one_b_drawn)
 
 # -- 06.3 PipeDream's stashed weight version and its staleness ---------------------------------------------------
 
@@ -108,13 +121,21 @@ def _version_case(p: int, stage: int, microbatch: int, shown: bool = True) -> Ca
                      "counts the updates between the forward and the update that applies k's gradient")
 
 
+def _version_drawn(rng: random.Random) -> list[Case]:
+    cases = []
+    for _ in range(2):
+        p = rng.randrange(1, 9)
+        cases.append(_version_case(p, rng.randrange(p), rng.randrange(4 * p + 2), shown=False))
+    return cases
+
+
 STASHED = Exercise(
     "06.3", "PipeDream: the stashed weight version and its staleness", "stashed_version", 3,
     lambda: [_version_case(5, s, k) for s, k in ((0, 0), (0, 2), (0, 7), (2, 7), (4, 7))],
     lambda: [_version_case(p, s, k, shown=False)
              for p in (1, 2, 3, 6, 8) for s in range(p) for k in (0, 1, p - 1, p, 3 * p + 1)],
     forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.schedule.weight_versions",
-               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer"), category="formula")
+               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer"), category="formula", drawn=_version_drawn)
 
 # -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
 
@@ -164,6 +185,10 @@ def _prediction_case(p: int, m: int, shown: bool = True) -> Case:
                      "vertical sync, whose choice of version does a later stage follow, and how long must it keep it?")
 
 
+def _prediction_drawn(rng: random.Random) -> list[Case]:
+    return [_prediction_case(rng.choice([1, 2, 4, 8]), rng.randrange(1, 13), shown=False)]  # p divides 8 layers
+
+
 PREDICT_VERSIONS = Exercise(
     "06.4", "Predict, then check: versions held and staleness", "predict_pipedream", 3,
     lambda: [_prediction_case(4, 3), _prediction_case(2, 5)],
@@ -173,7 +198,7 @@ PREDICT_VERSIONS = Exercise(
     forbidden=("gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer",
                "gpipe_ref.schedule.WeightPolicy", "gpipe_ref.schedule.weight_versions",
                "gpipe_ref.schedule.pipedream_async", "gpipe_ref.simulator.simulate"),
-    category="predict")
+    category="predict", drawn=_prediction_drawn)
 
 # -- 06.5 build PipeDream-2BW's version rule ---------------------------------------------------------------------
 
@@ -249,6 +274,10 @@ def _random_per_batch_cases(seed: int, count: int) -> list[Case]:
     return cases
 
 
+def _per_batch_drawn(rng: random.Random) -> list[Case]:
+    return _random_per_batch_cases(rng.randrange(10 ** 9), 2)
+
+
 TWO_BW = Exercise(
     "06.5", "PipeDream-2BW's version rule", "per_batch_versions", 3,
     lambda: [_per_batch_case(2, 2, 3), _per_batch_case(4, 5, 2), _per_batch_case(4, 2, 2)],
@@ -257,6 +286,6 @@ TWO_BW = Exercise(
              _per_batch_case(8, 11, 2)] + _random_per_batch_cases(17, 6),
     forbidden=("gpipe_ref.schedule.WeightPolicy", "gpipe_ref.staleness.version_table",
                "gpipe_ref.staleness.StagedTrainer", "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
-    category="build")
+    category="build", drawn=_per_batch_drawn)
 
 EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS, TWO_BW]

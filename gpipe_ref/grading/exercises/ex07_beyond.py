@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 from ...planner import ClusterConfig, ModelConfig, estimate
@@ -27,12 +28,17 @@ def _interleaved_case(p: int, m: int, v: int) -> Case:
                      "and which stays the same? The check wants the idle share of the whole step")
 
 
+def _interleaved_drawn(rng: random.Random) -> list[Case]:
+    p = rng.randrange(1, 9)
+    return [_interleaved_case(p, p * rng.randrange(1, 5), rng.randrange(1, 5))]
+
+
 INTERLEAVED = Exercise(
     "07.1", "The interleaved bubble", "interleaved_bubble", 2,
     lambda: [_interleaved_case(3, 6, 2), _interleaved_case(5, 10, 1), _interleaved_case(2, 4, 4)],
     lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2),
                                                          (4, 8, 2))],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula")
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula", drawn=_interleaved_drawn)
 
 # -- 07.2 a schedule of your own that beats GPipe's bubble ---------------------------------------------------------
 
@@ -65,11 +71,15 @@ def _own_schedule_case(p: int, m: int) -> Case:
                      "backward does the device before actually wait for, and which part could wait?")
 
 
+def _own_schedule_drawn(rng: random.Random) -> list[Case]:
+    return [_own_schedule_case(rng.randrange(2, 7), rng.randrange(2, 13))]
+
+
 OWN_SCHEDULE = Exercise(
     "07.2", "A schedule that beats GPipe's bubble", "my_schedule", 3,
     lambda: [_own_schedule_case(3, 4)],
     lambda: [_own_schedule_case(p, m) for p, m in ((2, 2), (2, 6), (4, 8), (5, 3), (6, 12))],
-    forbidden=lambda: schedule_generators() + ("gpipe_ref.playground.builtin_text",), category="design")
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.playground.builtin_text",), category="design", drawn=_own_schedule_drawn)
 
 # -- 07.3 a layout for a memory budget ----------------------------------------------------------------------
 
@@ -157,10 +167,20 @@ def _layout_hidden() -> list[Case]:
                          ClusterConfig(gpus=64, memory_bytes=24e9, usable_memory=0.75))]
 
 
+def _layout_drawn(rng: random.Random) -> list[Case]:
+    models = {"GPT 350M": ModelConfig(layers=24, hidden=1024, heads=16, batch=512),
+              "GPT 7.5B": ModelConfig(layers=36, hidden=4096, heads=32, batch=512),
+              "GPT 18.4B": ModelConfig(layers=40, hidden=6144, heads=48, batch=1024)}
+    name = rng.choice(sorted(models))
+    gpus, memory, per_node = rng.choice([8, 16, 32, 64, 128, 256]), rng.choice([16, 24, 40, 80]), rng.choice([2, 4, 8])
+    return [_layout_case(f"drawn: {name}, {gpus} GPUs of {memory} GB, {per_node} per node", models[name],
+                         ClusterConfig(gpus=gpus, gpus_per_node=per_node, memory_bytes=memory * 1e9))]
+
+
 LAYOUT = Exercise(
     "07.3", "A layout for a memory budget", "pick_layout", 3, _layout_cases, _layout_hidden,
     forbidden=("gpipe_ref.planner.plan", "gpipe_ref.planner.candidates",
-               "gpipe_ref.grading.exercises.ex07_beyond.best_layout"), category="design")
+               "gpipe_ref.grading.exercises.ex07_beyond.best_layout"), category="design", drawn=_layout_drawn)
 
 # -- 07.4 find the bug in a zero-bubble generator ------------------------------------------------------------------
 
@@ -201,10 +221,14 @@ def _zb_case(p: int, m: int) -> Case:
                      "every device hit the problem, or only some?")
 
 
+def _zb_drawn(rng: random.Random) -> list[Case]:
+    return [_zb_case(rng.randrange(1, 9), rng.randrange(1, 13))]
+
+
 ZB_DEBUG = Exercise(
     "07.4", "Find the bug in a zero-bubble generator", "zb_h1_orders", 3,
     lambda: [_zb_case(2, 2), _zb_case(4, 8)],
     lambda: [_zb_case(p, m) for p, m in ((1, 1), (1, 3), (2, 1), (3, 2), (4, 4), (5, 3), (6, 12), (8, 8))],
-    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule.generators._one_f_one_b_order",), category="debug")
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule.generators._one_f_one_b_order",), category="debug", drawn=_zb_drawn)
 
 EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT, ZB_DEBUG]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import torch
 
 from ...distributed.thread_ring import ring_buffers, run_ring
@@ -83,6 +84,11 @@ def _shard_step_case(world: int, shard: int, steps: int, seed: int, scale: float
                      "given? Which elements of `weights` does rank r own?")
 
 
+def _shard_step_drawn(rng: random.Random) -> list[Case]:
+    return [_shard_step_case(rng.randrange(1, 7), rng.randrange(1, 9), rng.randrange(1, 5), seed=rng.randrange(10 ** 6),
+                             lr=rng.choice([1e-3, 1e-2, 0.1]), weight_decay=rng.choice([0.0, 0.01, 0.1]))]
+
+
 SHARD_STEP = Exercise(
     "08.1", "ZeRO-1's step on one shard", "adam_shard_step", 3,
     lambda: [_shard_step_case(4, 3, 3, seed=1, weight_decay=0.1),
@@ -93,7 +99,7 @@ SHARD_STEP = Exercise(
              _shard_step_case(5, 1, 3, seed=6, scale=1e-6),  # gradients near eps: the average shows
              _shard_step_case(6, 4, 1, seed=7, lr=1.0, weight_decay=0.5)],
     forbidden=("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.adam.adam", "torch.optim.adamw.adamw",
-               "gpipe_ref.distributed.zero.ZeRO"), category="build")
+               "gpipe_ref.distributed.zero.ZeRO"), category="build", drawn=_shard_step_drawn)
 
 # -- 08.2 the fewest GPUs for a memory budget ------------------------------------------------------------------
 
@@ -168,9 +174,14 @@ def _sizing_hidden() -> list[Case]:
         [_sizing_case(f"seeded Ψ={p}, {b} bytes, up to {g} GPUs", p, b, g) for p, b, g in seeded]
 
 
+def _sizing_drawn(rng: random.Random) -> list[Case]:
+    psi, budget, gpus = rng.randrange(10 ** 6, 10 ** 10), rng.randrange(10 ** 8, 10 ** 11), rng.randrange(1, 128)
+    return [_sizing_case(f"drawn Ψ={psi}, {budget} bytes, up to {gpus} GPUs", psi, budget, gpus)]
+
+
 SIZING = Exercise(
     "08.2", "The fewest GPUs for a memory budget", "size_zero_run", 3, _sizing_shown, _sizing_hidden,
-    forbidden=("gpipe_ref.grading.exercises.ex08_zero.fewest_gpus",), category="design")
+    forbidden=("gpipe_ref.grading.exercises.ex08_zero.fewest_gpus",), category="design", drawn=_sizing_drawn)
 
 # -- 08.3 a broken reduce-scatter ------------------------------------------------------------------------------
 
@@ -201,12 +212,16 @@ def _ring_case(world: int, chunk: int, seed: int) -> Case:
                      "step, and is it a sum or an average?")
 
 
+def _ring_drawn(rng: random.Random) -> list[Case]:
+    return [_ring_case(rng.randrange(1, 7), rng.randrange(1, 7), rng.randrange(10 ** 6))]
+
+
 RING = Exercise(
     "08.3", "Fix the reduce-scatter", "reduce_scatter_mean", 3,
     lambda: [_ring_case(4, 3, 1), _ring_case(2, 2, 2)],
     lambda: [_ring_case(1, 4, 3), _ring_case(3, 1, 4), _ring_case(5, 2, 5), _ring_case(8, 6, 6)],
     forbidden=("gpipe_ref.distributed.collectives.ring_reduce_scatter", "gpipe_ref.distributed.zero.ring_reduce_scatter",
                "gpipe_ref.distributed.collectives.ring_all_reduce"),
-    category="debug")
+    category="debug", drawn=_ring_drawn)
 
 EXERCISES = [SHARD_STEP, SIZING, RING]

@@ -2,9 +2,10 @@
 
 The notebook is copied into its own throw-away folder and run there, cell by
 cell, each under a time limit (check cells are skipped: the grader runs the full
-cases itself). Then, for each exercise and case, the grader asks the kernel to
-run the answer on that case (:mod:`..kernel_side.runner`) and judges the data that comes back
-in its own process (:func:`..judge.judge`). What an answer does wrong costs that
+cases itself). Then, for each exercise and case (shown, hidden, and drawn for this
+submission: :func:`.signing.draw_seed`), the grader sends the kernel that case's
+``run`` (:func:`.kernel.request_text`, :mod:`..kernel_side.runner`) and judges the
+data that comes back in its own process (:func:`..judge.judge`). What an answer does wrong costs that
 exercise only:
 
 * an exercise cell that runs forever or kills the kernel scores 0 and is
@@ -20,8 +21,9 @@ exercise only:
 from __future__ import annotations
 
 import hashlib
-import re
 import os
+import random
+import re
 import secrets
 import tempfile
 import time
@@ -34,8 +36,9 @@ from ..cases import Exercise, Verdict
 from ..exercises.catalog import NOTEBOOKS
 from ..judge import run_cases
 from ..notebooks import NotebookError, check_of, exercise_of, read
-from .kernel import Kernel, Trouble
+from .kernel import Kernel, Trouble, request_text
 from .sandbox import SANDBOXES, sandbox_problem
+from .signing import draw_seed
 
 __all__ = ["DEFAULT_CELL_TIMEOUT", "DEFAULT_NOTEBOOK_TIMEOUT", "MAX_TIMEOUT", "SUSPICIOUS", "NotebookResult",
            "OutOfTime", "check_sandbox", "check_timeouts", "shown", "grade_notebook", "suspicious", "timeout_seconds"]
@@ -109,7 +112,7 @@ SUSPICIOUS = (
     (re.compile(r"grading(?!\s+import\s+check\b)"), "reaches into the grader"),
     (re.compile(r"getppid|/proc\b|os\.kill|killpg|SIGKILL"), "reaches other processes"),
     (re.compile(r"all_cases|\.expected\b"), "reads the grader's cases"),
-    (re.compile(r"GPIPE_GRADE_RUN|__closure__|cell_contents"), "unseals the grader's hidden values"),
+    (re.compile(r"GPIPE_GRADE_RUN|__closure__|cell_contents"), "reads the grader's marker or a function's closure"),
 )
 
 
@@ -182,7 +185,7 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
         (Path(root) / "work" / Path(path).name).write_bytes(data)  # the learner's own copy, in its own folder
         grading = _Grading(nb, NOTEBOOKS[name], Path(root), result.warnings, cell_timeout=cell_timeout,
                            case_timeout=case_timeout, deadline=began + notebook_timeout, kernel_name=kernel_name,
-                           token=token or secrets.token_hex(16), sandbox=sandbox)
+                           token=token or secrets.token_hex(16), sandbox=sandbox, digest=result.sha256 or "")
         grading.run()
     result.verdicts = grading.final_verdicts()
     result.seconds = time.monotonic() - began
@@ -195,8 +198,9 @@ class _Grading:
     kernel and settles at least one exercise or cell."""
 
     def __init__(self, nb, exercises: list[Exercise], root: Path, warnings: list[str], *, cell_timeout: float,
-                 case_timeout: float | None, deadline: float, kernel_name: str, token: str, sandbox: str) -> None:
-        self.nb, self.root, self.warnings, self.sandbox = nb, root, warnings, sandbox
+                 case_timeout: float | None, deadline: float, kernel_name: str, token: str, sandbox: str,
+                 digest: str = "") -> None:
+        self.nb, self.root, self.warnings, self.sandbox, self.digest = nb, root, warnings, sandbox, digest
         self.cell_timeout, self.case_timeout, self.deadline = cell_timeout, case_timeout, deadline
         self.kernel_name, self.token = kernel_name, token
         self.exercises = {ex.id: ex for ex in exercises}
@@ -303,16 +307,17 @@ class _Grading:
             ex = self.exercises[ex_id]
             per_case = ex.timeout if self.case_timeout is None else self.case_timeout
             failure: list[Trouble] = []
+            cases = ex.all_cases(random.Random(draw_seed(ex.id, self.digest)))
 
             def ask(index: int) -> dict[str, Any]:
-                reply = kernel.ask(ex_id, index, min(per_case, self.remaining()))
+                reply = kernel.ask(request_text(ex, cases[index]), min(per_case, self.remaining()))
                 if isinstance(reply, Trouble):
                     failure.append(reply)
                     raise _KernelLost()
                 return reply
 
             try:
-                verdict = run_cases(ex, ex.all_cases(), ask, shown=len(ex.cases()))
+                verdict = run_cases(ex, cases, ask, shown=len(ex.cases()))
             except _KernelLost:
                 trouble = failure[0]
                 if trouble.kind == "timeout" and self.deadline <= time.monotonic():

@@ -15,22 +15,37 @@ import base64
 import os
 import queue
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cases import MARKER_VARIABLE
+import cloudpickle
+
+from ..cases import MARKER_VARIABLE, Case, Exercise
 from ..judge import clean
+from ..kernel_side.runner import Request
 from ..kernel_side.wire import MAX_CHARS, Malformed, loads
 from .processes import end_processes
 from .sandbox import sandbox_command
 
-__all__ = ["Kernel", "Trouble"]
+__all__ = ["Kernel", "Trouble", "request_text"]
 
 RUNNER = "gpipe_ref.grading.kernel_side.runner"  # the module the kernel runs each case with
 # the reply's text: the repr of one base64 string, checked before anything parses it
 BASE64_LITERAL = re.compile(r"'([A-Za-z0-9+/=]*)'")
+REQUEST = re.compile(r"[A-Za-z0-9+/=]+")
+EXERCISE_MODULES = "gpipe_ref.grading.exercises."
+
+
+def request_text(exercise: Exercise, case: Case) -> str:
+    """One case as the kernel's runner reads it: base64 of a pickled :class:`..kernel_side.runner.Request`, the
+    exercise modules' functions its ``run`` uses sent by value (a sandboxed kernel cannot import those modules)."""
+    registered = set(cloudpickle.list_registry_pickle_by_value())
+    for name in [n for n in sys.modules if n.startswith(EXERCISE_MODULES) and n not in registered]:
+        cloudpickle.register_pickle_by_value(sys.modules[name])  # for the grader's whole process: it is the grader
+    return base64.b64encode(cloudpickle.dumps(Request.of(exercise, case))).decode("ascii")
 
 
 @dataclass
@@ -115,14 +130,16 @@ class Kernel:
             return Trouble("error", f"{name}: {value}" if value else name)
         return None
 
-    def ask(self, exercise_id: str, index: int, case_timeout: float, slack: float = 15.0) -> dict[str, Any] | Trouble:
-        """The kernel's reply for case ``index`` of ``exercise_id`` (decoded data), or what went wrong.
+    def ask(self, request: str, case_timeout: float, slack: float = 15.0) -> dict[str, Any] | Trouble:
+        """The kernel's reply to ``request`` (:func:`request_text`: one case), as decoded data, or what went wrong.
 
         The request is a user expression of the grader's own execute request: the reply comes back in the
         execute reply, never on stdout. Raises
         :class:`..kernel_side.wire.Malformed` for a reply that is not data."""
+        if not REQUEST.fullmatch(request):
+            raise ValueError(f"request must be base64 text (request_text makes it), got {request[:40]!r}")
         expression = (f"__import__('base64').b64encode(__import__('{RUNNER}', fromlist=['reply'])"
-                      f".reply({exercise_id!r}, {int(index)}, {float(case_timeout)!r}).encode()).decode()")
+                      f".reply('{request}', {float(case_timeout)!r}).encode()).decode()")
         content = self._request("", case_timeout + slack, {"reply": expression})
         if isinstance(content, Trouble):
             return content

@@ -6,9 +6,10 @@ A kernel runs the learner's code, so it is treated as hostile (the threat model 
 * its own PID namespace with a fresh ``/proc``: no other process is visible, and when the kernel is ended
   every process it started dies with the namespace, however fast it forks;
 * its own mount namespace: the system's programs and libraries, Python and its site-packages and the
-  ``gpipe_ref`` package, all read-only; its own working folder, HOME and IPC folder (the only writable
-  paths); an empty ``/tmp``. The submissions, the reports, the other notebooks' folders and the instructor's
-  files are not there;
+  ``gpipe_ref`` package, all read-only, less the exercise modules (``grading/exercises``: the cases'
+  expected side, the hidden and drawn cases, the reference solutions), which an empty folder covers; its
+  own working folder, HOME and IPC folder (the only writable paths); an empty ``/tmp``. The submissions,
+  the reports, the other notebooks' folders and the instructor's files (the grader's key) are not there;
 * no network (its own network namespace: only the IPC sockets of its own folder reach the grader), its own
   IPC, UTS and cgroup namespaces, a new session (no terminal to inject into), an unprivileged user inside.
 
@@ -24,10 +25,11 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["SANDBOXES", "sandbox_command", "sandbox_problem"]
+__all__ = ["HIDDEN", "SANDBOXES", "sandbox_command", "sandbox_problem"]
 
 SANDBOXES = ("bwrap", "none")  # "none": the kernel runs as the grader's user, with the grader's view of the files
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # read-only, where they exist
+HIDDEN = ("grading/exercises",)  # package folders a kernel must not read: the grader sends each case's run by value
 
 
 def _package_root() -> Path:
@@ -46,6 +48,9 @@ def _view(bwrap: str) -> list[str]:
                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]  # first: the binds
     for path in [*(p for p in _SYSTEM if Path(p).exists()), *map(str, _read_only())]:  # may lie under /tmp
         command += ["--ro-bind", path, path]
+    for folder in HIDDEN:  # an empty read-only folder over each
+        hidden = str(_package_root() / folder)
+        command += ["--tmpfs", hidden, "--remount-ro", hidden]
     return command
 
 

@@ -1,9 +1,10 @@
-"""What ``grade --resume`` may trust: results signed with a key that lives where no learner kernel can read it.
+"""A key no learner kernel can read: what ``grade --resume`` may trust, and which cases the grader draws.
 
 A kernel could forge a results file (or an attacker leave one where the grader writes). So the grader signs
 the results it writes with an HMAC-SHA256 key kept in the instructor's HOME (``~/.config/gpipe_ref/grader.key``,
 mode 0600, made on first use; ``GPIPE_GRADER_KEY`` names another file); a sandboxed kernel sees neither that
-HOME nor the file. ``--resume`` keeps only the results whose signature checks.
+HOME nor the file. ``--resume`` keeps only the results whose signature checks. The same key seeds the
+cases drawn for each submission (:func:`draw_seed`), so their inputs cannot be known before they are sent.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sign", "signed", "verified"]
+__all__ = ["draw_seed", "sign", "signed", "verified"]
 
 FIELD = "signature"
 
@@ -42,6 +43,13 @@ def sign(results: Any) -> str:
     """The HMAC-SHA256 of ``results`` in a canonical JSON form."""
     text = json.dumps(results, sort_keys=True, separators=(",", ":"), default=str)
     return hmac.new(_key(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def draw_seed(*parts: str) -> int:
+    """A seed for the cases drawn for ``parts`` (an exercise, a submission's digest): the same submission
+    draws the same cases at every run of this grader, and no kernel, without the key, can know them."""
+    digest = hmac.new(_key(), "\0".join(("drawn cases", *parts)).encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big")
 
 
 def signed(summary: dict) -> dict:

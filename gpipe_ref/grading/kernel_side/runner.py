@@ -1,59 +1,82 @@
 """The learner's kernel's side of grading: run the answer on one case, reply with data.
 
-The grader sends ``reply(exercise_id, index, timeout)`` as a user expression of
-its own execute request and reads the JSON text back from the execute reply.
-Nothing here judges: there are no expected values, points or verdicts in the
-kernel, only what the answer returned (encoded by :mod:`.wire`) or how it
-failed. What the answer prints is dropped.
+The grader sends ``reply(request, timeout)`` as a user expression of its own
+execute request and reads the JSON text back from the execute reply. The
+request is one :class:`Request`, pickled by the grader: the exercise's answer
+name and rules, and the case's label and ``run`` function, sent by value
+(cloudpickle), so the kernel needs none of the exercise modules: a sandboxed
+kernel cannot import them, and so has no expected value, hidden case or
+reference solution to read. Nothing here judges: there are no expected
+values, points or verdicts in the kernel, only what the answer returned
+(encoded by :mod:`.wire`) or how it failed. What the answer prints is dropped.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import os
+import pickle
+import random
 import types
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ...distributed.launch import ranks_run_inside
-from ..cases import SEALED_CODE, Case, Exercise
-from ..exercises.catalog import EXERCISES, exercise
+from ..cases import Case, Exercise
 from ..judge import CaseTimeout, describe_error, forbidden_use, is_not_attempted, time_limit
 from .guard import ForbiddenCall, Guard
 from .wire import Refused, dumps, encode
 
-__all__ = ["expected_codes", "reply", "run_one"]
+__all__ = ["Request", "expected_codes", "reply", "run_one"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the kernel needs to run one case: the answer's name and rules, the case's label and ``run``."""
+
+    exercise: str
+    answer: str
+    kind: str  # "function" or "class"
+    forbidden: tuple[str, ...]
+    label: str
+    run: Callable[[Any], Any]
+
+    @classmethod
+    def of(cls, exercise: Exercise, case: Case) -> "Request":
+        return cls(exercise.id, exercise.answer, exercise.kind, exercise.forbidden_names(), case.label, case.run)
 
 
 @functools.lru_cache(maxsize=1)
 def expected_codes() -> frozenset[types.CodeType]:
-    """The code of every case's ``expected``: an answer that calls one is refused."""
+    """The code of every case's ``expected``, where the exercise modules can be imported (not in a sandboxed
+    kernel): an answer that calls one is refused."""
+    try:
+        from ..exercises.catalog import EXERCISES
+    except ImportError:  # a sandboxed kernel: no case's expected side is here to call
+        return frozenset()
     codes = set()
     for ex in EXERCISES.values():
-        for case in ex.all_cases():
-            function = case.expected
-            if function.__code__ is SEALED_CODE:  # a hidden case's: the wrapper and the function it seals
-                codes.add(SEALED_CODE)
-                function = function.__closure__[0].cell_contents
-            if isinstance(getattr(function, "__code__", None), types.CodeType):
-                codes.add(function.__code__)
+        for case in ex.all_cases(random.Random(0)):  # drawn cases come from the same factories, whatever the draw
+            if isinstance(getattr(case.expected, "__code__", None), types.CodeType):
+                codes.add(case.expected.__code__)
     return frozenset(codes)
 
 
-def run_one(exercise: Exercise, case: Case, namespace: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run the answer ``namespace`` holds on ``case``: a reply dict (outcome, and value or error)."""
-    head, run = {"exercise": exercise.id, "label": case.label}, case.run
-    del case  # an answer walking up the stack finds no case (and so no expected value) here
-    if exercise.answer not in namespace:
+def run_one(request: Request, namespace: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run the answer ``namespace`` holds on the case ``request`` names: a reply dict (outcome, and value or
+    error)."""
+    head, run, name, forbidden = {"exercise": request.exercise, "label": request.label}, request.run, \
+        request.answer, request.forbidden
+    if name not in namespace:
         return {**head, "outcome": "undefined"}
-    answer = namespace[exercise.answer]
-    if exercise.kind == "class" and not isinstance(answer, type):
+    answer = namespace[name]
+    if request.kind == "class" and not isinstance(answer, type):
+        return {**head, "outcome": "wrong kind", "error": f"`{name}` must be a class, got a {type(answer).__name__}"}
+    if request.kind != "class" and not callable(answer):
         return {**head, "outcome": "wrong kind",
-                "error": f"`{exercise.answer}` must be a class, got a {type(answer).__name__}"}
-    if exercise.kind != "class" and not callable(answer):
-        return {**head, "outcome": "wrong kind",
-                "error": f"`{exercise.answer}` must be a function, got a {type(answer).__name__}"}
-    forbidden = exercise.forbidden_names()
+                "error": f"`{name}` must be a function, got a {type(answer).__name__}"}
     used = forbidden_use(answer, forbidden)
     if used:
         return {**head, "outcome": "forbidden", "name": used}
@@ -85,13 +108,16 @@ def run_one(exercise: Exercise, case: Case, namespace: dict[str, Any], timeout: 
         return {**head, "outcome": "refused", "error": "returned a value nested too deeply"}
 
 
-def reply(exercise_id: str, index: int, timeout: float, namespace: dict[str, Any] | None = None) -> str:
-    """The grader's request: case ``index`` of ``exercise_id``'s shown-then-hidden cases, as JSON text."""
-    ex = exercise(exercise_id)
+def reply(request: str, timeout: float, namespace: dict[str, Any] | None = None) -> str:
+    """The grader's request (base64 of a pickled :class:`Request`): run it, and reply with JSON text."""
     if namespace is None:
         from IPython import get_ipython
 
         namespace = get_ipython().user_ns
-    if not 0 <= index < len(ex.all_cases()):
-        return dumps({"exercise": exercise_id, "outcome": "no such case", "error": f"index {index}"})
-    return dumps(run_one(ex, ex.all_cases()[index], namespace, timeout))  # no case left in this frame
+    try:
+        unpacked = pickle.loads(base64.b64decode(request.encode("ascii"), validate=True))
+        if not isinstance(unpacked, Request):
+            raise TypeError(f"expected a Request, got a {type(unpacked).__name__}")
+    except Exception as error:  # noqa: BLE001 - a request this kernel cannot read: say so, as data
+        return dumps({"outcome": "no such case", "error": describe_error(error)})
+    return dumps(run_one(unpacked, namespace, timeout))
