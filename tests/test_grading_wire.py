@@ -510,6 +510,7 @@ def test_a_compare_that_raises_is_a_failure_with_a_reason():
 def test_the_reply_is_json_text_that_names_its_case():
     ex = EXERCISES["04.3"]
     case = ex.cases()[1]
-    text = wire.dumps(run_one(Request.of(ex, case), _namespace(f"def microbatch_sizes(batch, m):\n    return {RIGHT_SIZES}\n"), 5))
+    answer = _namespace(f"def microbatch_sizes(batch, m):\n    return {RIGHT_SIZES}\n")
+    text = wire.dumps(run_one(Request.of(ex, case), answer, 5))
     assert json.loads(text) == {"exercise": "04.3", "label": case.label, "outcome": "returned", "value": [3, 3, 2, 2]}
     assert judge(ex, case, wire.loads(text)) is None

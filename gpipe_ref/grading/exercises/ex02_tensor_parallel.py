@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import random
 import math
+import random
 
 import torch
 from torch import nn

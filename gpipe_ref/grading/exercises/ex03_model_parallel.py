@@ -60,7 +60,8 @@ NAIVE_IDLE = Exercise(
     "03.1", "Idle time of naive model parallelism", "naive_idle_fraction", 2,
     lambda: [_idle_case([1.0] * 4, [2.0] * 4, 0.25), _idle_case([1.0, 3.0], [2.0, 6.0], 1.0),
              _idle_case([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 0.5)],
-    _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"), category="derive", drawn=_idle_drawn)
+    _idle_hidden, forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"), category="derive",
+    drawn=_idle_drawn)
 
 # -- 03.2 a balance that minimises the slowest stage --------------------------------------------------------
 
@@ -284,7 +285,8 @@ FIT_BALANCE = Exercise(
              _fit_case([2.0, 2.0, 2.0, 2.0], [3.0, 1.0, 1.0, 3.0], 2, 2, 11.0, 4.0)],
     _fit_hidden,
     forbidden=("gpipe_ref.partition.partition_costs", "gpipe_ref.partition.balance_by_params",
-               "gpipe_ref.partition.balance_by_time", "gpipe_ref.partition.balance_report"), category="design", drawn=_fit_drawn)
+               "gpipe_ref.partition.balance_by_time", "gpipe_ref.partition.balance_report"), category="design",
+               drawn=_fit_drawn)
 
 # -- 03.5 find the bug: a hand-run backward across stage boundaries ---------------------------------------------
 

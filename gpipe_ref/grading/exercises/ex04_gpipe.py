@@ -6,6 +6,7 @@ The last asks for a micro-batch size chosen under a step-time target and a memor
 from __future__ import annotations
 
 import random
+
 from ...microbatch import sizes
 from ...microbatch_size import LinearCost
 from ...simulator import CostModel, simulate
@@ -64,7 +65,8 @@ BUBBLE = Exercise(
     lambda: [_bubble_case(3, 6), _bubble_case(5, 2), _bubble_case(6, 100)],  # none in the lesson's table
     lambda: [_bubble_case(1, 1), _bubble_case(1, 7), _bubble_case(8, 1), _bubble_case(3, 5),
              _bubble_case(16, 64), _bubble_case(64, 1024)],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula", drawn=_bubble_drawn)
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula",
+    drawn=_bubble_drawn)
 
 # -- 04.3 uneven micro-batches ----------------------------------------------------------------------------
 
@@ -87,7 +89,8 @@ SPLIT_SIZES = Exercise(
     lambda: [_split_case(8, 4), _split_case(10, 4), _split_case(7, 3)],
     lambda: [_split_case(1, 1), _split_case(5, 5), _split_case(6, 4), _split_case(17, 5), _split_case(100, 7),
              _split_case(33, 32), _split_case(9, 1)],
-    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"), category="formula", drawn=_split_drawn)
+    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"), category="formula",
+    drawn=_split_drawn)
 
 # -- 04.4 find the bug: gradient accumulation that does not match one device --------------------------------------
 

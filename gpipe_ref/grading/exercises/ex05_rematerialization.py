@@ -178,7 +178,8 @@ HELD = Exercise(
     lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
                                                     ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
              for d in range(p)],
-    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula", drawn=_held_drawn)
+    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula",
+    drawn=_held_drawn)
 
 # -- 05.4 a design under a memory budget and a step-time target ---------------------------------------------------
 

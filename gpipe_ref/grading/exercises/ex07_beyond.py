@@ -38,7 +38,8 @@ INTERLEAVED = Exercise(
     lambda: [_interleaved_case(3, 6, 2), _interleaved_case(5, 10, 1), _interleaved_case(2, 4, 4)],
     lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2),
                                                          (4, 8, 2))],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula", drawn=_interleaved_drawn)
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula",
+    drawn=_interleaved_drawn)
 
 # -- 07.2 a schedule of your own that beats GPipe's bubble ---------------------------------------------------------
 
@@ -79,7 +80,8 @@ OWN_SCHEDULE = Exercise(
     "07.2", "A schedule that beats GPipe's bubble", "my_schedule", 3,
     lambda: [_own_schedule_case(3, 4)],
     lambda: [_own_schedule_case(p, m) for p, m in ((2, 2), (2, 6), (4, 8), (5, 3), (6, 12))],
-    forbidden=lambda: schedule_generators() + ("gpipe_ref.playground.builtin_text",), category="design", drawn=_own_schedule_drawn)
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.playground.builtin_text",), category="design",
+    drawn=_own_schedule_drawn)
 
 # -- 07.3 a layout for a memory budget ----------------------------------------------------------------------
 
@@ -229,6 +231,7 @@ ZB_DEBUG = Exercise(
     "07.4", "Find the bug in a zero-bubble generator", "zb_h1_orders", 3,
     lambda: [_zb_case(2, 2), _zb_case(4, 8)],
     lambda: [_zb_case(p, m) for p, m in ((1, 1), (1, 3), (2, 1), (3, 2), (4, 4), (5, 3), (6, 12), (8, 8))],
-    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule.generators._one_f_one_b_order",), category="debug", drawn=_zb_drawn)
+    forbidden=lambda: schedule_generators() + ("gpipe_ref.schedule.generators._one_f_one_b_order",), category="debug",
+    drawn=_zb_drawn)
 
 EXERCISES = [INTERLEAVED, OWN_SCHEDULE, LAYOUT, ZB_DEBUG]

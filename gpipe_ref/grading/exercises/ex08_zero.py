@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+
 import torch
 
 from ...distributed.thread_ring import ring_buffers, run_ring
