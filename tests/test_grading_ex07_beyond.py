@@ -149,6 +149,24 @@ def zb_h1_orders(p, m):
         orders.append(order + [Action("W", d, k) for k in range(m)])
     return orders
 """),
+    ("07.4", "each W one step later, before the B: ZB-H1's bubble, one more micro-batch held", "holds up to", """
+def zb_h1_orders(p, m):
+    orders = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        order = [Action("F", d, k) for k in range(warmup)]
+        next_w = 0
+        for j in range(m):
+            if j < m - warmup:
+                order.append(Action("F", d, warmup + j))
+            if j >= d + 1:
+                order.append(Action("W", d, next_w))
+                next_w += 1
+            order.append(Action("B", d, j))
+        order += [Action("W", d, k) for k in range(next_w, m)]
+        orders.append(order)
+    return orders
+"""),
     ("07.4", "drops the W actions", "missing", """
 def zb_h1_orders(p, m):
     return [[Action(op, d, k) for k in range(m) for op in "FB"] for d in range(p)]

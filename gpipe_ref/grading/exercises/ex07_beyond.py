@@ -194,8 +194,9 @@ def _zb_case(p: int, m: int) -> Case:
         orders = answer(p, m)
         return [list(device) for device in orders] if isinstance(orders, (list, tuple)) else short_repr(orders)
 
-    def expected():
-        return simulate(zero_bubble_h1(p, m), ZB_COST).bubble_fraction
+    def expected():  # ZB-H1's bubble, and the micro-batches each device holds at its peak (1F1B's memory)
+        timeline = simulate(zero_bubble_h1(p, m), ZB_COST)
+        return {"bubble": timeline.bubble_fraction, "held": [timeline.peak_in_flight(d) for d in range(p)]}
 
     def compare(actual, expected):
         if not isinstance(actual, list) or len(actual) != p:
@@ -210,17 +211,23 @@ def _zb_case(p: int, m: int) -> Case:
                         + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else ""))
         try:
             schedule = validate(Schedule("yours", p, m, p, tuple(range(p)), tuple(tuple(d) for d in actual)))
-            bubble = simulate(schedule, ZB_COST).bubble_fraction
+            timeline = simulate(schedule, ZB_COST)
         except ScheduleError as error:
             return f"the schedule does not run: {' '.join(str(error).split())[:300]}"
-        if bubble > expected + 1e-9:
-            return (f"the schedule runs, but its bubble is {bubble:.4f}, more than ZB-H1's {expected:.4f}: "
-                    f"the fix gave up some of the overlap the W actions were there to give")
+        if timeline.bubble_fraction > expected["bubble"] + 1e-9:
+            return (f"the schedule runs, but its bubble is {timeline.bubble_fraction:.4f}, more than ZB-H1's "
+                    f"{expected['bubble']:.4f}: the fix gave up some of the overlap the W actions were there to give")
+        for d, most in enumerate(expected["held"]):
+            held = timeline.peak_in_flight(d)
+            if held > most:
+                return (f"the schedule runs with ZB-H1's bubble, but device {d} holds up to {held} micro-batches' "
+                        f"activations at once, ZB-H1 {most}: a W that runs later keeps its micro-batch's "
+                        f"activations longer, and ZB-H1 keeps 1F1B's peak")
         return None
 
     return Case(f"p={p}, m={m}", run, expected, compare=compare,
                 hint="run it on the smallest pipeline that fails and read which action waits for which; does "
-                     "every device hit the problem, or only some?")
+                     "every device hit the problem, or only some? A fix keeps ZB-H1's bubble and its memory")
 
 
 def _zb_drawn(rng: random.Random) -> list[Case]:
