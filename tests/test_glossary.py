@@ -18,7 +18,7 @@ PLACE = re.compile(r"^(?P<notebook>\d\d_[a-z_]+) \((?P<heading>.+)\)$")
 def parse_glossary() -> list[dict]:
     """One dict per table row: name, spellings (the name first), places [(notebook, heading)], source."""
     rows = []
-    for line in GLOSSARY.read_text().splitlines():
+    for line in GLOSSARY.read_text().split("## Notation")[0].splitlines():  # the terms' table
         if not line.startswith("|") or line.startswith(("| Term |", "|---")):
             continue
         cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
@@ -83,3 +83,23 @@ def test_term_appears_in_the_notebook_and_section_named(row):
         assert heading in headings, f"{row['name']}: {notebook} has no section {heading!r}"
         assert any(normalise(spelling) in text for spelling in row["spellings"]), (
             f"{row['name']}: none of {row['spellings']} appears in {notebook}")
+
+
+def test_the_notation_table_covers_the_letters_and_every_notebook_links_it():
+    """Each letter in the notation table appears in some notebook's math; each notebook from 01 on, all of which
+    use these letters, links the table."""
+    text = GLOSSARY.read_text()
+    assert "## Notation" in text and "[Notation](#notation)" in text
+    table = text.split("## Notation", 1)[1].split("## References", 1)[0]
+    symbols = re.findall(r"^\| ((?:\$[^$]+\$(?:, )?)+) \|", table, re.M)
+    letters = [s for group in symbols for s in re.findall(r"\$([^$]+)\$", group)]
+    assert {"p", "m", "v", "b", "B", "N", "K", "s"} <= set(letters)
+    notebooks = sorted((ROOT / "notebooks").glob("0*.ipynb"))
+    math = " ".join(" ".join(re.findall(r"\$([^$]+)\$", "".join(c["source"]))) for path in notebooks
+                    for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    math = math.replace("Ψ", "\\Psi") + (" \\Psi" if any("Ψ" in path.read_text() for path in notebooks) else "")
+    for letter in letters:
+        assert re.search(rf"(?<![A-Za-z]){re.escape(letter)}(?![A-Za-z])", math), letter
+    for path in notebooks[1:]:
+        first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        assert "GLOSSARY.md#notation" in first, path.name
