@@ -42,6 +42,29 @@ def my_schedule(p, m):
     return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}W{k} {d}B{k}" for k in range(m)])
                      for d in range(p))
 """),
+    ("07.2", "GPipe with each backward split, B then its W (split alone: the bar, not below it)", """
+def my_schedule(p, m):
+    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k} {d}W{k}" for k in range(m)])
+                     for d in range(p))
+"""),
+    ("07.2", "GPipe with every B first, then every W (beat only unsplit GPipe)", """
+def my_schedule(p, m):
+    return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in range(m)]
+                              + [f"{d}W{k}" for k in range(m)]) for d in range(p))
+"""),
+    ("07.2", "1F1B with each backward split, B then its W", """
+def my_schedule(p, m):
+    lines = []
+    for d in range(p):
+        warmup = min(p - 1 - d, m)
+        actions = [f"{d}F{k}" for k in range(warmup)]
+        for j in range(m):
+            if warmup + j < m:
+                actions.append(f"{d}F{warmup + j}")
+            actions += [f"{d}B{j}", f"{d}W{j}"]
+        lines.append(" ".join(actions))
+    return "\\n".join(lines)
+"""),
     ("07.2", "backwards in reverse order on the last device (devices wait, no gain)", """
 def my_schedule(p, m):
     lines = []

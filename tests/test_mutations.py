@@ -25,6 +25,8 @@ EQUIVALENT = {
     "05.4 32:28 <= -> <": "the comparison already allows 1e-9 of rounding; no step lands between",
     "06.5 12:15 == -> !=": "counting a batch as updated at its last forward or at its last backward gives the same "
                            "count, because each device runs its micro-batches in order",
+    "07.2 16:43 0 -> -1": "which waiting W fills a gap does not change the timing: each costs 1 and needs only its "
+                          "own B, long done",
     "07.3 5:47 1 -> 2": "tp = gpus_per_node + 1 never divides the node, so the longer loop adds nothing",
     "07.3 6:11 or -> and": "every cluster is whole nodes, so a tp dividing the node divides the GPUs too",
     "07.3 8:48 1 -> 2": "pp = gpus // tp + 1 never divides gpus // tp",
