@@ -113,9 +113,11 @@ def _bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[_Bar],
     for data parallelism)."""
     _check_color_by(color_by)
     row_of = {track: i for i, track in enumerate(_rows(timeline))}
-    if color_by == "microbatch":
+    if color_by == "microbatch":  # the weight version only where versions differ (asynchronous schedules, 06)
+        versioned = any(e.weight_version for e in timeline.events)
         bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, KIND_COLORS[e.op],
-                     (f"{e.op}{e.microbatch}", f"{e.microbatch}"), f"{e.label} (weights v{e.weight_version})")
+                     (f"{e.op}{e.microbatch}", f"{e.microbatch}"),
+                     f"{e.label} (weights v{e.weight_version})" if versioned else e.label)
                 for e in timeline.events]
         kinds = {e.op for e in timeline.events}
         names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input grad)",

@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from gpipe_ref.schedule import gpipe, zero_bubble_h1  # noqa: E402
+from gpipe_ref.schedule import gpipe, pipedream_async, zero_bubble_h1  # noqa: E402
 from gpipe_ref.simulator import simulate  # noqa: E402
 from gpipe_ref.viz import plot_staleness, plot_timeline, timeline_svg  # noqa: E402
 
@@ -31,7 +31,9 @@ def test_timeline_svg_has_a_tooltip_per_event():
     svg = timeline_svg(timeline, title="gpipe")
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     assert svg.count("<title>") == len(timeline.events)
-    assert "gpipe - bubble 33.3%" in svg and "<title>2B3 (weights v0):" in svg
+    assert "gpipe - bubble 33.3%" in svg and "<title>2B3:" in svg and "weights v" not in svg  # a flush: one version
+    stale = timeline_svg(simulate(pipedream_async(3, 4)), title="pipedream")
+    assert "<title>2B3 (weights v" in stale  # an asynchronous schedule's versions differ: each bar names its own
 
 
 def test_plots_reject_non_timelines():
