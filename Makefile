@@ -34,7 +34,7 @@ browser:
 	  else echo "no $(CHROMIUM): the browser test will be skipped (apt-get install chromium)"; fi; \
 	fi
 
-# Debian's bubblewrap: the grader runs each learner kernel in its own sandbox (README, "threat model").
+# Debian's bubblewrap: the grader runs each learner kernel in its own sandbox (docs/instructors.md, the threat model).
 sandbox:
 	@if ! command -v bwrap >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

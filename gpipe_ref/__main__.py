@@ -178,8 +178,8 @@ def _grade_parser(commands) -> argparse.ArgumentParser:
                             f"(default: {DEFAULT_NOTEBOOK_TIMEOUT:g})")
     grade.add_argument("--no-sandbox", action="store_true",
                        help="run the kernels without bubblewrap's sandbox (each as this user, seeing its files: "
-                            "the README's threat model says what that leaves open); by default grading refuses "
-                            "where the sandbox cannot run")
+                            "the threat model in docs/instructors.md says what that leaves open); by default "
+                            "grading refuses where the sandbox cannot run")
     return grade
 
 

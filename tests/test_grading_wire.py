@@ -280,7 +280,7 @@ def test_a_forbidden_function_is_refused_on_every_path(attempt):
 
 @pytest.mark.xfail(sys.version_info < (3, 12), strict=True,
                    reason="Python 3.11 has no threading.setprofile_all_threads: a thread started before the answer "
-                          "runs unwatched (the README's threat model says so)")
+                          "runs unwatched (docs/instructors.md, the threat model, says so)")
 def test_a_thread_started_before_the_answer_is_refused_too():
     namespace = _namespace("""
         import threading

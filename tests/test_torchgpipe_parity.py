@@ -182,7 +182,7 @@ def test_the_pipe_is_sequential_like():
 
 def test_the_main_classes_import_from_the_package():
     import gpipe_ref
-    from gpipe_ref import DataParallel, GPipe, PipelineParallel, launch  # noqa: F401  (as the README shows)
+    from gpipe_ref import DataParallel, GPipe, PipelineParallel, launch  # noqa: F401  (as docs/package.md shows)
     from gpipe_ref.distributed import data_parallel, pipeline_parallel, tensor_parallel, zero
     from gpipe_ref import distributed, partition, pipeline
 

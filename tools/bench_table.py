@@ -1,4 +1,4 @@
-"""The README's benchmark table from two runs' JSON: ``python tools/bench_table.py run1.json run2.json``.
+"""The benchmark table of docs/benchmarks.md from two runs' JSON: ``python tools/bench_table.py run1.json run2.json``.
 
 One row per case (matched by name and configuration, in the first run's order): each run's ratio with the
 middle half of its rounds' ratios where both sides were timed in alternation, the target, and whether both

@@ -162,7 +162,7 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
     case (default: each exercise's own, 20-40 s); ``notebook_timeout``: seconds for the whole notebook,
     re-runs included. ``token`` marks every process the kernel starts (made up when None). ``sandbox``: "bwrap"
     runs each kernel in its own sandbox (:mod:`.sandbox`) and refuses to grade where it cannot; "none" grades
-    without one (the README's threat model says what that leaves open)."""
+    without one (the threat model in docs/instructors.md says what that leaves open)."""
     check_timeouts(cell_timeout, case_timeout, notebook_timeout)
     check_sandbox(sandbox)
     began = time.monotonic()
@@ -344,7 +344,7 @@ def check_sandbox(sandbox: str) -> None:
     if problem:
         raise RuntimeError(f"grading runs each notebook's kernel in a sandbox, which cannot run here: {problem}; "
                            f"grade without it only knowingly (sandbox='none', the grade command's --no-sandbox; "
-                           f"see the README's threat model)")
+                           f"see the threat model in docs/instructors.md)")
 
 
 def check_timeouts(cell_timeout: float, case_timeout: float | None, notebook_timeout: float) -> None:

@@ -1,7 +1,7 @@
 """Each learner kernel in its own bubblewrap sandbox: it sees its notebook's copy and nothing else of the machine.
 
-A kernel runs the learner's code, so it is treated as hostile (the threat model in the README). Under
-``bwrap`` (Debian's bubblewrap) it gets:
+A kernel runs the learner's code, so it is treated as hostile (the threat model in docs/instructors.md).
+Under ``bwrap`` (Debian's bubblewrap) it gets:
 
 * its own PID namespace with a fresh ``/proc``: no other process is visible, and when the kernel is ended
   every process it started dies with the namespace, however fast it forks;

@@ -9,7 +9,7 @@ sends it with ``ranks_run_inside``), entering a forbidden function
 or method, calling a forbidden builtin, or entering code that computes a case's
 expected value raises :class:`ForbiddenCall` and is remembered, so catching the
 exception does not help. A learner who removes the profiler on purpose is
-outside what a guard in their own process can stop (see the README's threat model).
+outside what a guard in their own process can stop (the threat model in docs/instructors.md).
 """
 
 from __future__ import annotations
