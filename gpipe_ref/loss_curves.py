@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 from .checks import integer, positive_int
+from .svg import svg_root
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
     from matplotlib.axes import Axes
@@ -70,12 +71,12 @@ def loss_curves_svg(curves: dict[str, list[float]], width: int = 420, height: in
     colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
     values = [v for c in curves.values() for v in c if v > 0 and math.isfinite(v)]
     if not values:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"></svg>'
+        return svg_root(width, height) + "</svg>"
     low, high = math.log10(min(values)), math.log10(max(values))
     high = high if high > low else low + 1
     left, top, plot_w, plot_h = 40, 10, width - 50, height - 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
+    out = [svg_root(width, height, 'font-family="sans-serif" font-size="10"')
+           + f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
     for k, (name, curve) in enumerate(curves.items()):
         points = []
         for j, v in enumerate(curve):

@@ -28,6 +28,7 @@ from .checks import instance, integer, positive_int
 from .figures import plot_linear_splits, plot_parallelism_overview
 from .loss_curves import CURVE_STYLES, loss_curves_svg, plot_convergence, running_mean
 from .timeline import Timeline
+from .svg import svg_root
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
     from matplotlib.axes import Axes
@@ -370,8 +371,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     legend_svg, legend_height = _svg_legend(legend, left, width, axis_y + 42, idle)
     unit = "cost units" if timeline.unit == "cost" else "s"
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{axis_y + 42 + legend_height}" '
-        f'font-family="sans-serif" font-size="11">',
+        svg_root(width, axis_y + 42 + legend_height, 'font-family="sans-serif" font-size="11"'),
         f'<defs><pattern id="{idle}" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{_IDLE_FILL}"/>'
         f'<line x1="0" y1="0" x2="0" y2="6" stroke="{_IDLE_EDGE}" stroke-width="1.5"/></pattern></defs>',

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from dataclasses import replace
 
 from ..memory import CATEGORIES, MEMORY_SCHEDULES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy
@@ -85,7 +86,10 @@ def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float)
     out = io.StringIO()
     fig.savefig(out, format="svg")
     svg = out.getvalue()
-    return svg[svg.index("<svg"):]
+    svg = svg[svg.index("<svg"):]
+    # scale to the output area, never past the drawn size (matplotlib gives a fixed width and a viewBox)
+    return re.sub(r'width="([\d.]+)pt" height="[\d.]+pt"', r'width="100%" style="max-width: \1pt; height: auto"',
+                  svg, count=1)
 
 
 class MemoryExplorer(Dashboard):

@@ -17,6 +17,7 @@ from ..checks import integer
 from ..microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
                                micro_batch_sizes, microbatch_choices)
 from .base import Dashboard
+from ..svg import svg_root
 
 __all__ = ["MicrobatchChooser", "microbatch_chooser", "chooser_plot_svg"]
 
@@ -59,8 +60,7 @@ def chooser_plot_svg(choices, current: int, best: int, *, width: int = 440, heig
               f"<text x='{left + 139}' y='{legend_y}' font-size='10'>current b</text>"
               f"<rect x='{left + 205}' y='{legend_y - 9}' width='10' height='10' fill='none' stroke='{BEST}' "
               f"stroke-width='2'/><text x='{left + 220}' y='{legend_y}' font-size='10'>best b</text>")
-    return (
-        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' class='gpipe-microbatch-svg'>"
+    return svg_root(width, height, "class='gpipe-microbatch-svg'") + (
         f"<rect x='{left}' y='{top}' width='{inner_w}' height='{inner_h}' fill='none' stroke='#ccc'/>"
         f"{ticks}{yticks}"
         f"<text x='{left + inner_w / 2}' y='{top + inner_h + 30}' font-size='11' text-anchor='middle'>"

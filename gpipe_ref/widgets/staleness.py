@@ -10,6 +10,7 @@ from ..schedule import POLICIES, WeightPolicy, gpipe, pipedream_async
 from ..simulator import simulate
 from ..viz import running_mean, timeline_svg
 from .base import Dashboard
+from ..svg import svg_root
 
 __all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "per_batch_readout"]
 
@@ -237,8 +238,8 @@ def loss_chart_svg(curves: dict[str, list[float]], width: int = 600, height: int
     legend_w, left, top, bottom = 235, 48, 10, 36
     plot_w, plot_h = width - left - legend_w - 10, height - top - bottom
     finite = [v for c in curves.values() for v in c if math.isfinite(v) and v > 0]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
+    out = [svg_root(width, height, 'font-family="sans-serif" font-size="10"')
+           + f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
     if finite:
         starts = [c[0] for c in curves.values() if c and math.isfinite(c[0]) and c[0] > 0]
         low, high = min(finite), min(max(finite), 3 * max(starts, default=max(finite)))  # a blow-up stays on top
