@@ -208,6 +208,13 @@ class Timeline:
     def _spans(self) -> list[Event | Transfer]:
         return [*self.events, *self.comm]
 
+    def display_unit(self) -> tuple[str, float]:
+        """The unit a time axis reads in and the factor from this timeline's: cost units, seconds, or
+        milliseconds for a measured step under a second (ticks of 0.002 s read as 2 ms)."""
+        if self.unit == "cost":
+            return "cost units", 1.0
+        return ("ms", 1e3) if self.makespan < 1.0 else ("s", 1.0)
+
     @property
     def origin(self) -> float:
         """The first start, of compute or communication."""

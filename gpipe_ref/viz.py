@@ -185,7 +185,16 @@ def _frame(ax: "Axes", names: list[str], timeline: Timeline) -> None:
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names)
-    ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
+    _time_axis(ax, timeline)
+
+
+def _time_axis(ax: "Axes", timeline: Timeline) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    unit, factor = timeline.display_unit()
+    if factor != 1.0:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * factor:g}"))
+    ax.set_xlabel(f"time ({unit})")
 
 
 @functools.cache
@@ -369,7 +378,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     idle = f"idle{next(_svg_ids)}"
     axis_y = top + len(names) * row
     legend_svg, legend_height = _svg_legend(legend, left, width, axis_y + 42, idle)
-    unit = "cost units" if timeline.unit == "cost" else "s"
+    unit, factor = timeline.display_unit()
     out = [
         svg_root(width, axis_y + 42 + legend_height, 'font-family="sans-serif" font-size="11"'),
         f'<defs><pattern id="{idle}" width="6" height="6" patternUnits="userSpaceOnUse" '
@@ -384,7 +393,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
         out.append(f'<rect x="{left}" y="{y + 2}" width="{span * scale:.2f}" height="{row - 4}" '
                    f'fill="url(#{idle})"/>')
     out += _svg_bars(bars, left, top, row, timeline.origin, scale)
-    out += _svg_axis(left, axis_y, span, scale)
+    out += _svg_axis(left, axis_y, span, scale, factor)
     out.append(f'<text x="{width - 12}" y="{axis_y + 30}" text-anchor="end">time ({unit})</text>')
     out += legend_svg
     out.append("</svg>")
@@ -408,14 +417,14 @@ def _svg_bars(bars: list[_Bar], left: int, top: int, row: int, origin: float, sc
     return out
 
 
-def _svg_axis(left: int, axis_y: int, span: float, scale: float) -> list[str]:
-    """Time ticks under the rows, 1-2-5 spaced."""
+def _svg_axis(left: int, axis_y: int, span: float, scale: float, factor: float = 1.0) -> list[str]:
+    """Time ticks under the rows, 1-2-5 spaced in the unit shown (the timeline's times x ``factor``)."""
     out = []
-    step = _nice_step(span)
+    step = _nice_step(span * factor) / factor
     for k in range(int(span / step + 1e-9) + 1):
         x = left + k * step * scale
         out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="#444"/>')
-        out.append(f'<text x="{x:.2f}" y="{axis_y + 15}" text-anchor="middle">{k * step:.4g}</text>')
+        out.append(f'<text x="{x:.2f}" y="{axis_y + 15}" text-anchor="middle">{k * step * factor:.4g}</text>')
     return out
 
 
@@ -447,7 +456,7 @@ def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | No
         times = [0.0] + [t - origin for t, _ in curve] + [timeline.makespan]
         counts = [0] + [c for _, c in curve] + [curve[-1][1] if curve else 0]
         ax.step(times, counts, where="post", label=f"device {d} (peak {timeline.peak_in_flight(d)})")
-    ax.set_xlabel("time (cost units)" if timeline.unit == "cost" else "time (s)")
+    _time_axis(ax, timeline)
     ax.set_ylabel("micro-batches held")
     ax.set_title(title or "activations held per device")
     ax.legend(fontsize=8, loc="upper right")

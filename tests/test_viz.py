@@ -306,3 +306,17 @@ def test_staleness_numbers_are_dark_on_light_cells_and_light_on_dark_ones():
     colours = {text.get_text(): text.get_color() for text in ax.texts}
     assert colours["0"] == "white" and colours["3"] == "black"  # viridis: 0 is dark purple, the maximum yellow
     plt.close(ax.figure)
+
+
+def test_a_measured_step_under_a_second_reads_in_milliseconds():
+    from gpipe_ref.simulator import place
+
+    schedule = gpipe(2, 3)
+    short = place(schedule, {action: 0.0005 for _, action in schedule.actions()}, unit="s")
+    assert short.display_unit() == ("ms", 1e3) and simulate(schedule).display_unit() == ("cost units", 1.0)
+    svg = timeline_svg(short)
+    assert "time (ms)" in svg and ">0.001<" not in svg and ">1<" in svg  # ticks 0, 1, 2 ms, not 0.001 s
+    ax = plot_timeline(short)
+    assert ax.get_xlabel() == "time (ms)"
+    long = place(schedule, {action: 0.5 for _, action in schedule.actions()}, unit="s")
+    assert long.display_unit() == ("s", 1.0) and "time (s)" in timeline_svg(long)
