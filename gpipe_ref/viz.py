@@ -494,5 +494,7 @@ def plot_staleness(versions: dict, num_stages: int, num_microbatches: int, ax: "
     ax.set_title({"staleness": "staleness (updates between a micro-batch's forward and its update)",
                   "forward": "weight version used in the forward",
                   "backward": "weight version used in the backward"}[field], fontsize=10)
-    ax.figure.colorbar(image, ax=ax)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.figure.colorbar(image, ax=ax, ticks=MaxNLocator(integer=True))  # versions and staleness are whole numbers
     return ax
