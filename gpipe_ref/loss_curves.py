@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 from .checks import integer, positive_int
+from .schedule import variant_label
 from .svg import svg_root
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
@@ -52,7 +53,7 @@ def plot_convergence(results: list[dict], ax: "Axes | None" = None, x: str = "sa
         every = max(1, len(result[x]) // markers)
         ax.plot(result[x], running_mean(result["losses"], smooth), linestyle=linestyle, marker=marker,
                 markersize=5, markevery=(k * every // max(1, len(results)), every), markerfacecolor="none",
-                linewidth=1.4, label=f"{result['variant']} (lr {result['lr']})")
+                linewidth=1.4, label=f"{variant_label(result['variant'])} (lr {result['lr']})")
     ax.set_yscale("log")
     starts = [r["losses"][0] for r in results if r["losses"] and math.isfinite(r["losses"][0])]
     if starts:  # a diverging run would otherwise squash every other curve

@@ -253,7 +253,7 @@ def test_coinciding_convergence_curves_stay_visible_and_the_legend_is_off_the_da
     renderer = fig.canvas.get_renderer()
     legend, axes = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
     assert legend.x0 >= axes.x1  # right of the axes: it hides no data
-    assert [t.get_text() for t in ax.get_legend().get_texts()][:2] == ["gpipe (lr 0.2)", "1f1b (lr 0.2)"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][:2] == ["GPipe (lr 0.2)", "1F1B (lr 0.2)"]  # words
     plt.close(fig)
     ax = plot_convergence(runs[:2], legend=False)
     assert ax.get_legend() is None

@@ -96,7 +96,7 @@ def test_a_diverging_run_says_so():
     ex = StalenessExplorer(stages=4, microbatches=8, lr=2.0, steps=10, vertical_sync=True)
     text = _text(ex)
     assert "diverged (above its starting loss)" in text and "no ratio: a run diverged" in text
-    assert "pipedream_vertical_sync (diverged)" in ex.curves.value
+    assert "PipeDream, vertical sync (diverged)" in ex.curves.value  # the legend names variants in words
 
 
 def test_the_drawn_versions_are_the_ones_the_trainer_used():

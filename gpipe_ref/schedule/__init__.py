@@ -22,7 +22,7 @@ from .generators import gpipe, interleaved_1f1b, one_f_one_b, pipedream_async, z
 from .ir import OPS, Action, Schedule, ScheduleError
 from .registry import (SCHEDULES, ScheduleSpec, default_schedule, make_schedule, register, schedule_names,
                        schedule_spec, unregister)
-from .versions import POLICIES, NamedPolicy, WeightPolicy, weight_versions
+from .versions import POLICIES, VARIANT_LABELS, NamedPolicy, WeightPolicy, variant_label, weight_versions
 
 __all__ = [
     "OPS", "Action", "Schedule", "ScheduleError",
@@ -31,5 +31,5 @@ __all__ = [
     "default_schedule",
     "dependencies", "EncodedSchedule", "encode", "validate", "DeadlockReport", "DeadlockError", "Walk", "walk",
     "execution_order",
-    "WeightPolicy", "NamedPolicy", "POLICIES", "weight_versions",
+    "WeightPolicy", "NamedPolicy", "POLICIES", "VARIANT_LABELS", "variant_label", "weight_versions",
 ]

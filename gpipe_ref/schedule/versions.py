@@ -9,7 +9,7 @@ from ..checks import one_of, positive_int
 from .engine import execution_order
 from .ir import Action, Schedule
 
-__all__ = ["WeightPolicy", "NamedPolicy", "POLICIES", "weight_versions"]
+__all__ = ["WeightPolicy", "NamedPolicy", "POLICIES", "VARIANT_LABELS", "variant_label", "weight_versions"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,16 @@ POLICIES: dict[str, NamedPolicy] = {  # the named weight-update policies: the va
     # PipeDream-2BW (Narayanan et al. 2021, sec. 3.1): one update per mini-batch, two versions per stage
     "pipedream_2bw": NamedPolicy("PipeDream-2BW", WeightPolicy(updates_every=None, lag=1)),
 }
+# What legends call each training variant (``staleness.VARIANTS``): the synchronous baselines, then the policies.
+VARIANT_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "sync_microbatch": "sync SGD, an update per micro-batch",
+                  **{name: row.label for name, row in POLICIES.items()}}
+
+
+def variant_label(text: str) -> str:
+    """``text`` with the variant name it starts with in words: "pipedream_2bw (diverged)" -> "PipeDream-2BW
+    (diverged)"; other text as it is."""
+    name = next((v for v in sorted(VARIANT_LABELS, key=len, reverse=True) if text.startswith(v)), None)
+    return VARIANT_LABELS[name] + text[len(name):] if name else text
 
 
 def weight_versions(schedule: Schedule, policy: WeightPolicy | None = None) -> dict[Action, int]:

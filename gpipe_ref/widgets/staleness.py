@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 import time
 
-from ..schedule import POLICIES, WeightPolicy, gpipe, pipedream_async
+from ..schedule import POLICIES, WeightPolicy, gpipe, pipedream_async, variant_label
 from ..simulator import simulate
 from ..viz import running_mean, timeline_svg
-from .base import Dashboard
 from ..svg import svg_root
+from .base import Dashboard
 
 __all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "per_batch_readout"]
 
@@ -272,7 +272,7 @@ def loss_chart_svg(curves: dict[str, list[float]], width: int = 600, height: int
         x, y0 = left + plot_w + 12, top + 10 + 16 * k
         dash = f' stroke-dasharray="{_DASHES[k % 5]}"' if _DASHES[k % 5] else ""
         out.append(f'<line x1="{x}" y1="{y0 - 3}" x2="{x + 22}" y2="{y0 - 3}" stroke="{_COLORS[k % 5]}" '
-                   f'stroke-width="1.6"{dash}/><text x="{x + 26}" y="{y0}">{name}'
+                   f'stroke-width="1.6"{dash}/><text x="{x + 26}" y="{y0}">{variant_label(name)}'
                    f'{" (diverged)" if diverged else ""}</text>')
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle">micro-batches seen</text>')
     out.append(f'<text x="12" y="{top + plot_h / 2}" text-anchor="middle" transform="rotate(-90 12 '
