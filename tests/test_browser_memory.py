@@ -31,7 +31,7 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         def four_stages_gpipe():
             said = readout.inner_text()
             stage, total = _fullest(MemorySetup(pp=4, schedule="gpipe", **base))
-            assert "1 x 1 x 4 = 4 devices" in said and f"fullest device: stage {stage}, {total}" in said
+            assert "1 x 1 x 4 = 4 devices" in said and f"fullest device: pipeline stage {stage}, {total}" in said
             assert readout.locator("table tr").count() == 5  # the header and four stages
 
         eventually(four_stages_gpipe)
@@ -41,7 +41,7 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         def four_stages_1f1b():
             said = readout.inner_text()
             stage, total = _fullest(MemorySetup(pp=4, schedule="1f1b", **base))
-            assert stage == 0 and f"fullest device: stage 0, {total}" in said
+            assert stage == 0 and f"fullest device: pipeline stage 0, {total}" in said
 
         eventually(four_stages_1f1b)
         sync_api.expect(page.locator(".gpipe-memory-picture svg").first).to_be_attached(timeout=WAIT_MS)
@@ -58,14 +58,14 @@ def test_memory_explorer_zero_stage_in_jupyterlab(jupyter_lab, artifacts_dir):
         base = dict(hidden=2048, layers=24, batch=16384, microbatches=8, dp=8, precision="mixed")
         _, unsharded = _fullest(MemorySetup(**base))
         said = readout.inner_text()
-        assert "ZeRO stage" not in said and f"fullest device: stage 0, {unsharded}" in said
+        assert "ZeRO stage" not in said and f"fullest device: pipeline stage 0, {unsharded}" in said
         zero = page.locator(".widget-dropdown", has_text="ZeRO stage").locator("select")
         zero.select_option(label="3: + weights (FSDP)")
 
         def stage_three():
             said = readout.inner_text()
             _, total = _fullest(MemorySetup(zero_stage=3, **base))
-            assert "ZeRO stage 3 over dp = 8" in said and f"fullest device: stage 0, {total}" in said
+            assert "ZeRO stage 3 over dp = 8" in said and f"fullest device: pipeline stage 0, {total}" in said
             assert total != unsharded
 
         eventually(stage_three)

@@ -13,7 +13,7 @@ from gpipe_ref.widgets.memory import MemoryExplorer, format_bytes, memory_explor
 
 def _table(explorer) -> list[list[str]]:
     """The readout's table: one row per stage, the formatted bytes of each category and the total."""
-    rows = re.findall(r"<tr><th[^>]*>stage \d+</th>(.*?)</tr>", explorer.readout.value)
+    rows = re.findall(r"<tr><th[^>]*>pipeline stage \d+</th>(.*?)</tr>", explorer.readout.value)
     return [re.findall(r">([^<]+)</td>", row) for row in rows]
 
 
@@ -46,7 +46,7 @@ def test_readout_names_the_fullest_device_and_its_largest_category():
     anatomy = explorer.anatomy
     fullest = max(range(4), key=lambda s: anatomy[s].total)
     assert fullest == 3  # the last stage also keeps the loss's prediction and target
-    assert f"fullest device: stage {fullest}, <b>{format_bytes(anatomy[fullest].total)}</b>" in explorer.readout.value
+    assert f"fullest device: pipeline stage {fullest}, <b>{format_bytes(anatomy[fullest].total)}</b>" in explorer.readout.value
     assert "largest category there: <b>activations</b>" in explorer.readout.value
     explorer.recompute.value = "always"  # now Adam's state outweighs the few stage inputs kept
     assert explorer.anatomy[fullest].largest == "optimizer state"
@@ -115,3 +115,18 @@ def test_zero_stage_control_shards_the_model_states_over_dp():
     explorer.dp.value = 1
     assert explorer.anatomy == memory_anatomy(MemorySetup(hidden=2048, layers=24, batch=16384, dp=1,
                                                           precision="mixed"))
+
+
+def test_dp_reaches_64_and_the_device_memory_is_a_choice():
+    """ZeRO-3 pays at large dp (its shard is 1/dp of every model state), and a device's memory is the reader's
+    GPU's: both are controls; "stage" alone never names a pipeline stage beside a ZeRO stage."""
+    explorer = memory_explorer(dp=8, precision="mixed", zero_stage=3)
+    assert 64 in explorer.dp.options and explorer.memory.value == 80e9
+    at_8 = max(d.total for d in explorer.anatomy)
+    explorer.dp.value = 64
+    assert max(d.total for d in explorer.anatomy) < at_8 and "ZeRO stage 3 over dp = 64" in explorer.readout.value
+    explorer.memory.value = 16e9
+    said = explorer.readout.value
+    assert explorer.capacity == 16e9 and "16.00 GB" in said and "fullest device: pipeline stage 0" in said
+    assert re.search(r"\bstage \d", said.replace("pipeline stage", "").replace("ZeRO stage", "")) is None
+    assert "141 GB" in [label for label, _ in explorer.memory.options]

@@ -39,14 +39,15 @@ def memory_readout(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: fl
     fits = "fits in" if device.total <= capacity else "does not fit in"
     zero = (f"ZeRO stage {setup.zero_stage} over dp = {setup.dp} &middot; " if setup.zero_stage else "")
     summary = (f"<b>{setup.dp} x {setup.tp} x {setup.pp} = {setup.devices} devices</b> (dp x tp x pp), "
-               f"{setup.rows_per_microbatch} rows per micro-batch &middot; {zero}fullest device: stage {fullest}, "
+               f"{setup.rows_per_microbatch} rows per micro-batch &middot; {zero}fullest device: pipeline stage "
+               f"{fullest}, "
                f"<b>{format_bytes(device.total)}</b> ({fits} {format_bytes(capacity)}) &middot; largest category "
                f"there: <b>{device.largest}</b>, {share:.0%} of it")
     head = "".join(f"<th style='padding:2px 8px'>{name}</th>" for name in (*CATEGORIES, "total"))
     rows = []
     for s, memory in enumerate(anatomy):
         cells = [*memory.by_category().values(), memory.total]
-        rows.append(f"<tr><th style='padding:2px 8px'>stage {s}</th>"
+        rows.append(f"<tr><th style='padding:2px 8px'>pipeline stage {s}</th>"
                     + "".join(f"<td style='padding:2px 8px;text-align:right'>{format_bytes(v)}</td>" for v in cells)
                     + "</tr>")
     return (f"<div>{summary}</div><table class='gpipe-memory-table' style='border-collapse:collapse'>"
@@ -71,7 +72,7 @@ def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float)
         ax.axhline(capacity / 1e9, color="black", linestyle="--", linewidth=1,
                    label=f"{format_bytes(capacity)} device")
         top = max(top, capacity / 1e9)
-    ax.set_xticks(list(stages), [f"stage {s}" for s in stages])
+    ax.set_xticks(list(stages), [f"pipeline stage {s}" for s in stages])
     ax.set_ylabel("GB per device")
     ax.set_ylim(0, top * 1.1)
     zero = f", ZeRO-{setup.zero_stage}" if setup.zero_stage else ""
@@ -102,6 +103,8 @@ class MemoryExplorer(Dashboard):
 
     PP_CHOICES = (1, 2, 3, 4, 6, 8)
     POWERS_OF_TWO = (1, 2, 4, 8)
+    DP_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # ZeRO-3's sharding pays most at large dp
+    MEMORY_GB = (16, 24, 32, 40, 48, 80, 141)  # common GPUs' memory: V100 16 GB ... A100/H100 80 GB, H200 141 GB
     MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 
     def __init__(self, hidden: int = 2048, layers: int = 24, batch: int = 16384, dp: int = 1, tp: int = 1,
@@ -109,7 +112,7 @@ class MemoryExplorer(Dashboard):
                  precision: str = "fp32", zero_stage: int = 0, capacity: float = 80e9) -> None:
         import ipywidgets as w
 
-        for name, value, choices in (("dp", dp, self.POWERS_OF_TWO), ("tp", tp, self.POWERS_OF_TWO),
+        for name, value, choices in (("dp", dp, self.DP_CHOICES), ("tp", tp, self.POWERS_OF_TWO),
                                      ("pp", pp, self.PP_CHOICES), ("microbatches", microbatches,
                                                                    self.MICROBATCH_CHOICES)):
             if value not in choices:
@@ -120,8 +123,11 @@ class MemoryExplorer(Dashboard):
         self.capacity = capacity
         style = {"description_width": "150px"}
         layout = w.Layout(width="420px")
-        self.dp = w.SelectionSlider(options=self.POWERS_OF_TWO, value=dp, description="data parallel dp",
+        self.dp = w.SelectionSlider(options=self.DP_CHOICES, value=dp, description="data parallel dp",
                                     style=style, layout=layout)
+        gigabytes = sorted({*self.MEMORY_GB, capacity / 1e9})
+        self.memory = w.Dropdown(options=[(f"{g:g} GB", g * 1e9) for g in gigabytes], value=capacity,
+                                 description="device memory", style=style, layout=layout)
         self.tp = w.SelectionSlider(options=self.POWERS_OF_TWO, value=tp, description="tensor parallel tp",
                                     style=style, layout=layout)
         self.pp = w.SelectionSlider(options=self.PP_CHOICES, value=pp, description="pipeline stages pp",
@@ -142,10 +148,11 @@ class MemoryExplorer(Dashboard):
         self.picture.add_class("gpipe-memory-picture")
         self.setup, self.anatomy = self.base, []
         controls = [self.dp, self.tp, self.pp, self.microbatches, self.schedule, self.recompute, self.precision,
-                    self.zero_stage]
+                    self.zero_stage, self.memory]
         for control in controls:
             control.observe(lambda _change: self.redraw(), names="value")
-        self.widget = w.VBox([w.HBox([w.VBox(controls[:4]), w.VBox(controls[4:])]), self.readout, self.picture])
+        self.widget = w.VBox([w.HBox([w.VBox(controls[:4]), w.VBox(controls[4:8])]), controls[8], self.readout,
+                              self.picture])
         self.redraw()
 
     def redraw(self) -> None:
@@ -160,7 +167,7 @@ class MemoryExplorer(Dashboard):
             self.readout.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
             self.picture.value = ""
             return
-        self.anatomy = memory_anatomy(self.setup)
+        self.anatomy, self.capacity = memory_anatomy(self.setup), self.memory.value
         self.readout.value = memory_readout(self.setup, self.anatomy, self.capacity)
         self.picture.value = memory_svg(self.setup, self.anatomy, self.capacity)
 
