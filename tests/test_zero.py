@@ -79,6 +79,38 @@ def _largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+def _accumulate_microbatches(rank: int, world: int, microbatches: int) -> dict:
+    """One step of each ZeRO stage after ``microbatches`` backwards (what each pipeline stage's dp group runs):
+    the bytes sent by collective and the weights after the step."""
+    out = {}
+    for stage in range(4):
+        zero = ZeRO(make_model("mlp", 0), stage, lr=LR)
+        zero.zero_grad()
+        for x, y in batches(rank)[:microbatches]:
+            (nn.functional.mse_loss(zero(x), y) / microbatches).backward()
+        zero.step()
+        out[stage] = {"traffic": dict(zero.traffic), "padded": zero.padded_numel, "weights": zero.full_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("world,microbatches", [(2, 3), (4, 2)])
+def test_a_pipeline_stages_microbatches_cost_zero_2_and_3_a_collective_each(world, microbatches):
+    """With m micro-batches per step, DDP and ZeRO-1 still communicate once at the step; ZeRO-2 reduce-scatters
+    after every backward, (m + 1)Ψ(N-1)/N, ZeRO-3 gathers twice and reduce-scatters per micro-batch, 3mΨ(N-1)/N:
+    why ZeRO-1 is the stage pipelines pair with. Every stage still lands on DDP's weights."""
+    ranks = launch(_accumulate_microbatches, world, microbatches, backend="gloo", timeout=240)
+    for rank in ranks:
+        for stage in range(4):
+            run = rank[stage]
+            assert sum(run["traffic"].values()) == zero_traffic_bytes(run["padded"], stage, world, microbatches)
+            assert _largest_difference(run["weights"], rank[0]["weights"]) < 1e-6, stage
+        one = rank[2]["traffic"]["all_gather"]  # one all-gather of Ψ: the unit every count is in
+        assert rank[2]["traffic"]["reduce_scatter"] == microbatches * one
+        sent = {kind: n for kind, n in rank[3]["traffic"].items() if n}
+        assert sent == {"all_gather": 2 * microbatches * one, "reduce_scatter": microbatches * one}
+    assert zero_traffic_bytes(1000, 3, 4, microbatches=8) == 8 * zero_traffic_bytes(1000, 3, 4)
+
+
 @pytest.fixture(scope="module", params=[(2, "mlp", 0), (2, "gated", 1), (4, "mlp", 2), (4, "gated", 3)],
                 ids=lambda p: f"{p[0]}ranks-{p[1]}-seed{p[2]}")
 def runs(request):

@@ -472,12 +472,18 @@ def zero_state_bytes(numel: int, stage: int, world_size: int) -> dict[str, int]:
     return model_state_bytes(numel, "fp32", stage, positive_int("world_size", world_size))
 
 
-def zero_traffic_bytes(numel: int, stage: int, world_size: int) -> int:
+def zero_traffic_bytes(numel: int, stage: int, world_size: int, microbatches: int = 1) -> int:
     """Bytes one rank sends per step (sec. 7): a ring's all-reduce sends 2(N-1)/N of the buffer, a
     reduce-scatter or an all-gather (N-1)/N. DDP and stages 1-2 send 2Ψ(N-1)/N elements, stage 3 3Ψ(N-1)/N:
-    its weights are all-gathered twice, for the forward and again for the backward."""
+    its weights are all-gathered twice, for the forward and again for the backward.
+
+    With ``microbatches`` backwards before the step (gradient accumulation; a pipeline stage's m micro-batches),
+    DDP and stage 1 still communicate once, at the step; stage 2 reduce-scatters after every backward (it keeps
+    only its shard of the gradient) and all-gathers once, (m + 1)Ψ(N-1)/N; stage 3 gathers and reduce-scatters
+    per micro-batch, 3mΨ(N-1)/N."""
     one_of("stage", stage, ZERO_STAGES)
-    passes = 3 if stage == 3 else 2
+    m = positive_int("microbatches", microbatches)
+    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage]
     return passes * (world_size - 1) * 4 * numel // world_size
 
 
