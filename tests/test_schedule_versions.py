@@ -75,3 +75,30 @@ def test_a_lag_refuses_an_order_that_uses_a_version_before_it_is_made():
 def test_held_bound_per_policy():
     assert [POLICIES[name].policy.per_batch(4).held_bound(4) for name in POLICIES] == \
            [[4, 3, 2, 1], [1, 1, 1, 1], [4, 4, 4, 4], [2, 2, 2, 2]]
+
+
+def test_2bws_version_t_minus_1_is_ready_in_time_from_m_p_minus_1_and_the_policy_asks_the_papers_m_ge_p():
+    """What 06 section 5 states: in pipedream_async's 1F1B order stage 0 has run i - p + 1 backwards before the
+    forward of micro-batch i, so version t - 1 (made after mini-batch t - 2's backwards) exists before mini-batch t
+    starts on every stage once m >= p - 1; the paper asks m >= d, one micro-batch to spare, and so does the policy."""
+    from gpipe_ref.schedule import POLICIES, pipedream_async
+
+    def backwards_before_forward(p: int, m: int, stage: int, i: int) -> int:
+        done = 0
+        for action in pipedream_async(p, m).per_device[stage]:
+            if action.op == "F" and action.microbatch == i:
+                return done
+            done += action.op == "B"
+        raise AssertionError("no such forward")
+
+    batches = 6
+    for p in range(2, 7):
+        assert all(backwards_before_forward(p, 30, 0, i) == max(0, i - p + 1) for i in range(30))
+        in_time = [m for m in range(1, p + 2)
+                   if all(backwards_before_forward(p, m * batches, s, t * m) >= (t - 1) * m
+                          for s in range(p) for t in range(2, batches))]
+        assert in_time[0] == p - 1
+        two_bw = POLICIES["pipedream_2bw"].policy
+        two_bw.per_batch(p).check(pipedream_async(p, 2 * p))
+        with pytest.raises(ValueError, match="m >= d"):
+            two_bw.per_batch(p - 1).check(pipedream_async(p, 2 * (p - 1)))
