@@ -69,3 +69,17 @@ def test_every_notebook_from_01_shows_a_dashboard(name):
              for node in ast.walk(ast.parse("".join(cell["source"]).replace("%", "#")))
              if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))}
     assert calls & factories, f"{name} builds none of {sorted(factories)}"
+
+
+TEXT_TIMELINE_WIDTH = 100  # characters of JupyterLab's monospace that fit its output area at 1280 px, file browser open
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_printed_timelines_fit_at_1280_px(path):
+    """A text timeline (rows ``device d |...|``) wraps, and stops reading as one, past about 100 characters."""
+    nb = json.loads(path.read_text())
+    for index, cell in enumerate(nb["cells"]):
+        for output in cell.get("outputs", []):
+            for line in "".join(output.get("text", "")).splitlines():
+                if line.startswith("device ") and "|" in line:
+                    assert len(line) <= TEXT_TIMELINE_WIDTH, f"cell {index}: a timeline row of {len(line)} characters"
