@@ -139,9 +139,9 @@ def _cuts(n, stages):
 """
 
 
-# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
-WRONG = [
-    ("07.4", "the generator as given: W before its B on device 0", "does not run", """
+def w_before_b(starts_at: str) -> str:
+    """07.4's generator with each W placed before the next B, from ``j >= starts_at`` on (the bug as given: d)."""
+    return f"""
 def zb_h1_orders(p, m):
     orders = []
     for d in range(p):
@@ -151,14 +151,19 @@ def zb_h1_orders(p, m):
         for j in range(m):
             if j < m - warmup:
                 order.append(Action("F", d, warmup + j))
-            if j >= d:
+            if j >= {starts_at}:
                 order.append(Action("W", d, next_w))
                 next_w += 1
             order.append(Action("B", d, j))
         order += [Action("W", d, k) for k in range(next_w, m)]
         orders.append(order)
     return orders
-"""),
+"""
+
+
+# (exercise, what is wrong, a phrase the shown check's feedback must contain, code)
+WRONG = [
+    ("07.4", "the generator as given: W before its B on device 0", "does not run", w_before_b("d")),
     ("07.4", "runs every W at the end: valid, but the bubble grows", "more than ZB-H1's", """
 def zb_h1_orders(p, m):
     orders = []
@@ -172,24 +177,8 @@ def zb_h1_orders(p, m):
         orders.append(order + [Action("W", d, k) for k in range(m)])
     return orders
 """),
-    ("07.4", "each W one step later, before the B: ZB-H1's bubble, one more micro-batch held", "holds up to", """
-def zb_h1_orders(p, m):
-    orders = []
-    for d in range(p):
-        warmup = min(p - 1 - d, m)
-        order = [Action("F", d, k) for k in range(warmup)]
-        next_w = 0
-        for j in range(m):
-            if j < m - warmup:
-                order.append(Action("F", d, warmup + j))
-            if j >= d + 1:
-                order.append(Action("W", d, next_w))
-                next_w += 1
-            order.append(Action("B", d, j))
-        order += [Action("W", d, k) for k in range(next_w, m)]
-        orders.append(order)
-    return orders
-"""),
+    ("07.4", "each W one step later, before the B: ZB-H1's bubble, one more micro-batch held", "holds up to",
+     w_before_b("d + 1")),
     ("07.4", "drops the W actions", "missing", """
 def zb_h1_orders(p, m):
     return [[Action(op, d, k) for k in range(m) for op in "FB"] for d in range(p)]
