@@ -1,5 +1,6 @@
 """JupyterLab at 1280 px with the file browser open: every widget's picture fits its output area (none is
-clipped or needs a sideways scroll), the course's nine dashboards shown one per cell."""
+clipped or needs a sideways scroll) and no label or button is cut short, the course's nine dashboards shown one
+per cell."""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ DASHBOARDS = [  # the calls the course's notebooks make
 OVERFLOW = """(area) => {
     const box = area.getBoundingClientRect();
     const pictures = [...area.querySelectorAll('svg, img')].filter(p => !p.parentElement.closest('svg'));
+    const cut = [...area.querySelectorAll('.widget-label, button')]
+        .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1)
+        .map(e => `"${e.textContent.trim()}" is cut short (${e.scrollWidth} px of text in ${e.clientWidth})`);
     return {pictures: pictures.length, overflow: pictures
         .map(p => p.getBoundingClientRect())
         .filter(r => r.width > 0 && r.right > box.right + 1)
-        .map(r => `${Math.round(r.width)} px wide, ${Math.round(r.right - box.right)} px past the area`)};
+        .map(r => `${Math.round(r.width)} px wide, ${Math.round(r.right - box.right)} px past the area`)
+        .concat(cut)};
 }"""
 
 
@@ -62,7 +67,7 @@ def test_every_widget_picture_fits_at_1280_px_with_the_file_browser_open(jupyter
             pictured += seen["pictures"] > 0
             found += [f"{call}: {what}" for what in seen["overflow"]]
         page.screenshot(path=str(artifacts_dir / "browser_widths_1280.png"))
-        assert not found, "pictures wider than their output area at 1280 px:\n" + "\n".join(found)
+        assert not found, "pictures wider than their output area, or labels cut, at 1280 px:\n" + "\n".join(found)
         assert pictured >= 7, f"only {pictured} of the dashboards drew a picture: the check saw too little"
 
 

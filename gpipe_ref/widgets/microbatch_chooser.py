@@ -109,7 +109,7 @@ class MicrobatchChooser(Dashboard):
         style = {"description_width": "170px"}
         layout = w.Layout(width="440px")
         self.cost = w.Dropdown(options=sources, value=cost, description="cost of a micro-batch", style=style,
-                               layout=layout)
+                               layout=w.Layout(width="480px"))  # room for "model: overhead + per-sample cost"
         self.global_batch = w.SelectionSlider(options=BATCHES, value=global_batch, description="global batch B",
                                               style=style, layout=layout)
         self.data_parallel = w.SelectionSlider(options=DATA_PARALLEL, value=data_parallel,

@@ -34,7 +34,8 @@ class SchedulePlayground(Dashboard):
         self.marked = w.HTML()
         self.picture = w.HTML()
         self.table = w.HTML()
-        self.run = w.Button(description="run on the executor", tooltip="GPipe on simulated devices vs one device")
+        self.run = w.Button(description="run on the executor", tooltip="GPipe on simulated devices vs one device",
+                            layout=w.Layout(width="auto"))  # the default width cuts the label
         self.run_result = w.HTML()
         self.run_result.add_class("gpipe-playground-run")
         self.analysis = None
