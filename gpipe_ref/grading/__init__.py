@@ -7,9 +7,10 @@ the answer where the answer lives (:mod:`.kernel_side.runner`, in the learner's
 kernel) and is judged where the learner's code cannot reach (:func:`.judge.judge`,
 in the grader's process): the cases shown in the notebook, hidden ones and ones
 drawn for each submission (modules ``exercises/exNN_topic``, which a sandboxed
-grading kernel cannot import: they are loaded here only when first used). The grader's side (:mod:`.grader_side`)
-starts the kernels, grades notebooks and a class, and writes the reports;
-:mod:`.commands` is the command line's ``exercises`` and ``grade``.
+grading kernel cannot import: they are loaded here only when first used). The
+grader's side (:mod:`.grader_side`) starts the kernels, grades notebooks and a
+class, and writes the reports; :mod:`.commands` is the command line's
+``exercises`` and ``grade``.
 """
 
 from __future__ import annotations
