@@ -72,7 +72,7 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "lr=1.0" in said and "diverged (above its starting loss)" in said
 
         eventually(diverged)
-        sync_api.expect(page.locator("text=pipedream_vertical_sync (diverged)")).to_have_count(1, timeout=WAIT_MS)
+        sync_api.expect(page.locator("text=PipeDream, vertical sync (diverged)")).to_have_count(1, timeout=WAIT_MS)
         readout.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts_dir / "browser_06_staleness_vertical_sync.png"))
         schedule = page.locator(".widget-dropdown", has_text="schedule").locator("select")
