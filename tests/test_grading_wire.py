@@ -278,6 +278,26 @@ def test_a_forbidden_function_is_refused_on_every_path(attempt):
     assert verdict.status == "failed" and verdict.points == 0 and "gpipe_ref.schedule." in verdict.feedback
 
 
+def test_a_refused_call_then_a_hang_is_reported_as_the_refused_call():
+    """Found on Python 3.12 (a GPU machine): a thread's refused call, then an answer waiting for that thread past the
+    case's time limit, was reported as a timeout. The refused call is the verdict, whatever follows it."""
+    namespace = _namespace("""
+        import time
+        from gpipe_ref import schedule
+        TOOLS = [schedule.gpipe]  # out of the answer's own names: only the watch on calls sees it
+        del schedule
+        def gpipe_actions(p, m):
+            try:
+                TOOLS[0](p, m)
+            except Exception:
+                pass
+            while True:
+                time.sleep(0.05)
+        """)
+    reply = run_one(Request.of(EXERCISES["04.1"], EXERCISES["04.1"].cases()[0]), namespace, 1)
+    assert reply["outcome"] == "forbidden" and reply["name"] == "gpipe_ref.schedule.gpipe", reply
+
+
 @pytest.mark.xfail(sys.version_info < (3, 12), strict=True,
                    reason="Python 3.11 has no threading.setprofile_all_threads: a thread started before the answer "
                           "runs unwatched (docs/instructors.md, the threat model, says so)")

@@ -86,6 +86,8 @@ def run_one(request: Request, namespace: dict[str, Any], timeout: float) -> dict
                 time_limit(timeout), guard, ranks_run_inside(guard):
             value = run(answer)
     except CaseTimeout as error:
+        if guard.hit:  # a refused call came first (in a thread, say, whose answer then waited): that is the verdict
+            return {**head, "outcome": "forbidden", "name": guard.hit}
         return {**head, "outcome": "timeout", "error": str(error)}
     except ForbiddenCall:
         return {**head, "outcome": "forbidden", "name": guard.hit}
