@@ -1,4 +1,5 @@
-"""The course's figures: three ways to share a model between two devices; a Linear split two ways (Shoeybi et al. 2019).
+"""The course's figures: three ways to share a model between two devices; a Linear split two ways (Shoeybi et al. 2019);
+five axes of parallelism on one grid of GPUs.
 
 The split Linear is Megatron-LM's (sec. 3): by its outputs (concatenate) and by its inputs (sum).
 """
@@ -6,8 +7,9 @@ The split Linear is Megatron-LM's (sec. 3): by its outputs (concatenate) and by 
 from __future__ import annotations
 
 from .checks import positive_int
+from .parallel_axes import AXES, AXIS_ORDER, Layout, axis_groups, coordinates
 
-__all__ = ["plot_parallelism_overview", "plot_linear_splits"]
+__all__ = ["plot_device_grid", "plot_parallelism_overview", "plot_linear_splits"]
 
 
 def plot_parallelism_overview(layers: int = 4):
@@ -88,5 +90,66 @@ def plot_linear_splits():
     b.text(2.75, 2.5, "x", ha="center", va="center")
     b.text(6.4, 2.5, "=", ha="center", va="center", fontsize=14)
     b.text(9.35, 2.5, "+", ha="center", va="center", fontsize=14)
+    fig.tight_layout()
+    return fig
+
+
+AXIS_COLORS = {"tp": "#c44e52", "cp": "#8172b2", "ep": "#55a868", "dp": "#dd8452", "pp": "#4c72b0"}
+
+
+def plot_device_grid(layout: Layout | None = None, gpus_per_node: int = 8, rank: int = 0):
+    """Every GPU of ``layout`` as a box, one row per node, labelled with its index on each axis, and the groups
+    ``rank`` belongs to on each axis drawn as coloured links: the ranks it communicates with, and across which
+    link (inside a node, or between nodes)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    layout = layout or Layout(tp=2, cp=2, ep=2, dp=2, pp=2)
+    positive_int("gpus_per_node", gpus_per_node)
+    if layout.gpus % gpus_per_node:
+        raise ValueError(f"gpus_per_node must divide the layout's {layout.gpus} GPUs, got {gpus_per_node}")
+    coordinates(rank, layout)  # checks the rank
+    nodes = layout.gpus // gpus_per_node
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.85 * nodes))
+    width, height, step_x, step_y = 1.25, 0.8, 1.4, 1.25
+    position = {r: (r % gpus_per_node * step_x, (nodes - 1 - r // gpus_per_node) * step_y)
+                for r in range(layout.gpus)}
+    shown = [a for a in AXIS_ORDER if getattr(layout, a) > 1]
+    for r, (x, y) in position.items():
+        place = coordinates(r, layout)
+        mine = r == rank
+        ax.add_patch(Rectangle((x, y), width, height, facecolor="#fff2cc" if mine else "#f0f0f0",
+                               edgecolor="black", linewidth=2 if mine else 0.8))
+        ax.text(x + width / 2, y + 0.58, f"GPU {r}", ha="center", va="center", fontsize=8, weight="bold")
+        ax.text(x + width / 2, y + 0.24, " ".join(f"{a[0]}{place[a]}" for a in shown), ha="center", va="center",
+                fontsize=7)
+    for n in range(nodes):
+        ax.text(-1.0, (nodes - 1 - n) * step_y + height / 2, f"node {n}", ha="right", va="center", fontsize=9)
+    handles = []
+    for k, axis in enumerate(shown):
+        group = next(g for g in axis_groups(layout, axis) if rank in g)
+        color = AXIS_COLORS[axis]
+        for other in group:
+            if other == rank:
+                continue
+            (x0, y0), (x1, y1) = position[rank], position[other]
+            if y1 == y0:  # same node: an arc over the row
+                ends = ((x0 + width / 2, y0 + height), (x1 + width / 2, y1 + height))
+                rad = -(0.35 + 0.12 * k) / abs(x1 - x0)  # a bulge of about the same height for every length
+            else:  # another node: an arc out to the left of the rows
+                ends = ((x0, y0 + height / 2), (x1, y1 + height / 2))
+                rad = (0.5 + 0.3 * k) / abs(y1 - y0)
+            ax.add_patch(FancyArrowPatch(*ends, connectionstyle=f"arc3,rad={rad}", arrowstyle="-", color=color,
+                                         linewidth=2))
+        across = len({r // gpus_per_node for r in group}) > 1
+        handles.append(plt.Line2D([], [], color=color, linewidth=2,
+                                  label=f"{axis.upper()} ({AXES[axis][0]}) group of GPU {rank}: "
+                                        f"{'across nodes' if across else 'inside a node'}"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_xlim(-2.0, gpus_per_node * step_x)
+    ax.set_ylim(-0.2, nodes * step_y + 0.6)
+    ax.axis("off")
+    ax.set_title(f"{layout.label()}: {layout.gpus} GPUs in Megatron-LM's rank order (tp fastest, pp slowest); "
+                 f"t c e d p: the GPU's index on each axis", fontsize=9)
     fig.tight_layout()
     return fig

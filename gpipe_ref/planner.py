@@ -25,7 +25,9 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 3), made explic
 
 What it leaves out: kernel-level efficiency differences between shapes (one ``efficiency`` for all),
 overlap of the gradient all-reduce with the backward, the embedding's extra memory and FLOPs on the first and
-last stage beyond the logits, sequence parallelism, ZeRO sharding, network contention.
+last stage beyond the logits, sequence parallelism, ZeRO sharding, network contention, and two axes: context
+parallelism (its ring overlaps attention, and this model has no overlap) and expert parallelism (the model is
+dense); ``parallel_axes.axis_traffic`` counts the bytes of all five.
 """
 
 from __future__ import annotations

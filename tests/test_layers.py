@@ -25,7 +25,7 @@ LAYERS = [
     ("stages", ["partition", "batchnorm", "stage_ops", "rematerialization", "activation_memory"]),
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
-    ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size"]),
+    ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size", "parallel_axes"]),
     ("pictures", ["svg", "viz", "figures", "loss_curves", "widgets", "widgets.*"]),
     ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
     ("entry points", ["__main__", "arguments", ""]),  # "": the package root, gpipe_ref/__init__.py
