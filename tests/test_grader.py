@@ -87,13 +87,14 @@ def test_grader_isolates_a_broken_exercise(tmp_path):
                         for d in range(p)]
             """,
         "04.2": """
-            def bubble_fraction(p, m):
+            def bubble_fraction(stage_times, m, comm):
                 while True:
                     pass
             """,
         "04.3": """
-            def microbatch_sizes(batch, m):
-                return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+            def uneven_step_time(batch, m, p, overhead, per_row):
+                times = [overhead + per_row * (batch // m + (k < batch % m)) for k in range(m)]
+                return 3 * (sum(times) + (p - 1) * max(times))
             """})
     model_nb = _submission(tmp_path, "03_model_parallel", {
         "03.1": """
@@ -182,11 +183,13 @@ def test_a_cell_limit_under_a_second_still_stops_a_cell(tmp_path):
 
 # -- a class: gradebook, feedback, summary, --resume -----------------------------------------------------------
 HIDDEN_MISS = """
-def microbatch_sizes(batch, m):
+def uneven_step_time(batch, m, p, overhead, per_row):
     if m == 1:
-        return [batch, 0]  # right on every shown case, wrong on the hidden m = 1
-    return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+        return 0.0  # right on every shown case, wrong on the hidden ones with m = 1
+    times = [overhead + per_row * (batch // m + (k < batch % m)) for k in range(m)]
+    return 3 * (sum(times) + (p - 1) * max(times))
 """
+HIDDEN = "batch=1, m=1, p=1, overhead=0.0, per_row=1.0"  # the first hidden case of 04.3
 
 
 @pytest.mark.slow
@@ -211,17 +214,17 @@ def test_a_class_gets_a_gradebook_feedback_files_a_summary_and_resumes(tmp_path)
     assert sorted(p.name for p in feedback.iterdir()) == ["ann__04_gpipe.md", "ben__04_gpipe.md", "cat__04_gpipe.md"]
     cat_feedback = (feedback / "cat__04_gpipe.md").read_text()
     cat_verdict = data["notebooks"][2]["exercises"][2]
-    assert cat_verdict["feedback"].startswith("case batch=1, m=1: expected")  # the instructor sees the values
-    assert "hidden case batch=1, m=1: failed; hint:" in cat_feedback  # the learner sees the label only
+    assert cat_verdict["feedback"].startswith(f"case {HIDDEN}: expected")  # the instructor sees the values
+    assert f"hidden case {HIDDEN}: failed; hint:" in cat_feedback  # the learner sees the label only
     assert "expected" not in cat_feedback.split("Exercise 04.3")[1]
-    assert "04.3" in first.stdout and "hidden case batch=1, m=1: failed; hint:" in first.stdout  # the table too:
-    assert "case batch=1, m=1: expected" not in first.stdout  # learners grade themselves with it
+    assert "04.3" in first.stdout and f"hidden case {HIDDEN}: failed; hint:" in first.stdout  # the table too:
+    assert f"case {HIDDEN}: expected" not in first.stdout  # learners grade themselves with it
     summary = data["exercises"]["04.3"]
     assert (summary["notebooks"], summary["full_marks"], summary["mean_points"]) == (3, 1, 0.67)
     assert data["exercises"]["04.1"]["most_common_failure"] == "not attempted"
-    assert summary["most_common_failure"] in ("not attempted", "failed on case batch=1, m=1")
+    assert summary["most_common_failure"] in ("not attempted", f"failed on case {HIDDEN}")
     assert "most common failure" in first.stdout
-    cat.write_text(cat.read_text().replace("[batch, 0]", "[batch]"))  # cat fixes the answer
+    cat.write_text(cat.read_text().replace("return 0.0", "pass"))  # cat fixes the answer
     again = _grade_cli(cls, "--json", out, "--resume")
     assert again.returncode == 0, again.stdout + again.stderr
     resumed = json.loads(out.read_text())["notebooks"]

@@ -59,22 +59,25 @@ def test_every_exercise_has_a_planted_wrong_answer():
 def test_check_prints_a_short_verdict(capsys):
     from gpipe_ref.grading import FAILED_CHECKS
 
-    right = _namespace("def bubble_fraction(p, m):\n    return (p - 1) / (m + p - 1)\n")["bubble_fraction"]
+    right = _namespace("def bubble_fraction(stage_times, m, comm):\n    p, work = len(stage_times), sum(stage_times)\n"
+                       "    step = 3 * (work + (m - 1) * max(stage_times)) + 2 * (p - 1) * comm\n"
+                       "    return 1 - 3 * m * work / (p * step)\n")["bubble_fraction"]
+    equal_stages = lambda stage_times, m, comm: (len(stage_times) - 1) / (m + len(stage_times) - 1)  # noqa: E731
     check("04.2", right)
     assert capsys.readouterr().out.startswith("✅ Exercise 04.2") and FAILED_CHECKS["04.2"] == 0
-    check("04.2", lambda p, m: (p - 1) / m)  # a first failure says what is wrong, no hint yet
+    check("04.2", equal_stages)  # a first failure says what is wrong, no hint yet
     out = capsys.readouterr().out
     assert out.startswith("❌ Exercise 04.2") and "expected" in out and "got" in out and "hint:" not in out
     assert "Traceback" not in out and len(out) < 600 and "the next failed check adds a hint" in out
-    check("04.2", lambda p, m: (p - 1) / m)  # the second failure in a row adds the hint
-    assert "hint: the bubble is the idle share" in capsys.readouterr().out
+    check("04.2", equal_stages)  # the second failure in a row adds the hint
+    assert "hint: draw the forwards" in capsys.readouterr().out
     check("04.2", right)
-    check("04.2", lambda p, m: (p - 1) / m, hint=True)  # at once when asked
-    assert "hint: the bubble is the idle share" in capsys.readouterr().out
-    check("04.2", lambda p, m: (p - 1) / m, hint=False)
+    check("04.2", equal_stages, hint=True)  # at once when asked
+    assert "hint: draw the forwards" in capsys.readouterr().out
+    check("04.2", equal_stages, hint=False)
     assert "hint:" not in capsys.readouterr().out
 
-    def stub(p, m):
+    def stub(stage_times, m, comm):
         raise NotImplementedError("Exercise 04.2: write bubble_fraction")
 
     check("04.2", stub)
@@ -87,7 +90,8 @@ def test_forbidden_library_calls_are_refused():
     verdict = grade("04.1", namespace)
     assert verdict.points == 0 and "gpipe_ref.schedule.gpipe" in verdict.feedback
     namespace = _namespace("import gpipe_ref.simulator\n"
-                           "def bubble_fraction(p, m):\n    return gpipe_ref.simulator.bubble_formula('gpipe', p, m)\n")
+                           "def bubble_fraction(stage_times, m, comm):\n"
+                           "    return gpipe_ref.simulator.bubble_formula('gpipe', len(stage_times), m)\n")
     assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
 
 
@@ -283,7 +287,8 @@ def test_a_table_of_the_published_cases_fails_the_drawn_ones():
     """Every shown and hidden case is in the package's source: an answer that looks their expected values up
     passes them all, and fails once the grader draws inputs nobody knew."""
     table = {case.label: case.expected() for case in EXERCISES["04.2"].all_cases()}
-    namespace = {"bubble_fraction": lambda p, m: table.get(f"p={p}, m={m}", 0.0)}
+    namespace = {"bubble_fraction": lambda stage_times, m, comm: table.get(
+        f"stage_times={list(stage_times)}, m={m}, comm={comm}", 0.0)}
     assert grade("04.2", namespace, draw=None).passed
     assert not any(grade("04.2", namespace, draw=seed).passed for seed in range(3))
 

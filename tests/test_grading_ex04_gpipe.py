@@ -54,33 +54,59 @@ def gpipe_actions(p, m):
         out.append(acts + [Action("B", d, k) for k in range(m - w, m)])
     return out
 """),
-    ("04.2", "GPipe's overhead (p-1)/m instead of the share of the step", """
-def bubble_fraction(p, m):
-    return (p - 1) / m
+    ("04.2", "notebook 04's formula, as if stages were equal and messages free", """
+def bubble_fraction(stage_times, m, comm):
+    p = len(stage_times)
+    return (p - 1) / (m + p - 1)
 """),
-    ("04.2", "off by one in the step length", """
-def bubble_fraction(p, m):
-    return (p - 1) / (m + p)
+    ("04.2", "the mean stage time sets the pace, not the slowest", """
+def bubble_fraction(stage_times, m, comm):
+    p, work = len(stage_times), sum(stage_times)
+    step = 3 * (work + (m - 1) * work / p) + 2 * (p - 1) * comm
+    return 1 - 3 * m * work / (p * step)
 """),
-    ("04.2", "integer division", """
-def bubble_fraction(p, m):
-    return (p - 1) // (m + p - 1)
+    ("04.2", "forgets the transfers", """
+def bubble_fraction(stage_times, m, comm):
+    p, work = len(stage_times), sum(stage_times)
+    step = 3 * (work + (m - 1) * max(stage_times))
+    return 1 - 3 * m * work / (p * step)
 """),
-    ("04.3", "drops the remainder", """
-def microbatch_sizes(batch, m):
-    return [batch // m] * m
+    ("04.2", "a transfer for every micro-batch on the critical path", """
+def bubble_fraction(stage_times, m, comm):
+    p, work = len(stage_times), sum(stage_times)
+    step = 3 * (work + (m - 1) * max(stage_times)) + 2 * (p - 1) * m * comm
+    return 1 - 3 * m * work / (p * step)
 """),
-    ("04.3", "torch.chunk's rounding up", """
-def microbatch_sizes(batch, m):
-    size = -(-batch // m)
-    sizes = []
-    while batch > 0:
-        sizes.append(min(size, batch)); batch -= size
-    return sizes
+    ("04.2", "the transfers counted in the forward only", """
+def bubble_fraction(stage_times, m, comm):
+    p, work = len(stage_times), sum(stage_times)
+    step = 3 * (work + (m - 1) * max(stage_times)) + (p - 1) * comm
+    return 1 - 3 * m * work / (p * step)
 """),
-    ("04.3", "the remainder on the last micro-batch", """
-def microbatch_sizes(batch, m):
-    return [batch // m] * (m - 1) + [batch // m + batch % m]
+    ("04.3", "every micro-batch taken as the mean size", """
+def uneven_step_time(batch, m, p, overhead, per_row):
+    return (m + p - 1) * 3 * (overhead + per_row * batch / m)
+"""),
+    ("04.3", "every slot as long as the largest micro-batch", """
+def uneven_step_time(batch, m, p, overhead, per_row):
+    return (m + p - 1) * 3 * (overhead + per_row * -(-batch // m))
+"""),
+    ("04.3", "the fill and drain paced by the smallest micro-batch", """
+def uneven_step_time(batch, m, p, overhead, per_row):
+    times = [overhead + per_row * (batch // m + (k < batch % m)) for k in range(m)]
+    return 3 * (sum(times) + (p - 1) * min(times))
+"""),
+    ("04.3", "right, but calls torch.tensor_split, which is refused", """
+def uneven_step_time(batch, m, p, overhead, per_row):
+    import torch
+    times = [overhead + per_row * len(x) for x in torch.arange(batch).tensor_split(m)]
+    return 3 * (sum(times) + (p - 1) * max(times))
+"""),
+    ("04.3", "torch.chunk's sizes (fewer pieces when they round up)", """
+def uneven_step_time(batch, m, p, overhead, per_row):
+    import torch
+    times = [overhead + per_row * len(x) for x in torch.arange(batch).chunk(m)]
+    return 3 * (sum(times) + (p - 1) * max(times))
 """),
 ]
 

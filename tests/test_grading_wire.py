@@ -175,7 +175,7 @@ def test_a_result_over_the_limit_becomes_a_short_refusal():
 
 def test_a_refused_result_loses_the_points_with_its_reason():
     namespace = {"AlwaysEqual": AlwaysEqual}
-    exec("def microbatch_sizes(batch, m):\n    return [AlwaysEqual(0)] * m\n", namespace)
+    exec("def uneven_step_time(batch, m, p, overhead, per_row):\n    return AlwaysEqual(0)\n", namespace)
     reply = run_one(Request.of(EXERCISES["04.3"], EXERCISES["04.3"].cases()[0]), namespace, 5)
     assert reply["outcome"] == "refused" and "AlwaysEqual" in reply["error"] and "value" not in reply
     verdict = grade("04.3", namespace)
@@ -183,7 +183,7 @@ def test_a_refused_result_loses_the_points_with_its_reason():
 
     ran = []
     namespace = {"Evil": type("Evil", (), {"__reduce__": lambda self: (ran.append, ("unpickled",))})}
-    exec("def bubble_fraction(p, m):\n    return Evil()\n", namespace)
+    exec("def bubble_fraction(stage_times, m, comm):\n    return Evil()\n", namespace)
     verdict = grade("04.2", namespace)
     assert verdict.points == 0 and "Evil" in verdict.feedback and ran == []
 
@@ -193,11 +193,12 @@ def test_a_refused_result_loses_the_points_with_its_reason():
 PRELUDE = "import torch\nfrom gpipe_ref import Action\n"
 GPIPE = "gpipe_ref.schedule.gpipe"
 RIGHT_GPIPE = "[[Action('F', d, k) for k in range(m)] + [Action('B', d, k) for k in range(m)] for d in range(p)]"
-RIGHT_SIZES = "[batch // m + (1 if k < batch % m else 0) for k in range(m)]"
+RIGHT_STEP = ("(lambda t: 3 * (sum(t) + (p - 1) * max(t)))"
+              "([overhead + per_row * (batch // m + (k < batch % m)) for k in range(m)])")  # 04.3's prediction
 
 
 def _namespace(code: str, **extra) -> dict:
-    namespace: dict = dict(extra)
+    namespace: dict = {"LABEL": "batch={batch}, m={m}, p={p}, overhead={overhead}, per_row={per_row}", **extra}
     exec(compile(PRELUDE + textwrap.dedent(code), "<answer>", "exec"), namespace)
     return namespace
 
@@ -322,21 +323,21 @@ def test_a_thread_started_before_the_answer_is_refused_too():
 
 def test_the_right_answer_beside_them_passes():
     assert grade("04.1", _namespace(f"def gpipe_actions(p, m):\n    return {RIGHT_GPIPE}\n")).passed
-    assert grade("04.3", _namespace(f"def microbatch_sizes(batch, m):\n    return {RIGHT_SIZES}\n")).passed
+    assert grade("04.3", _namespace(f"def uneven_step_time(batch, m, p, overhead, per_row):\n    return {RIGHT_STEP}\n")).passed
 
 
-SIZES_ATTEMPTS = {
+SIZES_ATTEMPTS = {  # 04.3's answers that reach what they may not; LABEL is 04.3's case label
     "the method form x.tensor_split": ("""
-        def microbatch_sizes(batch, m):
-            return [len(part) for part in torch.arange(batch).tensor_split(m)]
+        def uneven_step_time(batch, m, p, overhead, per_row):
+            return 3 * (batch + (p - 1) * len(torch.arange(batch).tensor_split(m)[0])) * per_row
         """, "torch.tensor_split"),
     "torch.tensor_split by name": ("""
-        def microbatch_sizes(batch, m):
-            return [len(part) for part in getattr(torch, "tensor" + "_split")(torch.arange(batch), m)]
+        def uneven_step_time(batch, m, p, overhead, per_row):
+            return 3 * (batch + (p - 1) * len(getattr(torch, "tensor" + "_split")(torch.arange(batch), m)[0])) * per_row
         """, "torch.tensor_split"),
     "the stack's case.expected() (sys._getframe)": ("""
         import sys
-        def microbatch_sizes(batch, m):
+        def uneven_step_time(batch, m, p, overhead, per_row):
             frame = sys._getframe(1)
             while "case" not in frame.f_locals:
                 frame = frame.f_back
@@ -344,27 +345,29 @@ SIZES_ATTEMPTS = {
         """, None),
     "the stack's case.expected() (inspect.stack)": ("""
         import inspect
-        def microbatch_sizes(batch, m):
+        def uneven_step_time(batch, m, p, overhead, per_row):
             case = next(info.frame.f_locals["case"] for info in inspect.stack() if "case" in info.frame.f_locals)
             return case.expected()
         """, None),
     "EXERCISES[...].all_cases()": ("""
-        def microbatch_sizes(batch, m):
+        def uneven_step_time(batch, m, p, overhead, per_row):
             from gpipe_ref.grading import EXERCISES
-            case = next(c for c in EXERCISES["04.3"].all_cases() if c.label == f"batch={batch}, m={m}")
+            label = LABEL.format(**locals())
+            case = next(c for c in EXERCISES["04.3"].all_cases() if c.label == label)
             return case.expected()
         """, "the grader's expected values"),
-    "another exercise's expected value": ("""
-        def microbatch_sizes(batch, m):
+    "another exercise's expected value": (f"""
+        def uneven_step_time(batch, m, p, overhead, per_row):
             from gpipe_ref.grading import EXERCISES
             EXERCISES["06.1"].cases()[0].expected()
-            return [batch // m + (1 if k < batch % m else 0) for k in range(m)]
+            return {RIGHT_STEP}
         """, "the grader's expected values"),
     "a copy of expected's code (it calls sizes)": ("""
         import types
-        def microbatch_sizes(batch, m):
+        def uneven_step_time(batch, m, p, overhead, per_row):
             from gpipe_ref.grading import EXERCISES
-            e = next(c for c in EXERCISES["04.3"].all_cases() if c.label == f"batch={batch}, m={m}").expected
+            label = LABEL.format(**locals())
+            e = next(c for c in EXERCISES["04.3"].all_cases() if c.label == label).expected
             return types.FunctionType(e.__code__.replace(co_name="mine"), e.__globals__, closure=e.__closure__)()
         """, "the grader's expected values"),  # the copy has expected's file, line and bytecode
 }
@@ -393,7 +396,7 @@ def test_every_case_expected_is_guarded_and_callable_outside():
     for ex in EXERCISES.values():
         for case in ex.all_cases(random.Random(7)):
             assert case.expected.__code__ in expected_codes(), (ex.id, case.label)
-    assert EXERCISES["04.3"].cases()[1].expected() == [3, 3, 2, 2]  # outside an answer the grader calls it
+    assert EXERCISES["04.3"].cases()[1].expected() == 78.0  # outside an answer the grader calls it
 
 
 def test_a_rank_launched_by_the_answer_is_guarded_too():
@@ -530,7 +533,7 @@ def test_a_compare_that_raises_is_a_failure_with_a_reason():
 def test_the_reply_is_json_text_that_names_its_case():
     ex = EXERCISES["04.3"]
     case = ex.cases()[1]
-    answer = _namespace(f"def microbatch_sizes(batch, m):\n    return {RIGHT_SIZES}\n")
+    answer = _namespace(f"def uneven_step_time(batch, m, p, overhead, per_row):\n    return {RIGHT_STEP}\n")
     text = wire.dumps(run_one(Request.of(ex, case), answer, 5))
-    assert json.loads(text) == {"exercise": "04.3", "label": case.label, "outcome": "returned", "value": [3, 3, 2, 2]}
+    assert json.loads(text) == {"exercise": "04.3", "label": case.label, "outcome": "returned", "value": 78.0}
     assert judge(ex, case, wire.loads(text)) is None

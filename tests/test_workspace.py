@@ -110,6 +110,24 @@ def test_build_rewrites_untouched_copies_outdated_or_not(exercises_copy):
     assert (exercises_copy / "03_model_parallel.ipynb").read_bytes() == (EXERCISES / "03_model_parallel.ipynb").read_bytes()
 
 
+def test_build_rewrites_the_stub_of_an_earlier_version_of_an_exercise(exercises_copy):
+    """An exercise whose signature changed: the old stub still only raises NotImplementedError, so it holds no
+    answer; a stub with one line of the learner's own does."""
+    path = exercises_copy / "04_gpipe.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if exercise_of(c) == "04.2")
+    cell.source = ('# Exercise 04.2 · The bubble fraction\ndef bubble_fraction(p: int, m: int) -> float:\n'
+                   '    """An older version."""\n    # YOUR CODE HERE\n'
+                   '    raise NotImplementedError("Exercise 04.2: write bubble_fraction")\n')
+    nbformat.write(nb, path)
+    assert build(SOLUTIONS, exercises_copy)
+    assert path.read_bytes() == (EXERCISES / "04_gpipe.ipynb").read_bytes()
+    cell.source = cell.source.replace("    # YOUR CODE HERE\n", "    p += 0\n")
+    nbformat.write(nb, path)
+    with pytest.raises(AnswersWouldBeLost, match=r"answers to 04.2"):
+        build(SOLUTIONS, exercises_copy)
+
+
 def test_build_refuses_a_file_it_cannot_read_as_a_notebook(exercises_copy):
     (exercises_copy / "05_rematerialization.ipynb").write_text('{"cells": [')  # a half-saved notebook
     with pytest.raises(AnswersWouldBeLost, match=r"05_rematerialization.ipynb \(not a readable notebook\)"):

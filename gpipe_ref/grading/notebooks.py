@@ -159,9 +159,30 @@ def answers_in(path: Path, built: nbformat.NotebookNode) -> str | None:
     except Exception:  # a folder, invalid JSON, not a notebook: nothing tells us it is safe to replace
         return "not a readable notebook"
     stubs = {exercise_of(cell): cell.source for cell in built.cells if exercise_of(cell)}
-    answered = [exercise_of(cell) for cell in cells
-                if exercise_of(cell) and cell.get("source") != stubs.get(exercise_of(cell))]
+    answered = [exercise_of(cell) for cell in cells if exercise_of(cell)
+                and cell.get("source") != stubs.get(exercise_of(cell)) and not _still_a_stub(cell.get("source", ""))]
     return f"answers to {', '.join(answered)}" if answered else None
+
+
+def _still_a_stub(source: str) -> bool:
+    """True when every function the cell defines only raises NotImplementedError (a docstring aside): an
+    untouched stub of an earlier version of the exercise, whose signature may differ from today's."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    top = [node for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Import,
+                                                                ast.ImportFrom))]
+
+    def raises_only(function) -> bool:
+        body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+        return (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
+                and getattr(body[0].exc.func, "id", None) == "NotImplementedError")
+
+    return bool(functions) and not top and all(raises_only(f) for f in functions)
 
 
 def build(solutions: Path, exercises: Path, *, force: bool = False) -> list[Path]:

@@ -9,7 +9,7 @@ import random
 
 from ...microbatch import sizes
 from ...microbatch_size import LinearCost
-from ...simulator import CostModel, simulate
+from ...simulator import CostModel, place, simulate
 from ..cases import Case, Exercise
 from ..judge import short_repr
 from .common import gradient_gap, judge_one_stage_per_device, schedule_generators
@@ -45,52 +45,84 @@ GPIPE_SCHEDULE = Exercise(
     lambda: [_gpipe_case(1, 1), _gpipe_case(1, 5), _gpipe_case(5, 1), _gpipe_case(3, 7), _gpipe_case(8, 16)],
     forbidden=schedule_generators, category="build", drawn=_gpipe_drawn)
 
-# -- 04.2 the bubble fraction -----------------------------------------------------------------------------
+# -- 04.2 predict: the bubble with unequal stages and transfers ----------------------------------------------
 
 
-def _bubble_case(p: int, m: int) -> Case:
+def _bubble_case(stage_times: tuple[float, ...], m: int, comm: float) -> Case:
     from ...schedule import gpipe
 
-    return Case(f"p={p}, m={m}", lambda answer: answer(p, m), lambda: simulate(gpipe(p, m)).bubble_fraction,
-                hint="the bubble is the idle share of the WHOLE step, not idle time relative to busy time: how many "
-                     "slots of (F + B) does the step last, and in how many of them does one device compute?")
+    def expected():
+        cost = CostModel(forward=1, backward_input=1, backward_weight=1, comm=comm, stage_scale=stage_times)
+        return simulate(gpipe(len(stage_times), m), cost).bubble_fraction
+
+    return Case(f"stage_times={list(stage_times)}, m={m}, comm={comm}",
+                lambda answer: answer(list(stage_times), m, comm), expected,
+                hint="draw the forwards for 3 stages with one slow stage: after the first micro-batch has gone "
+                     "through, how often does a micro-batch leave the last stage? Each crossing adds `comm` to "
+                     "the path of the first forward and of the last backward, and occupies no device")
 
 
 def _bubble_drawn(rng: random.Random) -> list[Case]:
-    return [_bubble_case(rng.randrange(1, 65), rng.randrange(1, 257)) for _ in range(2)]
+    p = rng.randrange(2, 9)
+    times = tuple(rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(p))
+    return [_bubble_case(times, rng.randrange(1, 33), rng.choice([0.0, 0.1, 0.25, 1.0])),
+            _bubble_case((1.0,) * p, rng.randrange(1, 33), rng.choice([0.1, 0.5]))]
 
 
 BUBBLE = Exercise(
-    "04.2", "The bubble fraction", "bubble_fraction", 2,
-    lambda: [_bubble_case(3, 6), _bubble_case(5, 2), _bubble_case(6, 100)],  # none in the lesson's table
-    lambda: [_bubble_case(1, 1), _bubble_case(1, 7), _bubble_case(8, 1), _bubble_case(3, 5),
-             _bubble_case(16, 64), _bubble_case(64, 1024)],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula",
-    drawn=_bubble_drawn)
+    "04.2", "Predict the bubble: unequal stages and transfers", "bubble_fraction", 2,
+    lambda: [_bubble_case((1.0, 1.0, 1.0), 6, 0.0), _bubble_case((1.0, 2.0, 1.0), 4, 0.0),
+             _bubble_case((1.0, 1.0, 1.0, 1.0), 8, 0.5)],
+    lambda: [_bubble_case((1.0,), 1, 0.0), _bubble_case((2.0,), 5, 1.0), _bubble_case((1.0, 1.0), 1, 0.25),
+             _bubble_case((3.0, 1.0, 1.0, 1.0), 8, 0.0), _bubble_case((1.0, 1.0, 1.0, 3.0), 8, 0.0),
+             _bubble_case((0.5, 1.5, 1.0, 2.0, 1.0), 16, 0.2), _bubble_case((1.0,) * 8, 64, 0.1),
+             _bubble_case((2.0, 2.0, 2.0), 3, 2.0)],
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place",
+               "gpipe_ref.microbatch_size.fill_drain_bubble"),
+    category="predict", drawn=_bubble_drawn)
 
-# -- 04.3 uneven micro-batches ----------------------------------------------------------------------------
+# -- 04.3 predict: the step when the batch does not split evenly ---------------------------------------------------
 
 
-def _split_case(batch: int, m: int) -> Case:
+def _uneven_case(batch: int, m: int, p: int, overhead: float, per_row: float) -> Case:
+    def expected():
+        from ...schedule import gpipe
+
+        rows = _tensor_split_sizes(batch, m)
+        forward = [overhead + per_row * n for n in rows]
+        plan = gpipe(p, m)
+        durations = {a: forward[a.microbatch] * (1 if a.op == "F" else 2) for row in plan.per_device for a in row}
+        return place(plan, durations).makespan
+
+    return Case(f"batch={batch}, m={m}, p={p}, overhead={overhead}, per_row={per_row}",
+                lambda answer: answer(batch, m, p, overhead, per_row), expected,
+                hint="with equal micro-batches the step is (m + p - 1) slots of F + B. When they differ, follow the "
+                     "forwards: the first micro-batch crosses p stages, then the last stage finishes one more "
+                     "micro-batch per ... which micro-batch sets that pace in the fill and the drain?")
+
+
+def _tensor_split_sizes(batch: int, m: int) -> list[int]:
     import torch
 
-    return Case(f"batch={batch}, m={m}", lambda answer: answer(batch, m), lambda: sizes(torch.empty(batch, 1), m),
-                hint="m sizes that add up to the batch and differ by at most one, the larger ones first "
-                     "(what torch.tensor_split does); torch.chunk can return fewer than m pieces")
+    return [len(part) for part in torch.arange(batch).tensor_split(m)]
 
 
-def _split_drawn(rng: random.Random) -> list[Case]:
-    m = rng.randrange(1, 33)
-    return [_split_case(rng.randrange(m, 200), m)]
+def _uneven_drawn(rng: random.Random) -> list[Case]:
+    m = rng.randrange(2, 17)
+    batch = m * rng.randrange(1, 9) + rng.randrange(1, m)  # never a multiple of m
+    return [_uneven_case(batch, m, rng.randrange(2, 9), rng.choice([0.0, 0.5, 2.0]), rng.choice([0.1, 0.25, 1.0]))]
 
 
 SPLIT_SIZES = Exercise(
-    "04.3", "Micro-batch sizes for an uneven split", "microbatch_sizes", 2,
-    lambda: [_split_case(8, 4), _split_case(10, 4), _split_case(7, 3)],
-    lambda: [_split_case(1, 1), _split_case(5, 5), _split_case(6, 4), _split_case(17, 5), _split_case(100, 7),
-             _split_case(33, 32), _split_case(9, 1)],
-    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split"), category="formula",
-    drawn=_split_drawn)
+    "04.3", "Predict the step: uneven micro-batches", "uneven_step_time", 2,
+    lambda: [_uneven_case(8, 4, 3, 1.0, 0.5), _uneven_case(14, 4, 4, 0.0, 1.0), _uneven_case(10, 4, 2, 2.0, 0.25)],
+    lambda: [_uneven_case(1, 1, 1, 0.0, 1.0), _uneven_case(5, 5, 3, 1.0, 1.0), _uneven_case(9, 4, 4, 0.5, 1.0),
+             _uneven_case(17, 5, 6, 0.0, 0.25), _uneven_case(100, 7, 8, 3.0, 0.1), _uneven_case(33, 32, 4, 0.0, 1.0),
+             _uneven_case(9, 1, 5, 1.0, 1.0), _uneven_case(7, 3, 1, 0.5, 0.5)],
+    forbidden=("gpipe_ref.microbatch.sizes", "gpipe_ref.microbatch.scatter", "torch.tensor_split",
+               "gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place",
+               "gpipe_ref.microbatch_size.megatron_step_time"),
+    category="predict", drawn=_uneven_drawn)
 
 # -- 04.4 find the bug: gradient accumulation that does not match one device --------------------------------------
 
