@@ -95,6 +95,15 @@ def test_forbidden_library_calls_are_refused():
     assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
 
 
+def test_a_forbidden_name_may_name_a_method():
+    from gpipe_ref.timeline import Timeline
+
+    assert resolve("gpipe_ref.timeline.Timeline.peak_in_flight") is Timeline.peak_in_flight
+    assert resolve("gpipe_ref.schedule.gpipe").__name__ == "gpipe"
+    with pytest.raises(AttributeError):
+        resolve("gpipe_ref.timeline.Timeline.no_such_method")
+
+
 def test_every_forbidden_name_names_library_code():
     """A forbidden name that no longer resolves (its function moved or was renamed) would refuse nothing."""
     for ex in EXERCISES.values():

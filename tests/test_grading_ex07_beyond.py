@@ -33,6 +33,20 @@ def interleaved_bubble(p, m, v):
 def interleaved_bubble(p, m, v):
     return (p - 1) / (m + p - 1) / v
 """),
+    ("07.1", "the paper's formula for every m (right only when m >= p)", """
+def interleaved_bubble(p, m, v):
+    return (p - 1) / (v * m + p - 1)
+"""),
+    ("07.1", "the waits counted at every stage, not at the v - 1 switches", """
+def interleaved_bubble(p, m, v):
+    waits = v * max(0, p - m)
+    return (p - 1 + waits) / (v * m + p - 1 + waits)
+"""),
+    ("07.1", "the waits in the idle time only, not in the step's length", """
+def interleaved_bubble(p, m, v):
+    waits = (v - 1) * max(0, p - m)
+    return (p - 1 + waits) / (v * m + p - 1)
+"""),
     ("07.2", "GPipe itself (valid, but no better)", """
 def my_schedule(p, m):
     return "\\n".join(" ".join([f"{d}F{k}" for k in range(m)] + [f"{d}B{k}" for k in range(m)]) for d in range(p))

@@ -16,7 +16,7 @@ from ...memory import (PRECISIONS, ActivationMeter, MemorySetup, activation_byte
                       state_bytes)
 from ...microbatch_size import LinearCost
 from ...models import mlp, regression_data
-from ...schedule import make_schedule, schedule_spec
+from ...schedule import Action, Schedule, make_schedule, schedule_spec, validate
 from ...simulator import place, simulate
 from ..cases import Case, Exercise
 from ..judge import short_repr
@@ -150,36 +150,64 @@ CHECKPOINTED = Exercise(
              _checkpoint_case(4, 1, 1, 1, input_grad=False), _checkpoint_case(16, 4, 3, 2, input_grad=False)],
     forbidden=("gpipe_ref.pipeline.GPipe",), category="build", drawn=_checkpoint_drawn)
 
-# -- 05.3 how many micro-batches a device holds --------------------------------------------------------------
+# -- 05.3 find the bug: the micro-batches a device holds, counted from its order ----------------------------------
 
 
-def _held_case(schedule: str, p: int, m: int, device: int) -> Case:
-    return Case(f"schedule={schedule!r}, p={p}, m={m}, device={device}",
-                lambda answer: answer(schedule, p, m, device),
-                lambda: simulate(make_schedule(schedule, p, m)).peak_in_flight(device),
-                hint="GPipe runs every forward before any backward; in 1F1B a device keeps running forwards "
-                     "until the first micro-batch's backward comes back from the last stage: how many forwards "
-                     "is that on device `device`, and does the step always have that many micro-batches?")
+def _held_case(schedule: str, p: int, m: int, device: int, v: int = 1) -> Case:
+    def plan():
+        return make_schedule(schedule, p, m, v) if v > 1 else make_schedule(schedule, p, m)
+
+    return Case(f"make_schedule({schedule!r}, {p}, {m}{f', {v}' if v > 1 else ''}).per_device[{device}]",
+                lambda answer: answer(list(plan().per_device[device])),
+                lambda: simulate(plan()).peak_in_flight(device),
+                hint="a (stage, micro-batch) is held from its F until its LAST backward action: its W when the "
+                     "order has one, else its B. Does your count go down twice for a micro-batch whose backward "
+                     "is split, and is the peak taken inside the loop?")
+
+
+def _order_case(text: str) -> Case:
+    """One device's own order of one stage, written out: a peak that may come after micro-batches were freed."""
+    actions = tuple(Action.parse(word) for word in text.split())
+    m = 1 + max(a.microbatch for a in actions)
+
+    def expected():
+        return simulate(validate(Schedule("an order", 1, m, 1, (0,), (actions,)))).peak_in_flight(0)
+
+    return Case(f"the order {text!r}", lambda answer: answer(list(actions)), expected,
+                hint="follow the count action by action: it may rise again after micro-batches are freed")
+
+
+def _random_order(rng: random.Random, m: int, split: bool) -> str:
+    """A valid order of stage 0 on one device: each micro-batch's F, then its B, then its W when ``split``."""
+    steps = {k: ["F", "B"] + (["W"] if split else []) for k in range(m)}
+    words = []
+    while steps:
+        k = rng.choice(sorted(steps))
+        words.append(f"0{steps[k].pop(0)}{k}")
+        if not steps[k]:
+            del steps[k]
+    return " ".join(words)
 
 
 def _held_drawn(rng: random.Random) -> list[Case]:
-    cases = []
-    for _ in range(2):
-        p = rng.randrange(1, 9)
-        cases.append(_held_case(rng.choice(["gpipe", "1f1b"]), p, rng.randrange(1, 21), rng.randrange(p)))
-    return cases
+    p = rng.randrange(2, 7)
+    return [_order_case(_random_order(rng, rng.randrange(2, 7), rng.random() < 0.5)),
+            _held_case("zero_bubble_h1", p, rng.randrange(1, 13), rng.randrange(p)),
+            _held_case(rng.choice(["gpipe", "1f1b"]), p, rng.randrange(1, 13), rng.randrange(p)),
+            _held_case("interleaved_1f1b", p, p * rng.randrange(1, 4), rng.randrange(p), v=2)]
 
 
 HELD = Exercise(
-    "05.3", "Micro-batches held: GPipe vs 1F1B", "held_microbatches", 2,
-    # (p, m) the lesson does not print (it shows p = 4, m = 8)
-    lambda: [_held_case("gpipe", 5, 3, 1), _held_case("1f1b", 5, 12, 0), _held_case("1f1b", 5, 12, 3),
-             _held_case("1f1b", 4, 2, 0)],  # m < p: fewer micro-batches than the warm-up would hold
-    lambda: [_held_case(s, p, m, d) for s, p, m in (("gpipe", 1, 1), ("gpipe", 3, 2), ("1f1b", 4, 2),
-                                                    ("1f1b", 6, 16), ("1f1b", 5, 5), ("1f1b", 1, 3))
-             for d in range(p)],
-    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.memory.microbatches_in_flight"), category="formula",
-    drawn=_held_drawn)
+    "05.3", "Find the bug: micro-batches held, counted from the order", "peak_held", 2,
+    lambda: [_held_case("gpipe", 4, 8, 0), _held_case("1f1b", 4, 8, 1), _held_case("zero_bubble_h1", 4, 8, 3)],
+    lambda: [_held_case("gpipe", 1, 1, 0), _held_case("1f1b", 4, 2, 0), _held_case("1f1b", 6, 16, 5),
+             _held_case("zero_bubble_h1", 3, 2, 0), _held_case("zero_bubble_h1", 5, 10, 4),
+             _held_case("zero_bubble_h1", 1, 4, 0), _held_case("interleaved_1f1b", 4, 8, 0, v=2),
+             _held_case("interleaved_1f1b", 3, 2, 2, v=3), _order_case("0F0 0B0 0F1 0F2 0B1 0F3 0B3 0B2"),
+             _order_case("0F0 0F1 0B0 0W0 0F2 0F3 0B1 0B2 0W2 0W1 0B3 0W3")],
+    forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place", "gpipe_ref.timeline.Timeline.in_flight",
+               "gpipe_ref.timeline.Timeline.peak_in_flight", "gpipe_ref.memory.microbatches_in_flight"),
+    category="debug", drawn=_held_drawn)
 
 # -- 05.4 a design under a memory budget and a step-time target ---------------------------------------------------
 

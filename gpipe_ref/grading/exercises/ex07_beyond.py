@@ -15,7 +15,7 @@ from .common import schedule_generators
 
 __all__ = ["EXERCISES", "INTERLEAVED", "LAYOUT", "OWN_SCHEDULE", "ZB_COST", "ZB_DEBUG", "best_layout", "split_gpipe"]
 
-# -- 07.1 the interleaved bubble ------------------------------------------------------------------------------
+# -- 07.1 predict: the interleaved bubble with fewer micro-batches than devices --------------------------------
 
 
 def _interleaved_case(p: int, m: int, v: int) -> Case:
@@ -24,22 +24,29 @@ def _interleaved_case(p: int, m: int, v: int) -> Case:
         return simulate(make_schedule(default_schedule(v), p, m, v), cost).bubble_fraction
 
     return Case(f"p={p}, m={m}, v={v}", lambda answer: answer(p, m, v), expected,
-                hint="draw the step for v = 1 and v = 2 on the same devices: which part of it shrinks as v grows, "
-                     "and which stays the same? The check wants the idle share of the whole step")
+                hint="draw p = 4, m = 2, v = 2: when device 0 has run its 2 forwards on its first chunk, how long "
+                     "until micro-batch 0 comes back from device 3 for the second chunk? That wait happens at "
+                     "every switch between chunks, in the forwards and again in the backwards")
+
+
+def _accepted(p: int, m: int) -> bool:
+    return m % max(1, m // p) == 0  # the round rule of interleaved_1f1b (and torch's ScheduleInterleaved1F1B)
 
 
 def _interleaved_drawn(rng: random.Random) -> list[Case]:
-    p = rng.randrange(1, 9)
-    return [_interleaved_case(p, p * rng.randrange(1, 5), rng.randrange(1, 5))]
+    p = rng.randrange(2, 9)
+    above = [m for m in range(p, 4 * p + 1) if _accepted(p, m)]
+    return [_interleaved_case(p, rng.randrange(1, p), rng.randrange(2, 5)),
+            _interleaved_case(p, rng.choice(above), rng.randrange(1, 5))]
 
 
 INTERLEAVED = Exercise(
-    "07.1", "The interleaved bubble", "interleaved_bubble", 2,
-    lambda: [_interleaved_case(3, 6, 2), _interleaved_case(5, 10, 1), _interleaved_case(2, 4, 4)],
-    lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (3, 3, 3), (8, 16, 2), (8, 64, 4), (5, 10, 2),
-                                                         (4, 8, 2))],
-    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate"), category="formula",
-    drawn=_interleaved_drawn)
+    "07.1", "Predict the interleaved bubble: fewer micro-batches than devices", "interleaved_bubble", 2,
+    lambda: [_interleaved_case(4, 2, 2), _interleaved_case(3, 6, 2), _interleaved_case(5, 3, 3)],
+    lambda: [_interleaved_case(p, m, v) for p, m, v in ((1, 3, 2), (2, 1, 2), (3, 3, 3), (4, 1, 4), (4, 3, 2),
+                                                         (8, 16, 2), (8, 5, 4), (6, 2, 1), (4, 6, 2), (8, 7, 2))],
+    forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place"),
+    category="predict", drawn=_interleaved_drawn)
 
 # -- 07.2 a schedule of your own that beats GPipe's bubble ---------------------------------------------------------
 

@@ -14,6 +14,7 @@ outside what a guard in their own process can stop (the threat model in docs/ins
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import types
@@ -30,10 +31,18 @@ class ForbiddenCall(Exception):
 
 
 def resolve(dotted: str) -> Any:
-    """The object a dotted name ("gpipe_ref.schedule.gpipe") names."""
-    module_name, _, attribute = dotted.rpartition(".")
-    module = __import__(module_name, fromlist=[attribute])
-    return getattr(module, attribute)
+    """The object a dotted name names: a module's function ("gpipe_ref.schedule.gpipe") or a class's method
+    ("gpipe_ref.timeline.Timeline.in_flight"): the longest prefix that imports, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ModuleNotFoundError(f"no module in the dotted name {dotted!r}")
 
 
 def _codes_of(obj: Any) -> Iterable[types.CodeType]:
