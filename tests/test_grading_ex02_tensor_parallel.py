@@ -26,28 +26,50 @@ from gpipe_ref.planner import estimate
 
 # Plausible wrong answers: each must lose its exercise's points. (exercise, what is wrong, code)
 PLAUSIBLE = [
-    ("02.1", "splits the wrong dimension of weight", """
-def column_parallel_outputs(x, weight, bias, world_size):
-    return [x[..., :w.shape[1]] @ w.T for w in weight.chunk(world_size, dim=1)]
+    ("02.1", "a contiguous 1/world_size of the fused weight", """
+def qkv_shard_rows(num_heads, head_dim, world_size, rank):
+    rows = 3 * num_heads * head_dim // world_size
+    return list(range(rank * rows, (rank + 1) * rows))
 """),
-    ("02.1", "forgets the bias", """
-def column_parallel_outputs(x, weight, bias, world_size):
-    return [x @ w.T for w in weight.chunk(world_size, dim=0)]
+    ("02.1", "the rank's heads, but each head's q, k, v rows side by side", """
+def qkv_shard_rows(num_heads, head_dim, world_size, rank):
+    n, block = num_heads // world_size, num_heads * head_dim
+    return [part * block + h * head_dim + i for h in range(rank * n, (rank + 1) * n) for part in range(3)
+            for i in range(head_dim)]
 """),
-    ("02.1", "gives every rank the bias's first slice", """
-def column_parallel_outputs(x, weight, bias, world_size):
-    k = weight.shape[0] // world_size
-    return [x @ w.T + bias[:k] for w in weight.chunk(world_size, dim=0)]
+    ("02.1", "heads dealt round robin (rank r gets heads r, r + world_size, ...)", """
+def qkv_shard_rows(num_heads, head_dim, world_size, rank):
+    block = num_heads * head_dim
+    return [part * block + h * head_dim + i for part in range(3) for h in range(rank, num_heads, world_size)
+            for i in range(head_dim)]
 """),
-    ("02.2", "adds the bias on every rank", """
-def row_parallel_linear(x, weight, bias, world_size):
-    parts = [a @ w.T + bias for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
-    return parts, sum(parts)
+    ("02.1", "only the query rows of its heads (keys and values left whole)", """
+def qkv_shard_rows(num_heads, head_dim, world_size, rank):
+    n = num_heads // world_size
+    return list(range(rank * n * head_dim, (rank + 1) * n * head_dim))
 """),
-    ("02.2", "concatenates the partial products instead of summing", """
-def row_parallel_linear(x, weight, bias, world_size):
-    parts = [a @ w.T for a, w in zip(x.chunk(world_size, -1), weight.chunk(world_size, 1))]
-    return parts, torch.cat(parts, -1)[..., :weight.shape[0]] + bias
+    ("02.2", "the buggy MLP as given (the first Linear split by its inputs, GELU on partial sums)", """
+def tensor_parallel_mlp(x, w1, b1, w2, b2, world_size):
+    partials = [torch.nn.functional.gelu(x_r @ w1_r.T + b1) @ w2.T + b2
+                for x_r, w1_r in zip(x.chunk(world_size, dim=-1), w1.chunk(world_size, dim=1))]
+    return partials, sum(partials)
+"""),
+    ("02.2", "the splits fixed, b2 still added on every rank", """
+def tensor_parallel_mlp(x, w1, b1, w2, b2, world_size):
+    partials = [torch.nn.functional.gelu(x @ a.T + c) @ d.T + b2
+                for a, c, d in zip(w1.chunk(world_size, 0), b1.chunk(world_size), w2.chunk(world_size, 1))]
+    return partials, sum(partials)
+"""),
+    ("02.2", "the splits fixed, b1 left whole on every rank", """
+def tensor_parallel_mlp(x, w1, b1, w2, b2, world_size):
+    partials = [torch.nn.functional.gelu(x @ a.T + b1[:a.shape[0]]) @ d.T
+                for a, d in zip(w1.chunk(world_size, 0), w2.chunk(world_size, 1))]
+    return partials, sum(partials) + b2
+"""),
+    ("02.2", "the right output computed densely, the partials not a split", """
+def tensor_parallel_mlp(x, w1, b1, w2, b2, world_size):
+    out = torch.nn.functional.gelu(x @ w1.T + b1) @ w2.T
+    return [out / world_size] * world_size, out + b2
 """),
     ("02.3", "forgotten synchronisation: identity backward", """
 class CopyToTensorParallel(torch.autograd.Function):

@@ -50,6 +50,23 @@ def best_balance(costs, stages):
         acc += c; count += 1
     return balance + [count]
 """),
+    ("03.3", "the buggy function as given (a deep copy, wrapped)", """
+import copy
+def split_into_stages(model, balance):
+    stages, start = [], 0
+    for size in balance:
+        stages.append(nn.Sequential(copy.deepcopy(model[start:start + size])))
+        start += size
+    return stages
+"""),
+    ("03.3", "the copy removed, the slice still wrapped", """
+def split_into_stages(model, balance):
+    stages, start = [], 0
+    for size in balance:
+        stages.append(nn.Sequential(model[start:start + size]))
+        start += size
+    return stages
+"""),
     ("03.3", "off by one in the slices", """
 def split_into_stages(model, balance):
     layers, out, start = list(model), [], 0

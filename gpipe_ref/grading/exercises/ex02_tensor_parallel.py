@@ -1,4 +1,4 @@
-"""Exercises for notebook 02: column and row splits, the f operator's backward, a Megatron MLP block's bytes."""
+"""Exercises for notebook 02: attention split by heads, a tensor-parallel MLP's bug, f's backward, an MLP block's bytes."""
 
 from __future__ import annotations
 
@@ -15,87 +15,112 @@ from .common import dict_or_type
 __all__ = ["COLUMN", "COPY", "DIRECTIONS", "DTYPES", "EXERCISES", "MODES", "PREDICT_BYTES", "ROW"]
 
 
-def _tensors(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*batch, fan_in, generator=g), torch.randn(fan_out, fan_in, generator=g),
-            torch.randn(fan_out, generator=g))
+# -- 02.1 design: a fused QKV weight split by heads ---------------------------------------------------------------
 
 
-# -- 02.1 column-parallel Linear -------------------------------------------------------------------------
+def _qkv_case(num_heads: int, head_dim: int, world: int, rank: int, seed: int = 0) -> Case:
+    """Judged by running: rank's rows of a dense SelfAttention's fused QKV weight must compute its own heads."""
 
+    def local_output(rows):
+        from ...models import SelfAttention, attend
 
-def _column_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, world: int) -> Case:
-    x, weight, bias = _tensors(seed, batch, fan_in, fan_out)
+        torch.manual_seed(seed)
+        dense = SelfAttention(num_heads * head_dim, num_heads)
+        x = torch.randn(2, 5, num_heads * head_dim)
+        with torch.no_grad():
+            qkv = nn.functional.linear(x, dense.qkv.weight[rows], dense.qkv.bias[rows])
+            return attend(qkv, num_heads // world, head_dim), attend(dense.qkv(x), num_heads, head_dim)
 
     def expected():
-        rows = fan_out // world
-        return [x @ weight[r * rows:(r + 1) * rows].T + bias[r * rows:(r + 1) * rows] for r in range(world)]
+        mine = num_heads // world * head_dim
+        return local_output(_reference_rows(num_heads, head_dim, world, rank))[1][..., rank * mine:(rank + 1) * mine]
 
     def compare(actual, expected):
-        if not isinstance(actual, (list, tuple)):
-            return f"expected a list of {world} tensors, one per rank, got a {type(actual).__name__}"
-        reason = same(list(actual), expected, "rank")
-        if reason:
-            return reason
-        dense = nn.functional.linear(x, weight, bias)
-        return same(torch.cat(list(actual), dim=-1), dense, "the concatenated outputs")
+        total, wanted = 3 * num_heads * head_dim, 3 * num_heads // world * head_dim
+        if not isinstance(actual, list) or len(actual) != wanted or not all(type(r) is int for r in actual):
+            return f"expected a list of {wanted} int row indices (3 x its heads x head_dim), got {short_repr(actual)}"
+        if any(not 0 <= r < total for r in actual) or len(set(actual)) != wanted:
+            return f"rows must be distinct indices in 0..{total - 1}, got {short_repr(actual)}"
+        if actual == list(range(rank * wanted, (rank + 1) * wanted)) and world > 1:
+            return (f"a contiguous 1/{world} of the fused weight: its rows are [Q | K | V], each {total // 3} rows, "
+                    f"so that slice mixes the parts (rank 0 would get Q's heads and none of V)")
+        got = local_output(actual)[0]
+        return same(got, expected, f"rank {rank}'s attention output from these rows")
 
-    return Case(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, world_size={world}",
-                lambda answer: answer(x.clone(), weight.clone(), bias.clone(), world), expected, compare=compare,
-                hint="which dimension of weight indexes the output features in nn.Linear? What does each output "
-                     "feature need from the bias?")
-
-
-def _linear_shapes(rng: random.Random) -> tuple:
-    """(seed, batch, fan_in, fan_out, world) with the split dimension a multiple of world: the first two sizes."""
-    world = rng.choice([1, 2, 3, 4])
-    batch = tuple(rng.randrange(1, 6) for _ in range(rng.randrange(1, 3)))
-    return rng.randrange(10 ** 6), batch, world * rng.randrange(1, 5), world * rng.randrange(1, 5), world
+    return Case(f"num_heads={num_heads}, head_dim={head_dim}, world_size={world}, rank={rank}",
+                lambda answer: answer(num_heads, head_dim, world, rank), expected, compare=compare,
+                hint="the fused weight stacks every head's Q rows, then every head's K rows, then V's: where do "
+                     "head h's Q rows start, and its K rows? A rank needs Q, K and V of the same heads, "
+                     "in that order, so that its own attention can split them as the dense layer does")
 
 
-def _column_drawn(rng: random.Random) -> list[Case]:
-    return [_column_case(*_linear_shapes(rng))]
+def _reference_rows(num_heads: int, head_dim: int, world: int, rank: int) -> list[int]:
+    per = num_heads // world
+    return [part * num_heads * head_dim + head * head_dim + i
+            for part in range(3) for head in range(rank * per, (rank + 1) * per) for i in range(head_dim)]
+
+
+def _qkv_drawn(rng: random.Random) -> list[Case]:
+    world = rng.choice([2, 3, 4])
+    heads = world * rng.randrange(1, 4)
+    return [_qkv_case(heads, rng.choice([1, 2, 4]), world, rng.randrange(world), seed=rng.randrange(10 ** 6))]
 
 
 COLUMN = Exercise(
-    "02.1", "Column-parallel Linear", "column_parallel_outputs", 3,
-    lambda: [_column_case(0, (4,), 6, 8, 2), _column_case(1, (3,), 5, 12, 4)],
-    lambda: [_column_case(2, (1,), 3, 4, 1), _column_case(3, (2, 5), 8, 6, 3), _column_case(4, (7,), 16, 16, 8)],
-    forbidden=("gpipe_ref.distributed.tensor_parallel.ColumnParallelLinear",), category="formula", drawn=_column_drawn)
+    "02.1", "Split a fused QKV weight by heads", "qkv_shard_rows", 3,
+    lambda: [_qkv_case(4, 2, 2, 0), _qkv_case(4, 2, 2, 1), _qkv_case(6, 3, 3, 2)],
+    lambda: [_qkv_case(1, 4, 1, 0), _qkv_case(8, 1, 4, 3), _qkv_case(8, 2, 2, 1, seed=1), _qkv_case(6, 2, 6, 4),
+             _qkv_case(4, 4, 4, 0, seed=2)],
+    forbidden=("gpipe_ref.distributed.tensor_parallel.ParallelSelfAttention",), category="design",
+    drawn=_qkv_drawn)
 
-# -- 02.2 row-parallel Linear --------------------------------------------------------------------------
+# -- 02.2 find the bug: a tensor-parallel MLP -----------------------------------------------------------------------
 
 
-def _row_case(seed: int, batch: tuple[int, ...], fan_in: int, fan_out: int, world: int) -> Case:
-    x, weight, bias = _tensors(seed, batch, fan_in, fan_out)
+def _mlp_tensors(seed: int, batch: tuple[int, ...], width: int, inner: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*batch, width, generator=g), torch.randn(inner, width, generator=g),
+            torch.randn(inner, generator=g), torch.randn(width, inner, generator=g), torch.randn(width, generator=g))
+
+
+def _mlp_case(seed: int, batch: tuple[int, ...], width: int, inner: int, world: int) -> Case:
+    x, w1, b1, w2, b2 = _mlp_tensors(seed, batch, width, inner)
 
     def expected():
-        cols = fan_in // world
-        partials = [x[..., r * cols:(r + 1) * cols] @ weight[:, r * cols:(r + 1) * cols].T for r in range(world)]
-        return partials, nn.functional.linear(x, weight, bias)
+        k = inner // world
+        partials = [nn.functional.gelu(x @ w1[r * k:(r + 1) * k].T + b1[r * k:(r + 1) * k]) @ w2[:, r * k:(r + 1) * k].T
+                    for r in range(world)]
+        return partials, nn.functional.gelu(x @ w1.T + b1) @ w2.T + b2
 
     def compare(actual, expected):
         if not isinstance(actual, tuple) or len(actual) != 2:
-            return f"expected a tuple (partials, output), got {type(actual).__name__}"
-        reason = same(list(actual[0]) if isinstance(actual[0], (list, tuple)) else actual[0], expected[0],
-                      "partials, rank")
-        return reason or same(actual[1], expected[1], "output")
+            return f"expected a tuple (partials, output), got {short_repr(actual)}"
+        reason = same(actual[1], expected[1], "the output (the dense MLP's)", rtol=1e-4, atol=1e-5)
+        if reason:
+            return reason
+        partials = list(actual[0]) if isinstance(actual[0], (list, tuple)) else actual[0]
+        return same(partials, expected[0], "partials: rank", rtol=1e-4, atol=1e-5)
 
-    return Case(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, world_size={world}",
-                lambda answer: answer(x.clone(), weight.clone(), bias.clone(), world), expected, compare=compare,
-                hint="which slices of x and of weight make one rank's share of x @ weight.T? If every rank added "
-                     "the bias, how many times would it be in the sum?")
+    return Case(f"x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, world_size={world}",
+                lambda answer: answer(*(t.clone() for t in (x, w1, b1, w2, b2)), world), expected, compare=compare,
+                hint="GELU(a) + GELU(b) is not GELU(a + b): which split of the first Linear gives each rank whole "
+                     "values to apply GELU to, with no communication? And if every rank adds b2 to its partial "
+                     "sum, how many times is it in the all-reduce's result?")
 
 
-def _row_drawn(rng: random.Random) -> list[Case]:
-    return [_row_case(*_linear_shapes(rng))]
+def _mlp_drawn(rng: random.Random) -> list[Case]:
+    world = rng.choice([1, 2, 3, 4])
+    batch = tuple(rng.randrange(1, 5) for _ in range(rng.randrange(1, 3)))
+    return [_mlp_case(rng.randrange(10 ** 6), batch, rng.randrange(2, 9), world * rng.randrange(1, 5), world)]
 
 
 ROW = Exercise(
-    "02.2", "Row-parallel Linear", "row_parallel_linear", 3,
-    lambda: [_row_case(0, (4,), 8, 6, 2), _row_case(1, (3,), 12, 5, 4)],
-    lambda: [_row_case(2, (1,), 4, 3, 1), _row_case(3, (2, 5), 6, 8, 3), _row_case(4, (7,), 16, 16, 8)],
-    forbidden=("gpipe_ref.distributed.tensor_parallel.RowParallelLinear",), category="formula", drawn=_row_drawn)
+    "02.2", "Find the bug: a tensor-parallel MLP", "tensor_parallel_mlp", 3,
+    lambda: [_mlp_case(0, (4,), 6, 8, 2), _mlp_case(1, (3,), 5, 12, 4)],
+    lambda: [_mlp_case(2, (1,), 3, 4, 1), _mlp_case(3, (2, 5), 8, 6, 3), _mlp_case(4, (7,), 16, 16, 8)],
+    forbidden=("gpipe_ref.distributed.tensor_parallel.ColumnParallelLinear",
+               "gpipe_ref.distributed.tensor_parallel.RowParallelLinear",
+               "gpipe_ref.distributed.tensor_parallel.ParallelMLP"), category="debug", drawn=_mlp_drawn)
 
 # -- 02.3 the backward of f ----------------------------------------------------------------------------------
 

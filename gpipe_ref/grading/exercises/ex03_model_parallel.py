@@ -175,10 +175,10 @@ def _split_drawn(rng: random.Random) -> list[Case]:
 
 
 SPLIT = Exercise(
-    "03.3", "Cut a model into stages", "split_into_stages", 2,
+    "03.3", "Find the bug: cutting a model into stages", "split_into_stages", 2,
     lambda: [_split_case(4, [2, 2]), _split_case(6, [1, 2, 3])],
     lambda: [_split_case(1, [1]), _split_case(5, [5]), _split_case(5, [1, 1, 1, 1, 1]), _split_case(8, [3, 1, 4])],
-    forbidden=("gpipe_ref.partition.split",), category="build", drawn=_split_drawn)
+    forbidden=("gpipe_ref.partition.split",), category="debug", drawn=_split_drawn)
 
 # -- 03.4 a cut that meets a step-time target within a per-stage memory limit ----------------------------------
 
