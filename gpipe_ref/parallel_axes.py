@@ -4,10 +4,10 @@
 * TP (tensor, Shoeybi et al. 2019, sec. 3): every layer's weights; 4 all-reduces of the activations per layer and
   micro-batch (2 forward, 2 backward).
 * PP (pipeline, Huang et al. 2019): the layers; one activation forward and one gradient back per micro-batch.
-* CP (context, Liu et al. 2023, "Ring Attention", sec. 3): the sequence; attention's keys and values go round a
+* CP (context, Liu et al. 2023, "Ring Attention"): the sequence; attention's keys and values go round a
   ring of the ``cp`` ranks, ``cp - 1`` hops each in the forward; the backward passes them again with their
   gradients. Every other layer works on its own tokens.
-* EP (expert, Lepikhin et al. 2021, GShard, sec. 2.2): a mixture-of-experts layer's experts; each token goes to its
+* EP (expert, Lepikhin et al. 2021, "GShard"): a mixture-of-experts layer's experts; each token goes to its
   ``top_k`` experts and back by two all-to-alls in the forward, two more in the backward.
 
 Ranks follow Megatron-LM's default order ``tp-cp-ep-dp-pp`` (``initialize_model_parallel(order=...)``): tensor
@@ -156,7 +156,7 @@ def axis_traffic(model: ModelConfig, cluster: ClusterConfig, layout: Layout, *, 
 
 
 def ring_attention(q, k, v, cp: int, causal: bool = False):
-    """Attention with the sequence split over ``cp`` simulated ranks (Liu et al. 2023, sec. 3): rank ``i`` keeps
+    """Attention with the sequence split over ``cp`` simulated ranks (Liu et al. 2023): rank ``i`` keeps
     its queries, and the key and value blocks go round the ring, each rank merging one block per hop by the
     online softmax (running maximum and sum). Returns the output and the elements each rank received.
 
@@ -195,7 +195,7 @@ def ring_attention(q, k, v, cp: int, causal: bool = False):
 
 
 def expert_parallel_moe(tokens, router, experts, ep: int, top_k: int = 1):
-    """A mixture-of-experts layer with its ``experts`` spread over ``ep`` simulated ranks (GShard, sec. 2.2):
+    """A mixture-of-experts layer with its ``experts`` spread over ``ep`` simulated ranks (Lepikhin et al. 2021):
     each rank's tokens are routed to their ``top_k`` experts, sent to the ranks that hold them (all-to-all),
     computed there and sent back (all-to-all) to be summed with the router's weights.
 
