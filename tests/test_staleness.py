@@ -151,7 +151,7 @@ def test_final_loss_and_divergence():
 @pytest.mark.parametrize("vertical_sync", [False, True])
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_staleness_formula_against_version_table(p, vertical_sync):
-    """The notebook's formula: micro-batch k on stage s has staleness min(k, p-1-s), p-1-s in steady state;
+    """The rule exercise 06.3 asks for: micro-batch k on stage s has staleness min(k, p-1-s), p-1-s in steady state;
     under vertical sync min(k, p-1) on every stage."""
     m = 3 * p
     record = version_table(pipedream_async(p, m), policy=WeightPolicy(vertical_sync=vertical_sync))

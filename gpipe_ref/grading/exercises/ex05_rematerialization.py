@@ -80,7 +80,7 @@ PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activ
                 _peak_shown, _peak_hidden,
                 forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.measured_peaks",
                            "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
-                           "gpipe_ref.memory.measure_anatomy"), category="formula", drawn=_peak_drawn)
+                           "gpipe_ref.memory.measure_anatomy"), category="derive", drawn=_peak_drawn)
 
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
 

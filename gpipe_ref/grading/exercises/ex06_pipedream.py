@@ -136,7 +136,7 @@ STASHED = Exercise(
     lambda: [_version_case(p, s, k, shown=False)
              for p in (1, 2, 3, 6, 8) for s in range(p) for k in (0, 1, p - 1, p, 3 * p + 1)],
     forbidden=("gpipe_ref.schedule.pipedream_async", "gpipe_ref.schedule.weight_versions",
-               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer"), category="formula",
+               "gpipe_ref.staleness.version_table", "gpipe_ref.staleness.StagedTrainer"), category="derive",
                drawn=_version_drawn)
 
 # -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
