@@ -110,8 +110,8 @@ def plot_device_grid(layout: Layout | None = None, gpus_per_node: int = 8, rank:
         raise ValueError(f"gpus_per_node must divide the layout's {layout.gpus} GPUs, got {gpus_per_node}")
     coordinates(rank, layout)  # checks the rank
     nodes = layout.gpus // gpus_per_node
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.85 * nodes))
-    width, height, step_x, step_y = 1.25, 0.8, 1.4, 1.25
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 1.0 * nodes))
+    width, height, step_x, step_y = 1.25, 0.95, 1.4, 1.3
     position = {r: (r % gpus_per_node * step_x, (nodes - 1 - r // gpus_per_node) * step_y)
                 for r in range(layout.gpus)}
     shown = [a for a in AXIS_ORDER if getattr(layout, a) > 1]
@@ -120,9 +120,11 @@ def plot_device_grid(layout: Layout | None = None, gpus_per_node: int = 8, rank:
         mine = r == rank
         ax.add_patch(Rectangle((x, y), width, height, facecolor="#fff2cc" if mine else "#f0f0f0",
                                edgecolor="black", linewidth=2 if mine else 0.8))
-        ax.text(x + width / 2, y + 0.58, f"GPU {r}", ha="center", va="center", fontsize=8, weight="bold")
-        ax.text(x + width / 2, y + 0.24, " ".join(f"{a[0]}{place[a]}" for a in shown), ha="center", va="center",
-                fontsize=7)
+        ax.text(x + width / 2, y + 0.62, f"GPU {r}", ha="center", va="center", fontsize=9, weight="bold")
+        labels = [f"{a[0]}{place[a]}" for a in shown]
+        half = (len(labels) + 1) // 2  # two lines of indices: readable when the picture is scaled down
+        ax.text(x + width / 2, y + 0.27, " ".join(labels[:half]) + "\n" + " ".join(labels[half:]), ha="center",
+                va="center", fontsize=8, linespacing=1.1)
     for n in range(nodes):
         ax.text(-1.0, (nodes - 1 - n) * step_y + height / 2, f"node {n}", ha="right", va="center", fontsize=9)
     handles = []
