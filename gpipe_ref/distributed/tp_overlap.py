@@ -12,7 +12,7 @@ Communication with Dependent Computation via Decomposition in Large Deep Learnin
 
 :class:`OverlapLinear` is a column-parallel Linear whose backward runs either order, timing each piece;
 :func:`measure_backward` runs both on the ranks of a group and returns the timings, for a timeline
-(``viz.plot_backward_overlap``).
+(``backward_overlap.plot_backward_overlap``).
 """
 
 from __future__ import annotations
