@@ -113,8 +113,9 @@ def test_every_forbidden_name_names_library_code():
 
 def test_schedule_generators_come_from_the_registry():
     names = schedule_generators()
-    assert names == tuple(f"gpipe_ref.schedule.{spec.build.__name__}" for spec in SCHEDULES.values()) + (
-        "gpipe_ref.schedule.make_schedule",)
+    registered = tuple(f"gpipe_ref.schedule.{spec.build.__name__}" for spec in SCHEDULES.values())
+    assert names[:len(registered)] == registered and names[-1] == "gpipe_ref.schedule.make_schedule"
+    assert {"gpipe_ref.schedule.looped_bfs", "gpipe_ref.schedule.zero_bubble_v"} <= set(names)  # not registered yet
     assert "gpipe_ref.schedule.one_f_one_b" in names and "gpipe_ref.schedule.zero_bubble_h1" in names
     for exercise_id in ("04.1", "06.1", "06.2"):
         assert EXERCISES[exercise_id].forbidden_names() == names

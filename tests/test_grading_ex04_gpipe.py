@@ -39,6 +39,11 @@ def gpipe_actions(p, m):
     order = lambda d: range(m) if d % 2 == 0 else reversed(range(m))
     return [[Action("F", d, k) for k in range(m)] + [Action("B", d, k) for k in order(d)] for d in range(p)]
 """),
+    ("04.1", "calls the looped BFS generator with one stage per device (GPipe, backwards reversed): refused", """
+def gpipe_actions(p, m):
+    from gpipe_ref.schedule import looped_bfs
+    return [list(actions) for actions in looped_bfs(p, m, 1).per_device]
+"""),
     ("04.1", "forgets the last micro-batch (off by one)", """
 def gpipe_actions(p, m):
     return [[Action("F", d, k) for k in range(m - 1)] + [Action("B", d, k) for k in range(m - 1)] for d in range(p)]

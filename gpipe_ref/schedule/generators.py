@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..checks import positive_int
 from .ir import Action, Schedule
 
-__all__ = ["gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b"]
+__all__ = ["gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "looped_bfs"]
 
 
 def _one_stage_per_device(name, num_stages, num_microbatches, per_device, flush=True) -> Schedule:
@@ -192,3 +192,27 @@ def _interleaved_order(d: int, p: int, m: int, v: int, g: int) -> tuple[Action, 
         order += [forward(warmup + k), backward(k)]
     order += [backward(k) for k in range(total - warmup, total)]
     return tuple(order)
+
+
+def looped_bfs(num_devices: int, num_microbatches: int, stages_per_device: int) -> Schedule:
+    """Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"): interleaved placement (device ``d``
+    holds stages ``d, d + p, ...``), each device running every micro-batch through one of its stages before the
+    next ("breadth first"), then the backwards from its last stage down, micro-batches in reverse order.
+
+    GPipe's memory (every micro-batch held at once) for interleaving's bubble, ``(p-1)/(vm+p-1)`` with thin
+    stages costing ``1/v``; with ``m < p`` each of the ``v - 1`` stage switches waits ``p - m`` more stage-times,
+    as in :func:`interleaved_1f1b`. Each stage finishes all its backwards early, so a data-parallel all-reduce of
+    its gradients can start while the other stages compute. Its order equals torch 2.13's ``ScheduleLoopedBFS``,
+    which refuses ``stages_per_device = 1`` (that is GPipe with the backwards reversed); this accepts it.
+    """
+    p = positive_int("num_devices", num_devices)
+    m = positive_int("num_microbatches", num_microbatches)
+    v = positive_int("stages_per_device", stages_per_device)
+
+    def order(d: int) -> tuple[Action, ...]:
+        stages = [d + chunk * p for chunk in range(v)]
+        forwards = [Action("F", s, k) for s in stages for k in range(m)]
+        return tuple(forwards + [Action("B", s, k) for s in reversed(stages) for k in reversed(range(m))])
+
+    return Schedule("looped_bfs", p * v, m, p, tuple(s % p for s in range(p * v)),
+                    tuple(order(d) for d in range(p)))

@@ -83,6 +83,21 @@ class Schedule:
         return self.num_stages // self.num_devices
 
     @property
+    def placement(self) -> str:
+        """Where the stages sit, read from ``stage_to_device`` (never from the name): ``"one"`` (stage d on device
+        d), ``"loop"`` (device d holds stages d, d + p, d + 2p, ...: interleaved 1F1B, looped BFS), ``"v"`` (device
+        d holds stages d and 2p - 1 - d, so the last stage sits beside the first: ZB-V) or ``"custom"``. Where two
+        describe the same placement (one stage per device is also a loop of one) the first of that list is given."""
+        p, placed = self.num_devices, self.stage_to_device
+        if placed == tuple(range(p)):
+            return "one"
+        if placed == tuple(s % p for s in range(self.num_stages)):
+            return "loop"
+        if self.num_stages == 2 * p and placed == tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)):
+            return "v"
+        return "custom"
+
+    @property
     def has_weight_actions(self) -> bool:
         """True when B is the input-gradient half and W actions do the rest."""
         return any(a.op == "W" for acts in self.per_device for a in acts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ... import schedule
+from ...schedule import generators, v_schedules
 from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
 from ..judge import short_repr
 
@@ -10,12 +11,15 @@ __all__ = ["dict_or_type", "gradient_gap", "judge_one_stage_per_device", "schedu
 
 
 def schedule_generators() -> tuple[str, ...]:
-    """Dotted names of every registered schedule's generator and of ``make_schedule``, read from the
-    registry when called, so that an exercise also refuses a schedule registered after it was defined.
-    A generator the schedule package exports is named as learners import it (``gpipe_ref.schedule.gpipe``)."""
+    """Dotted names of every registered schedule's generator, of the schedule package's other generators (not
+    registered yet, such as ``looped_bfs``) and of ``make_schedule``, read when called, so that an exercise also
+    refuses a schedule registered after it was defined. A generator the schedule package exports is named as
+    learners import it (``gpipe_ref.schedule.gpipe``)."""
     names = [f"gpipe_ref.schedule.{spec.build.__name__}" if getattr(schedule, spec.build.__name__, None) is spec.build
              else f"{spec.build.__module__}.{spec.build.__qualname__}" for spec in SCHEDULES.values()]
-    return tuple(dict.fromkeys([*names, "gpipe_ref.schedule.make_schedule"]))
+    others = [f"gpipe_ref.schedule.{name}" for name in (*generators.__all__, *v_schedules.__all__)
+              if name != "v_placement"]
+    return tuple(dict.fromkeys([*names, *others, "gpipe_ref.schedule.make_schedule"]))
 
 
 def judge_one_stage_per_device(actions, p: int, m: int, name: str = "gpipe",

@@ -1,0 +1,109 @@
+"""gpipe_ref/schedule/v_schedules.py and looped BFS (generators.py): each device's order equals torch 2.13's
+(``_schedule_visualizer.get_schedule_ops``, no process group), the schedules validate, the placement is asked of
+the schedule, and the bubble and peak formulas in the docstrings hold in the simulator."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+from gpipe_ref.schedule import (gpipe, interleaved_1f1b, looped_bfs, make_schedule, v_placement, validate,
+                                zero_bubble_v)
+from gpipe_ref.simulator import CostModel, simulate
+
+
+def torch_order(name: str, p: int, m: int, v: int) -> list[list[str]]:
+    """Torch's per-rank order in our text form: its I (the input-gradient backward) is our B."""
+    return [[str(action).replace("I", "B") for action in row if action is not None]
+            for row in get_schedule_ops(name, p, m, v)]
+
+
+def our_order(schedule) -> list[list[str]]:
+    return [[str(action) for action in row] for row in schedule.per_device]
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (4, 16), (5, 9), (6, 3)])
+def test_zero_bubble_v_is_torchs_order(p, m):
+    schedule = validate(zero_bubble_v(p, m))
+    assert our_order(schedule) == torch_order("ZBVZeroBubble", p, m, 2)
+    assert schedule.stage_to_device == v_placement(p)
+    assert schedule.placement == ("v" if p > 1 else "loop")  # on one device a V and a loop are the same placement
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (3, 6, 2), (4, 8, 2), (4, 3, 3), (2, 5, 4), (5, 7, 2)])
+def test_looped_bfs_is_torchs_order(p, m, v):
+    schedule = validate(looped_bfs(p, m, v))
+    assert our_order(schedule) == torch_order("LoopedBFS", p, m, v)
+    assert schedule.placement == "loop"
+
+
+def test_torch_refuses_one_stage_per_device_for_looped_bfs_and_we_accept_it():
+    with pytest.raises(Exception, match="num_stages_per_rank >= 2"):
+        get_schedule_ops("LoopedBFS", 3, 4, 1)
+    one = looped_bfs(3, 4, 1)
+    assert validate(one).placement == "one"
+    assert simulate(one).makespan == simulate(gpipe(3, 4)).makespan  # GPipe with the backwards reversed
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+def test_zero_bubble_v_idles_p_minus_1_thin_units_and_holds_1f1bs_peak(p):
+    for m in (2 * p - 1, 2 * p, 4 * p + 1):
+        timeline = simulate(zero_bubble_v(p, m), CostModel(forward=1, backward_input=1, backward_weight=1))
+        assert timeline.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert [timeline.peak_in_flight(d) for d in range(p)] == [2 * p] * p
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 3, 2), (3, 1, 3), (5, 10, 2)])
+def test_looped_bfs_has_interleavings_bubble_and_gpipes_memory(p, m, v):
+    cost = CostModel(forward=1 / v, backward_input=1 / v, backward_weight=1 / v)
+    timeline = simulate(looped_bfs(p, m, v), cost)
+    waits = (v - 1) * max(0, p - m)
+    assert timeline.bubble_fraction == pytest.approx((p - 1 + waits) / (v * m + p - 1 + waits))
+    if m % max(1, m // p) == 0:  # an m interleaved 1F1B accepts: the same bubble
+        assert timeline.bubble_fraction == pytest.approx(simulate(interleaved_1f1b(p, m, v), cost).bubble_fraction)
+    assert [timeline.peak_in_flight(d) for d in range(p)] == [v * m] * p
+
+
+def test_placement_is_read_from_the_stages_never_the_name():
+    assert make_schedule("gpipe", 3, 2).placement == "one"
+    assert interleaved_1f1b(3, 6, 2).placement == "loop"
+    renamed = zero_bubble_v(3, 5)
+    assert type(renamed)("interleaved_1f1b", renamed.num_stages, renamed.num_microbatches, renamed.num_devices,
+                         renamed.stage_to_device, renamed.per_device).placement == "v"
+    odd = gpipe(2, 1)
+    assert type(odd)("x", 2, 1, 2, (1, 0), (odd.per_device[1], odd.per_device[0])).placement == "custom"
+
+
+@pytest.mark.parametrize("call, message", [(lambda: zero_bubble_v(0, 4), "num_devices"),
+                                           (lambda: zero_bubble_v(2, 0), "num_microbatches"),
+                                           (lambda: looped_bfs(2, 4, 0), "stages_per_device")])
+def test_bad_sizes_are_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+@pytest.mark.parametrize("build, stages_per_device", [(zero_bubble_v, 2), (lambda p, m: looped_bfs(p, m, 2), 2),
+                                                      (lambda p, m: looped_bfs(p, m, 3), 3)])
+def test_gpipe_runs_them_to_the_plain_models_gradients(build, stages_per_device, checkpoint):
+    """Simulated devices, random sizes, micro-batches that do not split the batch evenly, every checkpoint mode."""
+    import random
+
+    import torch
+    from torch import nn
+
+    from gpipe_ref.models import mlp
+    from gpipe_ref.pipeline import GPipe
+
+    rng = random.Random(f"{stages_per_device}-{checkpoint}")
+    for seed in range(3):
+        p, m = rng.randrange(1, 4), rng.randrange(1, 6)
+        stages, rows = p * stages_per_device, rng.randrange(m, 3 * m + 2)
+        schedule = build(p, m)
+        model, plain = mlp(width=6, depth=stages, seed=seed), mlp(width=6, depth=stages, seed=seed)
+        generator = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(rows, 6, generator=generator), torch.randn(rows, 6, generator=generator)
+        nn.MSELoss()(plain(x), y).backward()
+        GPipe(model, balance=[2] * stages, chunks=m, schedule=schedule, checkpoint=checkpoint).step(x, y, nn.MSELoss())
+        for ours, theirs in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
