@@ -1,6 +1,7 @@
 """gpipe_ref/schedule/v_schedules.py and looped BFS (generators.py): each device's order equals torch 2.13's
 (``_schedule_visualizer.get_schedule_ops``, no process group), the schedules validate, the placement is asked of
-the schedule, and the bubble and peak formulas in the docstrings hold in the simulator."""
+the schedule, the bubble and peak formulas in the docstrings hold in the simulator, and both run to the plain
+model's gradients on the GPipe executor and on gloo ranks."""
 
 from __future__ import annotations
 
@@ -107,3 +108,36 @@ def test_gpipe_runs_them_to_the_plain_models_gradients(build, stages_per_device,
         GPipe(model, balance=[2] * stages, chunks=m, schedule=schedule, checkpoint=checkpoint).step(x, y, nn.MSELoss())
         for ours, theirs in zip(model.parameters(), plain.parameters()):
             torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+def _ranks_against_one_process(rank, world_size):
+    """On each rank: every case's gradients of the parameters this rank owns against one process's."""
+    import torch
+    from torch import nn
+
+    from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
+    from gpipe_ref.models import mlp
+
+    gaps = []
+    for case, (build, m, rows) in enumerate([(zero_bubble_v, 3, 7), (zero_bubble_v, 4, 4),
+                                              (lambda p, m: looped_bfs(p, m, 2), 3, 8)]):
+        for checkpoint in ("never", "always", "except_last"):
+            schedule = build(world_size, m)
+            model, plain = (mlp(width=6, depth=schedule.num_stages, seed=case) for _ in range(2))
+            generator = torch.Generator().manual_seed(case)
+            x, y = torch.randn(rows, 6, generator=generator), torch.randn(rows, 6, generator=generator)
+            nn.MSELoss()(plain(x), y).backward()
+            pipe = PipelineParallel(model, balance=[2] * schedule.num_stages, chunks=m, schedule=schedule,
+                                    checkpoint=checkpoint)
+            pipe.step(x, y, nn.MSELoss())
+            owned = [(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()) if a.grad is not None]
+            gaps.append((schedule.name, checkpoint, len(owned), max((a - b).abs().max().item() for a, b in owned)))
+    return gaps
+
+
+def test_pipeline_parallel_on_gloo_ranks_gives_the_plain_models_gradients():
+    from gpipe_ref.distributed import launch
+
+    for rank, gaps in enumerate(launch(_ranks_against_one_process, 2)):
+        for name, checkpoint, owned, gap in gaps:
+            assert owned == 4 and gap < 1e-6, (rank, name, checkpoint, gap)  # 2 stages of (weight, bias) a rank
