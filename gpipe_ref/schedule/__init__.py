@@ -10,7 +10,7 @@ plots and the grader read this one type.
 The package, one idea a module (each imports only those listed before it):
   * ``ir``          :class:`Action`, :class:`Schedule` and the text form ``1F0`` (as torch's pipelining)
   * ``generators``  :func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`, :func:`zero_bubble_h1`,
-                    :func:`pipedream_async`, :func:`looped_bfs`
+                    :func:`pipedream_async`, :func:`interleaved_zero_bubble`, :func:`looped_bfs`
   * ``v_schedules`` two stages a device in a V (:func:`v_placement`): :func:`zero_bubble_v`
   * ``registry``    :class:`ScheduleSpec`, :func:`register`, :func:`make_schedule`, the bubble and peak formulas
   * ``engine``      :func:`dependencies`, :func:`encode`, :func:`walk`, :func:`validate`, :func:`execution_order`
@@ -19,7 +19,8 @@ The package, one idea a module (each imports only those listed before it):
 
 from .engine import (DeadlockError, DeadlockReport, EncodedSchedule, Walk, dependencies, encode, execution_order,
                      validate, walk)
-from .generators import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b, pipedream_async, zero_bubble_h1
+from .generators import (gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
+                         zero_bubble_h1)
 from .ir import OPS, Action, Schedule, ScheduleError
 from .registry import (SCHEDULES, ScheduleSpec, default_schedule, make_schedule, register, schedule_names,
                        schedule_spec, unregister)
@@ -28,7 +29,8 @@ from .versions import POLICIES, VARIANT_LABELS, NamedPolicy, WeightPolicy, varia
 
 __all__ = [
     "OPS", "Action", "Schedule", "ScheduleError",
-    "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "looped_bfs", "zero_bubble_v",
+    "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs",
+    "zero_bubble_v",
     "v_placement",
     "ScheduleSpec", "SCHEDULES", "register", "unregister", "schedule_names", "schedule_spec", "make_schedule",
     "default_schedule",

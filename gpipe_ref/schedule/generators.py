@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..checks import positive_int
 from .ir import Action, Schedule
 
-__all__ = ["gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "looped_bfs"]
+__all__ = ["gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble",
+           "looped_bfs"]
 
 
 def _one_stage_per_device(name, num_stages, num_microbatches, per_device, flush=True) -> Schedule:
@@ -161,8 +162,9 @@ def _interleaved_rounds(p: int, m: int) -> int:
     return rounds
 
 
-def _interleaved_order(d: int, p: int, m: int, v: int, g: int) -> tuple[Action, ...]:
-    """Device ``d``'s actions under interleaved 1F1B, rounds of ``g`` micro-batches."""
+def _interleaved_order(d: int, p: int, m: int, v: int, g: int, split_w: bool = False) -> tuple[Action, ...]:
+    """Device ``d``'s actions under interleaved 1F1B, rounds of ``g`` micro-batches; with ``split_w``, under
+    interleaved zero bubble (:func:`interleaved_zero_bubble`)."""
     total = v * m  # forward actions per device
     # The k-th forward (backward) of device d runs model chunk c, micro-batch i, i.e. stage c*p + d.
     # k walks a round of g micro-batches through chunk 0, then chunk 1, ...; then the next round.
@@ -186,12 +188,48 @@ def _interleaved_order(d: int, p: int, m: int, v: int, g: int) -> tuple[Action, 
         chunk, mb = v - 1 - (k % (g * v)) // g, (k // (g * v)) * g + k % g
         return Action("B", chunk * p + d, mb)
 
-    warmup = min((v - 1) * g + 2 * (p - 1 - d), total)
+    def weight(k: int) -> Action:  # the weight gradient of the k-th backward
+        b = backward(k)
+        return Action("W", b.stage, b.microbatch)
+
+    if not split_w:
+        warmup = min((v - 1) * g + 2 * (p - 1 - d), total)
+        order = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k), backward(k)]
+        order += [backward(k) for k in range(total - warmup, total)]
+        return tuple(order)
+    # Zero bubble: a warm-up shorter by p - 1 - d, then B before F; the W of backward k runs right after
+    # backward k + d (device d delays its W's by d backwards, as ZB-H1), the last d W's at the end.
+    warmup = min((v - 1) * g + p - d, total)
     order = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [forward(warmup + k), backward(k)]
-    order += [backward(k) for k in range(total - warmup, total)]
+    for k in range(total):
+        order.append(backward(k))
+        if k >= d:
+            order.append(weight(k - d))
+        if warmup + k < total:
+            order.append(forward(warmup + k))
+    order += [weight(k) for k in range(max(0, total - d), total)]
     return tuple(order)
+
+
+def interleaved_zero_bubble(num_devices: int, num_microbatches: int, stages_per_device: int) -> Schedule:
+    """Interleaved zero bubble (ZB1P over ``v`` stages per device: Qi et al. 2024 with Narayanan et al. 2021's
+    placement): interleaved 1F1B's rounds and placement, the backward split into B and W, each device's warm-up
+    ``p - 1 - d`` forwards shorter so that its B's come back earlier, and the W of each backward run ``d``
+    backwards later, in what would be idle time (device 0 right after its B).
+
+    With ``m >= p`` and a thin stage's F = B = W: bubble ``(p-1)/(3vm+p-1)``, and every device holds ``p``
+    micro-batches' worth (``v p`` thin stages) at its peak, 1F1B's memory; fewer micro-batches wait longer.
+    Its order equals torch 2.13's ``ScheduleInterleavedZeroBubble`` on every device, and both refuse the same
+    ``m`` (those :func:`interleaved_1f1b`'s rounds do not split).
+    """
+    p = positive_int("num_devices", num_devices)
+    m = positive_int("num_microbatches", num_microbatches)
+    v = positive_int("stages_per_device", stages_per_device)
+    g = m // _interleaved_rounds(p, m)
+    return Schedule("interleaved_zero_bubble", p * v, m, p, tuple(s % p for s in range(p * v)),
+                    tuple(_interleaved_order(d, p, m, v, g, split_w=True) for d in range(p)))
 
 
 def looped_bfs(num_devices: int, num_microbatches: int, stages_per_device: int) -> Schedule:
