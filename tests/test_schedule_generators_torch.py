@@ -6,10 +6,15 @@ plain model's gradients on the GPipe executor and on gloo ranks (tests/test_v_sc
 from __future__ import annotations
 
 import pytest
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+import torch
 
 from gpipe_ref.schedule import gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, validate
 from gpipe_ref.simulator import CostModel, simulate
+
+# torch's order is the oracle; each release may reorder (2.13's is the one the generators reproduce)
+get_schedule_ops = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer").get_schedule_ops
+ORACLE = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                            reason=f"the orders reproduced are torch 2.13's; this is torch {torch.__version__}")
 
 
 def torch_order(name: str, p: int, m: int, v: int) -> list[list[str]]:
@@ -22,6 +27,7 @@ def our_order(schedule) -> list[list[str]]:
     return [[str(action) for action in row] for row in schedule.per_device]
 
 
+@ORACLE
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (3, 6, 2), (4, 8, 2), (4, 3, 3), (2, 5, 4), (5, 7, 2)])
 def test_looped_bfs_is_torchs_order(p, m, v):
     schedule = validate(looped_bfs(p, m, v))
@@ -29,6 +35,7 @@ def test_looped_bfs_is_torchs_order(p, m, v):
     assert schedule.placement == "loop"
 
 
+@ORACLE
 def test_torch_refuses_one_stage_per_device_for_looped_bfs_and_we_accept_it():
     with pytest.raises(Exception, match="num_stages_per_rank >= 2"):
         get_schedule_ops("LoopedBFS", 3, 4, 1)
@@ -48,6 +55,7 @@ def test_looped_bfs_has_interleavings_bubble_and_gpipes_memory(p, m, v):
     assert [timeline.peak_in_flight(d) for d in range(p)] == [v * m] * p
 
 
+@ORACLE
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (3, 3, 2), (4, 8, 2), (4, 16, 3), (2, 1, 2), (4, 2, 3), (5, 10, 2)])
 def test_interleaved_zero_bubble_is_torchs_order(p, m, v):
     schedule = validate(interleaved_zero_bubble(p, m, v))
@@ -55,6 +63,7 @@ def test_interleaved_zero_bubble_is_torchs_order(p, m, v):
     assert schedule.placement == "loop" and schedule.has_weight_actions
 
 
+@ORACLE
 @pytest.mark.parametrize("p, m", [(3, 10), (4, 9), (4, 13), (5, 16)])
 def test_both_refuse_what_the_rounds_do_not_split(p, m):
     with pytest.raises(Exception, match="multiple of the number of rounds"):

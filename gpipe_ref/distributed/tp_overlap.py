@@ -4,8 +4,8 @@ A column-parallel Linear's backward computes two products: the input's gradient 
 must sum with an all-reduce (operator f, Shoeybi et al. 2019, sec. 3), and the weight's gradient
 ``dW = dY^T X``, which needs nothing from the other ranks. Megatron-LM starts the all-reduce of ``dX`` as soon as
 it is computed and computes ``dW`` while it travels (``LinearWithGradAccumulationAndAsyncCommunication``, the
-``async_tensor_model_parallel_allreduce`` option; with sequence parallelism the reduce-scatter is overlapped the
-same way, Korthikanti et al. 2022, sec. 4.2.2). What it cannot hide this way: the forward's all-reduce after the
+``async_tensor_model_parallel_allreduce`` option; its code overlaps sequence parallelism's reduce-scatter the same
+way). What it cannot hide this way: the forward's all-reduce after the
 row-parallel layer (g), whose sum the very next operation needs; hiding that one takes splitting the matrix
 multiplication itself into pieces that alternate with pieces of the communication (Wang et al. 2023, "Overlap
 Communication with Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS).
