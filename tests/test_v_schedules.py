@@ -7,27 +7,11 @@ to the plain model's gradients on the GPipe executor and on gloo ranks."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from schedule_oracle import ORACLE, our_order, torch_order
 from gpipe_ref.schedule import (gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, make_schedule,
                                 v_placement, validate, zero_bubble_v)
 from gpipe_ref.simulator import CostModel, simulate
-
-# torch's order is the oracle; each release may reorder (2.13's is the one the generators reproduce)
-get_schedule_ops = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer").get_schedule_ops
-ORACLE = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
-                            reason=f"the orders reproduced are torch 2.13's; this is torch {torch.__version__}")
-
-
-def torch_order(name: str, p: int, m: int, v: int) -> list[list[str]]:
-    """Torch's per-rank order in our text form: its I (the input-gradient backward) is our B."""
-    return [[str(action).replace("I", "B") for action in row if action is not None]
-            for row in get_schedule_ops(name, p, m, v)]
-
-
-def our_order(schedule) -> list[list[str]]:
-    return [[str(action) for action in row] for row in schedule.per_device]
-
 
 @ORACLE
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (4, 16), (5, 9), (6, 3)])
