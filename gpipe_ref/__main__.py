@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .arguments import (COST, COUNT, MAX_SIMULATED, PROG, RATE, CommandLineParser, ResultsFile, checked, folder,
                         output_file, writable_folder)
 from .checks import positive_int, probe_writable
-from .schedule import ScheduleError, make_schedule, schedule_names
+from .schedule import ScheduleError, make_schedule, resolve_stages_per_device, schedule_names
 from .simulator import CostModel, bubble_formula, simulate
 
 # -- one parser per command ------------------------------------------------------------------------------
@@ -39,8 +39,8 @@ def _simulate_parser(commands) -> argparse.ArgumentParser:
                      help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4); "
                           f"stages x micro-batches x stages per device is at most {MAX_SIMULATED}")
     sim.add_argument("--microbatches", type=COUNT, default=8, help="micro-batches m per step (default: 8)")
-    sim.add_argument("--stages-per-device", type=COUNT, default=1,
-                     help="stages per device v, for interleaved_1f1b only (default: 1)")
+    sim.add_argument("--stages-per-device", type=COUNT, default=None,
+                     help="stages per device v, for interleaved schedules (default: 1); a V schedule places 2 itself")
     sim.add_argument("--forward", type=COST, default=1.0, help="cost of a forward (default: 1)")
     sim.add_argument("--backward-input", type=COST, default=1.0,
                      help="cost of the input-gradient half of a backward (default: 1)")
@@ -78,7 +78,7 @@ def _train_parser(commands) -> argparse.ArgumentParser:
         if meta["choices"]:
             options["choices"] = tuple(meta["choices"]())
         elif meta["check"]:
-            options["type"] = checked(meta["check"], type(field.default))
+            options["type"] = checked(meta["check"], meta.get("kind") or type(field.default))
         elif meta["output"]:
             options["type"] = output_file()
         elif field.default is not None:
@@ -389,10 +389,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check_simulation_size(args: argparse.Namespace) -> None:
     """ValueError for a simulation that would take more than a few seconds, or whose times overflow."""
-    size = args.stages * args.microbatches * args.stages_per_device
+    v = resolve_stages_per_device(args.schedule, args.stages_per_device)
+    size = args.stages * args.microbatches * v
     if size > MAX_SIMULATED:
         raise ValueError(f"--stages x --microbatches x --stages-per-device = {args.stages} x {args.microbatches} x "
-                         f"{args.stages_per_device} = {size} is too large to simulate in a few seconds "
+                         f"{v} = {size} is too large to simulate in a few seconds "
                          f"(limit {MAX_SIMULATED}, e.g. 64 x 2048 x 1)")
     per_action = args.forward + args.backward_input + args.backward_weight + 2 * args.comm
     if not math.isfinite(size * per_action):  # the makespan is at most the sum of every action and transfer

@@ -44,7 +44,8 @@ from .meter import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
 from .rematerialization import CHECKPOINT_MODES, rematerialized, rematerializes
-from .schedule import Action, Schedule, make_schedule, schedule_names, schedule_spec, validate
+from .schedule import (Action, Schedule, make_schedule, resolve_stages_per_device, schedule_names, schedule_spec,
+                       validate)
 from .simulator import place
 from .stage_ops import to_device
 from .timeline import Timeline
@@ -53,6 +54,17 @@ from .workers import one_at_a_time_order, run_one_at_a_time, run_threads
 __all__ = ["CHECKPOINT_MODES", "EXECUTORS", "GPipe", "rematerializes"]
 
 EXECUTORS = ("auto", "threads", "simulated")
+
+
+def stages_per_device_of(schedule: object, stages_per_device: int | None) -> int:
+    """The stages on each device: a Schedule's own, or a registered name's (``resolve_stages_per_device``)."""
+    if stages_per_device is not None:
+        positive_int("stages_per_device", stages_per_device)
+    if isinstance(schedule, str):
+        return resolve_stages_per_device(schedule, stages_per_device)
+    if stages_per_device is None:
+        return schedule.stages_per_device if isinstance(schedule, Schedule) else 1
+    return stages_per_device
 
 
 class GPipe(nn.Module):
@@ -72,7 +84,8 @@ class GPipe(nn.Module):
         schedule: the name of a registered flush schedule (``schedule_names(flush=True)``:
             "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"), or a flush :class:`Schedule` for ``len(balance)`` stages and ``chunks``
             micro-batches.
-        stages_per_device: stages on each device (interleaved schedules).
+        stages_per_device: stages on each device: an interleaved schedule's choice (default 1); a V
+            schedule places 2 itself, a Schedule its own (``Schedule.stages_per_device``).
         executor: "threads", "simulated", or "auto" (threads when every device is
             its own GPU, simulated when devices share a GPU or are the CPU).
         track_memory: count saved activations per device (``timeline.peak_memory``);
@@ -99,7 +112,7 @@ class GPipe(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         schedule: str | Schedule = "gpipe",
-        stages_per_device: int = 1,
+        stages_per_device: int | None = None,
         executor: str = "auto",
         track_memory: bool = True,
         deferred_batch_norm: bool = False,
@@ -110,7 +123,7 @@ class GPipe(nn.Module):
         positive_int("chunks", chunks)
         one_of("checkpoint", checkpoint, CHECKPOINT_MODES)
         one_of("executor", executor, EXECUTORS)
-        positive_int("stages_per_device", stages_per_device)
+        stages_per_device = stages_per_device_of(schedule, stages_per_device)
         if not isinstance(track_memory, bool):
             raise TypeError(f"track_memory must be True or False, got {track_memory!r}")
         if not isinstance(deferred_batch_norm, bool):

@@ -63,22 +63,24 @@ class Analysis:
 
 def builtin_text(name: str, p: int, m: int, v: int = 2) -> str:
     """A built-in schedule in the text form (a start for the learner's own)."""
-    return make_schedule(name, p, m, v if schedule_spec(name).multi_stage else 1).to_text()
+    return make_schedule(name, p, m, v if schedule_spec(name).multi_stage else None).to_text()
 
 
 def _compare(schedule: Schedule) -> dict[str, tuple[float, list[int]]]:
-    """Bubble and peaks of the registered flush schedules of the same shape: one stage per device,
-    or the multi-stage ones with the same ``v`` (those that cannot take these sizes are left out)."""
+    """Bubble and peaks of the registered flush schedules of the same shape, ``v`` stages on each of ``p`` devices:
+    with one, those that place one; with more, the multi-stage ones and those that place ``v`` themselves (a V
+    with 2). Those that cannot take these sizes are left out."""
     p, m, v = schedule.num_devices, schedule.num_microbatches, schedule.stages_per_device
     rows = {}
     for name in schedule_names(flush=True):
-        if SCHEDULES[name].multi_stage != (v > 1):
+        spec = SCHEDULES[name]
+        if (spec.multi_stage and v == 1) or (not spec.multi_stage and spec.stages_per_device != v):
             continue
         try:
-            t = simulate(make_schedule(name, p, m, v), PLAYGROUND_COST)
+            t = simulate(make_schedule(name, p, m, v if spec.multi_stage else None), PLAYGROUND_COST)
         except ValueError:  # e.g. interleaving needs m to split into max(1, m // p) equal rounds
             continue
-        rows[f"{name} v={v}" if v > 1 else name] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
+        rows[f"{name} v={v}" if spec.multi_stage else name] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
     return rows
 
 

@@ -19,11 +19,18 @@ from typing import Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int
 from .measure import gc_paused
-from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, WeightPolicy, encode, execution_order, walk,
-                       weight_versions)
+from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, WeightPolicy, encode, execution_order,
+                       resolve_stages_per_device, walk, weight_versions)
 from .timeline import Event, Timeline
 
-__all__ = ["CostModel", "simulate", "place", "time_one_at_a_time", "bubble_formula", "calibrate"]
+__all__ = ["PAIR_PRICINGS", "CostModel", "simulate", "place", "time_one_at_a_time", "bubble_formula", "calibrate"]
+
+PAIR_PRICINGS = ("sum", "overlap")
+
+
+def _is_share(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < 1
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -35,6 +42,14 @@ class CostModel:
     activation or a gradient crosses devices. ``stage_scale[s]`` multiplies
     every compute cost of stage ``s`` (unbalanced stages). ``unit`` is "cost"
     for abstract units or "s" for a model calibrated in seconds.
+
+    ``all_to_all`` is the share of each F and B (input part) a stage spends in
+    expert-parallel all-to-all communication; W sends nothing. A schedule's
+    overlapped pairs (``Schedule.overlap_pairs``, DualPipeV's F&B) cost the sum
+    of F and B with ``pair_pricing="sum"``, and with ``"overlap"`` each half's
+    communication hides behind the other's compute as DeepSeek-V3 does (sec.
+    3.2.1): the pair runs as one block, started when both halves' inputs are
+    there, ``max(a, 1 - a)`` of the two's time, both results leaving at its end.
     """
 
     forward: float = 1.0
@@ -43,16 +58,26 @@ class CostModel:
     comm: float = 0.0
     stage_scale: tuple[float, ...] | None = None
     unit: str = "cost"
+    all_to_all: float = 0.0
+    pair_pricing: str = "sum"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight", "comm"):
             non_negative(name, getattr(self, name))
+        if not (_is_share(self.all_to_all)):
+            raise ValueError(f"all_to_all must be a share of the time, 0 <= all_to_all < 1, got {self.all_to_all!r}")
+        one_of("pair_pricing", self.pair_pricing, PAIR_PRICINGS)
         if self.stage_scale is not None:
             scale = tuple(self.stage_scale)
             for s, value in enumerate(scale):
                 non_negative(f"stage_scale[{s}]", value)
             object.__setattr__(self, "stage_scale", scale)
         one_of("unit", self.unit, ("cost", "s"))
+
+    @property
+    def pair_factor(self) -> float:
+        """What an overlapped pair's F and B each take of their time: 1 summed, ``max(a, 1 - a)`` overlapped."""
+        return max(self.all_to_all, 1 - self.all_to_all) if self.pair_pricing == "overlap" else 1.0
 
     @property
     def backward(self) -> float:
@@ -104,7 +129,35 @@ def _simulate(schedule: Schedule, cost: CostModel, policy: WeightPolicy | None) 
             per_key += [cost.duration(op, s, split)] * m
     encoded = encode(schedule)
     versions = None if schedule.flush and policy is None else weight_versions(schedule, policy)
-    return _place(encoded, per_key, cost.comm, cost.unit, versions=versions)
+    if not schedule.overlap_pairs:
+        return _place(encoded, per_key, cost.comm, cost.unit, versions=versions)
+    return _place_pairs(encoded, per_key, cost, versions)
+
+
+def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel,
+                 versions: Mapping[Action, int] | None) -> Timeline:
+    """Place a schedule with overlapped pairs: summed, each pair's F then B as any two actions; overlapped, each
+    pair one block (its F given the block's time and its B none for the walk, then the block drawn as an F part
+    and a B part in the ratio of their costs). The timeline keeps every pair's span (``Timeline.pairs``)."""
+    keys = [(encoded.key(f), encoded.key(b)) for f, b in encoded.schedule.overlap_pairs]
+    overlapped = cost.pair_pricing == "overlap"
+    priced = list(per_key)
+    if overlapped:
+        for f, b in keys:
+            priced[f], priced[b] = cost.pair_factor * (per_key[f] + per_key[b]), 0.0
+    timeline = _place(encoded, priced, cost.comm, cost.unit, versions=versions, pairs_as_blocks=overlapped)
+    at = {e.action: k for k, e in enumerate(timeline.events)}
+    spans = []
+    for forward, backward in encoded.schedule.overlap_pairs:
+        f, b = timeline.events[at[forward]], timeline.events[at[backward]]
+        if overlapped:
+            whole = per_key[encoded.key(forward)] + per_key[encoded.key(backward)]
+            split = f.start + (f.end - f.start) * (per_key[encoded.key(forward)] / whole if whole else 0.5)
+            timeline.events[at[forward]] = f._replace(end=split)
+            timeline.events[at[backward]] = b._replace(start=split, end=f.end)
+        spans.append((f.device, f.start, max(f.end, b.end)))
+    timeline.pairs, timeline.pairs_overlapped = spans, overlapped
+    return timeline
 
 
 def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0.0, *,
@@ -151,9 +204,10 @@ def time_one_at_a_time(schedule: Schedule, run: Callable[[Action], None], *,
 
 
 def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: str = "cost",
-           peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None) -> Timeline:
+           peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None,
+           pairs_as_blocks: bool = False) -> Timeline:
     schedule = encoded.schedule
-    ran = walk(encoded, per_key, comm)
+    ran = walk(encoded, per_key, comm, pairs_as_blocks=pairs_as_blocks)
     # One column per Event field, then the records: every loop here runs in C (map, zip), as this builds one
     # record per action (10^5 of them at 64 devices x 1024 micro-batches).
     actions = list(map(encoded.action_of.__getitem__, ran.order))
@@ -169,10 +223,11 @@ _STAGE, _OP, _MICROBATCH = attrgetter("stage"), attrgetter("op"), attrgetter("mi
 _new_event = partial(tuple.__new__, Event)  # Event._make without its per-record Python call
 
 
-def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:
+def bubble_formula(name: str, p: int, m: int, v: int | None = None, backward_ratio: float = 2.0) -> float:
     """The closed-form bubble fraction the course states for uniform stages, comm 0.
 
-    ``p`` is the number of devices, ``backward_ratio`` = backward / forward cost;
+    ``p`` is the number of devices, ``v`` the stages on each (a multi-stage schedule's choice, default 1; a V's
+    own 2), ``backward_ratio`` = backward / forward cost;
     each registered schedule carries its formula (``schedule.SCHEDULES``):
       * gpipe, 1f1b, pipedream_async: (p-1)/(m+p-1)  (Huang et al. 2019, sec. 2.3)
       * zero_bubble_h1 with B = W = ratio/2, m >= p and W <= F (ratio <= 2):
@@ -180,16 +235,18 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, backward_ratio: float 
         F = B = W). Outside those conditions it is a lower bound.
       * interleaved_1f1b with m >= p: (p-1)/(v m + p - 1), i.e. Megatron's bubble-to-ideal
         ratio (p-1)/(v m) (Narayanan et al. 2021, sec. 2.2) as a fraction; with m < p a lower bound
+      * the others (looped BFS, interleaved zero bubble, ZB-V, DualPipeV): their spec's ``formula``,
+        exact when its ``exact_when`` holds
     """
     spec = SCHEDULES.get(name) if isinstance(name, str) else None
     if spec is None:
         raise ValueError(f"name must be one of {', '.join(SCHEDULES)}, got {name!r}")
     positive_int("p", p)
     positive_int("m", m)
-    positive_int("v", v)
-    if v != 1 and not spec.multi_stage:
-        multi = ", ".join(n for n, s in SCHEDULES.items() if s.multi_stage)
-        raise ValueError(f"v must be 1 for schedule {name!r} (only {multi} put several stages on a device), got {v}")
+    try:
+        v = resolve_stages_per_device(name, v)
+    except ValueError as error:
+        raise ValueError(str(error).replace("stages_per_device", "v", 1)) from None
     positive("backward_ratio", backward_ratio)
     return spec.bubble(p, m, v, backward_ratio)
 

@@ -123,6 +123,10 @@ class Timeline:
         self.num_devices = num_devices
         self.unit = unit
         self.peak_memory: dict[int, int] = dict(peak_memory or {})
+        # (device, start, end) of each overlapped F&B pair a simulated run placed (``simulate`` fills it), and
+        # whether they were priced overlapped (one block) or as the sum of their halves
+        self.pairs: list[tuple[int, float, float]] = []
+        self.pairs_overlapped = False
         for d, size in self.peak_memory.items():
             self._device(d, "peak_memory's device")
             integer(f"peak_memory[{d}]", size, 0)

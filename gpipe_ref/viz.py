@@ -33,15 +33,17 @@ from .svg import svg_root
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package
     from matplotlib.axes import Axes
 
-__all__ = ["KIND_COLORS", "microbatch_color", "version_colors", "plot_timeline", "bar_labels", "plot_bucket_overlap",
-           "svg_text_width", "timeline_svg", "plot_in_flight", "plot_staleness",
+__all__ = ["KIND_COLORS", "COLOR_BY", "microbatch_color", "version_colors", "stage_colors", "plot_timeline",
+           "bar_labels", "svg_text_width",
+           # the pieces other timeline pictures are built from (bucket_overlap)
+           "COMM_KIND", "Bar", "check_timeline", "draw_bars", "draw_legend", "frame_axes", "timeline_svg", "plot_in_flight", "plot_staleness",
            # re-exported: the course's other figures and the loss curves, drawn in their own modules
            "plot_parallelism_overview", "plot_linear_splits", "CURVE_STYLES", "running_mean", "plot_convergence",
            "loss_curves_svg"]
 
-_COMM = "comm"  # the bar kind of a Transfer
-_KINDS = ("F", "B", "W", _COMM)  # drawing and legend order
-KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", _COMM: "#8172b3"}  # bars and legend alike
+COMM_KIND = "comm"  # the bar kind of a Transfer
+_KINDS = ("F", "B", "W", COMM_KIND)  # drawing and legend order
+KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", COMM_KIND: "#8172b3"}  # bars and legend alike
 _IDLE_FILL, _IDLE_EDGE, _IDLE_HATCH = "#f2f2f2", "#b0b0b0", "////"
 _LABEL_LIMIT = 400  # above this many bars, bars are not labelled (too small to read, and slow)
 _LABEL_PAD_PX = 2  # clear space each side of a label inside its bar
@@ -68,7 +70,7 @@ def _text_color(fill: str) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "white"
 
 
-class _Bar(NamedTuple):
+class Bar(NamedTuple):
     """One drawn bar: ``kind`` is F, B, W or "comm"; ``labels`` are the texts to try, longest first."""
 
     row: int
@@ -88,12 +90,12 @@ def _rows(timeline: Timeline) -> list[tuple[int, str]]:
     for d in range(timeline.num_devices):
         rows.append((d, "compute"))
         if d in talking:
-            rows.append((d, _COMM))
+            rows.append((d, COMM_KIND))
     return rows
 
 
 def _row_names(timeline: Timeline) -> list[str]:
-    return [f"device {d}" + (" comm" if track == _COMM else "") for d, track in _rows(timeline)]
+    return [f"device {d}" + (" comm" if track == COMM_KIND else "") for d, track in _rows(timeline)]
 
 
 def version_colors(versions: Sequence[int]) -> dict[int, str]:
@@ -106,17 +108,34 @@ def version_colors(versions: Sequence[int]) -> dict[int, str]:
     return {v: _hex(colormaps["viridis"](k / steps)) for k, v in enumerate(distinct)}
 
 
-def _bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[_Bar], list[tuple[str, str]]]:
+def stage_colors(num_stages: int) -> list[str]:
+    """A colour per stage (tab20's darker half, then its lighter half), so that a device's two chunks differ."""
+    from matplotlib import colormaps
+
+    positive_int("num_stages", num_stages)
+    palette = colormaps["tab20"].colors
+    return [_hex(palette[(2 * s) % 20 + (2 * s) // 20 % 2]) for s in range(num_stages)]
+
+
+def _bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[Bar], list[tuple[str, str]]]:
     """Every compute event and transfer as a bar on its row, and the legend: ``(colour, name)``
     for each colour drawn. ``color_by="microbatch"`` colours by op and writes the micro-batch in
     the bar; ``"version"`` colours compute by the weight version it used (legend: one swatch per
-    version). A transfer is labelled ``C<k>`` by its place ``k`` on its comm track (its bucket,
-    for data parallelism)."""
+    version); ``"stage"`` colours by stage and writes op and micro-batch (``B3``), so that the
+    stages a device holds (interleaved, a V) tell apart. A transfer is labelled ``C<k>`` by its
+    place ``k`` on its comm track (its bucket, for data parallelism)."""
     _check_color_by(color_by)
     row_of = {track: i for i, track in enumerate(_rows(timeline))}
-    if color_by == "microbatch":  # the weight version only where versions differ (asynchronous schedules, 06)
+    if color_by == "stage":
+        stages = sorted({e.stage for e in timeline.events})
+        colors = stage_colors(max(stages, default=0) + 1)
+        bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, colors[e.stage],
+                     (f"{e.op}{e.microbatch}", f"{e.microbatch}"), f"{e.label} (stage {e.stage})")
+                for e in timeline.events]
+        legend = [(colors[s], f"stage {s}") for s in stages]
+    elif color_by == "microbatch":  # the weight version only where versions differ (asynchronous schedules, 06)
         versioned = any(e.weight_version for e in timeline.events)
-        bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, KIND_COLORS[e.op],
+        bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, KIND_COLORS[e.op],
                      (f"{e.op}{e.microbatch}", f"{e.microbatch}"),
                      f"{e.label} (weights v{e.weight_version})" if versioned else e.label)
                 for e in timeline.events]
@@ -126,39 +145,44 @@ def _bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[_Bar],
         legend = [(KIND_COLORS[k], names[k]) for k in _KINDS if k in kinds]
     else:
         colors = version_colors([e.weight_version or 0 for e in timeline.events])
-        bars = [_Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, colors[e.weight_version or 0],
+        bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, colors[e.weight_version or 0],
                      (f"v{e.weight_version or 0}", f"{e.weight_version or 0}"),
                      f"{e.label} (weights v{e.weight_version})") for e in timeline.events]
         legend = [(fill, f"weights v{v}") for v, fill in colors.items()]
     for d in sorted({t.device for t in timeline.comm}):
         for k, t in enumerate(timeline.on_comm(d)):
             size = "" if t.bytes is None else f", {t.bytes} bytes"
-            bars.append(_Bar(row_of[(d, _COMM)], t.start, t.end, _COMM, KIND_COLORS[_COMM], (f"C{k}", f"{k}"),
+            bars.append(Bar(row_of[(d, COMM_KIND)], t.start, t.end, COMM_KIND, KIND_COLORS[COMM_KIND], (f"C{k}", f"{k}"),
                              f"{t.name}{size}"))
     if timeline.comm:
-        legend.append((KIND_COLORS[_COMM], "communication"))
+        legend.append((KIND_COLORS[COMM_KIND], "communication"))
     return bars, legend
 
 
+COLOR_BY = ("microbatch", "version", "stage")
+
+
 def _check_color_by(color_by: str) -> None:
-    if color_by not in ("microbatch", "version"):
-        raise ValueError(f"color_by must be 'microbatch' or 'version', got {color_by!r}")
+    if color_by not in COLOR_BY:
+        raise ValueError(f"color_by must be one of {COLOR_BY}, got {color_by!r}")
 
 
-def _check_timeline(timeline: object) -> None:
+def check_timeline(timeline: object) -> None:
     instance("timeline", timeline, Timeline)
 
 
 def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | None = None,
-                  rows: list[str] | None = None, bubble: bool = True) -> "Axes":
+                  rows: list[str] | None = None, bubble: bool = True, color_by: str = "microbatch") -> "Axes":
     """Draw one row per device (and one per comm track): bars coloured by op (F, B, W,
     communication; the legend, right of the axes, shows the same colours), the micro-batch
     written in each bar wide enough to hold it, idle time hatched grey, bubble % in the title.
     ``rows`` renames the rows (default "device d", "device d comm"); ``bubble=False``
-    leaves the bubble out of the title."""
+    leaves the bubble out of the title; ``color_by="stage"`` colours by stage instead (several
+    stages a device). Overlapped F&B pairs (``Timeline.pairs``) get a black border, as in
+    DeepSeek-V3's figure; dashed where they were priced as the sum of their halves."""
     import matplotlib.pyplot as plt
 
-    _check_timeline(timeline)
+    check_timeline(timeline)
     names = _row_names(timeline)
     if rows is not None:
         if not isinstance(rows, (list, tuple)) or len(rows) != len(names) or not all(isinstance(r, str) for r in rows):
@@ -167,19 +191,42 @@ def plot_timeline(timeline: Timeline, ax: "Axes | None" = None, title: str | Non
         names = list(rows)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.2))
-    bars, legend = _bars(timeline)
-    _draw_bars(ax, bars, len(names), timeline.origin, timeline.makespan)
-    _frame(ax, names, timeline)
+    bars, legend = _bars(timeline, color_by)
+    draw_bars(ax, bars, len(names), timeline.origin, timeline.makespan)
+    extra = _draw_pairs(ax, timeline)
+    frame_axes(ax, names, timeline)
     if bubble:
         ax.set_title(f"{title} - bubble {timeline.bubble_fraction:.1%}" if title else
                      f"bubble {timeline.bubble_fraction:.1%}")
     else:
         ax.set_title(title or "")
-    _draw_legend(ax, legend)
+    draw_legend(ax, legend, extra)
     return ax
 
 
-def _frame(ax: "Axes", names: list[str], timeline: Timeline) -> None:
+def _pair_style(timeline: Timeline) -> tuple[str, str]:
+    """The border of an F&B pair and its legend name: solid when priced overlapped, dashed when summed."""
+    return ("solid", "F&B pair, overlapped") if timeline.pairs_overlapped else ("dashed", "F&B pair, one after the other")
+
+
+def _draw_pairs(ax: "Axes", timeline: Timeline) -> list:
+    """A black border round each F&B pair; returns its legend handle (none without pairs)."""
+    if not timeline.pairs:
+        return []
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    row_of = {track: i for i, track in enumerate(_rows(timeline))}
+    style, name = _pair_style(timeline)
+    boxes = []
+    for device, start, end in timeline.pairs:
+        y, x0, x1 = row_of[(device, "compute")] - _BAR_HEIGHT / 2, start - timeline.origin, end - timeline.origin
+        boxes.append([(x0, y), (x1, y), (x1, y + _BAR_HEIGHT), (x0, y + _BAR_HEIGHT)])
+    ax.add_collection(PolyCollection(boxes, facecolors="none", edgecolors="black", linewidths=1.4, linestyles=style))
+    return [Patch(facecolor="none", edgecolor="black", linestyle=style, label=name)]
+
+
+def frame_axes(ax: "Axes", names: list[str], timeline: Timeline) -> None:
     """Limits, row names (device 0 on top) and the time axis."""
     ax.set_xlim(0, timeline.makespan or 1.0)
     ax.set_ylim(len(names) - 0.5, -0.5)
@@ -234,7 +281,7 @@ def _bar_label_class():
     return BarLabel
 
 
-def _draw_bars(ax: "Axes", bars: list[_Bar], num_rows: int, origin: float, span: float) -> None:
+def draw_bars(ax: "Axes", bars: list[Bar], num_rows: int, origin: float, span: float) -> None:
     """The hatched idle band of every row, then one collection of bars per kind, then their labels."""
     from matplotlib.collections import PolyCollection
 
@@ -261,7 +308,7 @@ def _draw_bars(ax: "Axes", bars: list[_Bar], num_rows: int, origin: float, span:
                                     color=_text_color(b.fill), clip_on=True))
 
 
-def _draw_legend(ax: "Axes", legend: list[tuple[str, str]], extra: Sequence = ()) -> None:
+def draw_legend(ax: "Axes", legend: list[tuple[str, str]], extra: Sequence = ()) -> None:
     """A swatch per colour drawn (the bars' own colours), ``extra`` handles, then the idle hatching;
     right of the axes, off the data."""
     from matplotlib.patches import Patch
@@ -275,67 +322,6 @@ def _draw_legend(ax: "Axes", legend: list[tuple[str, str]], extra: Sequence = ()
 def bar_labels(ax: "Axes") -> list:
     """The bar labels of a timeline plot (after a draw, each ``.shown`` says what was drawn)."""
     return [t for t in ax.texts if hasattr(t, "candidates")]
-
-
-def plot_bucket_overlap(timeline: Timeline, grad_ready: Mapping[str, float], buckets: Sequence[Sequence[str]],
-                        ax: "Axes | None" = None, title: str | None = None) -> "Axes":
-    """One data-parallel rank's step, as :class:`~gpipe_ref.distributed.data_parallel.DataParallel`
-    records it: the forward, then the backward cut into one bar per layer in the order the layers
-    ran (the last layer first), and on the row under it each bucket's all-reduce.
-
-    A layer is the parameters sharing a name prefix (``14.weight``, ``14.bias``: layer ``14``);
-    its bar runs from the previous layer's last gradient (or the start of the backward: the first
-    bar also holds the loss's backward) to its own last gradient, ``grad_ready`` mapping each
-    parameter name to the time its gradient was ready, on the timeline's clock. ``buckets`` lists
-    each bucket's parameter names. A black tick marks when each bucket's last gradient is ready
-    and a dotted line joins it to the start of that bucket's all-reduce, which waits when the
-    all-reduce before it still holds the process group: buckets go out one at a time, in bucket
-    order (Li et al. 2020, "PyTorch Distributed", sec. 3.2.3)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    _check_timeline(timeline)
-    for b, bucket in enumerate(buckets):
-        missing = [name for name in bucket if name not in grad_ready]
-        if missing:
-            raise ValueError(f"grad_ready has no time for {missing} of bucket {b}; it must map every parameter "
-                             f"name in buckets to the time its gradient was ready")
-    backward = [e for e in timeline.events if e.op == "B"]
-    if not backward:
-        raise ValueError("timeline has no backward (B) event to cut into layers")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.6))
-    origin = timeline.origin
-    bars = [_Bar(0, e.start, e.end, e.op, KIND_COLORS[e.op], ("forward", "F"), "forward")
-            for e in timeline.events if e.op == "F"]
-    ends: dict[str, float] = {}  # layer -> when its last gradient was ready
-    for name, t in grad_ready.items():
-        layer = name.rsplit(".", 1)[0] if "." in name else name
-        ends[layer] = max(ends.get(layer, t), t)
-    previous = min(e.start for e in backward)
-    for layer, end in sorted(ends.items(), key=lambda item: item[1]):
-        bars.append(_Bar(0, previous, end, "B", KIND_COLORS["B"], (f"layer {layer}", layer), f"layer {layer}"))
-        previous = end
-    transfers = timeline.on_comm(0)
-    for k, t in enumerate(transfers):
-        short = t.name.removeprefix("all-reduce bucket ") if t.name.startswith("all-reduce bucket ") else ""
-        labels = (f"bucket {short}", f"b{short}", short) if short else ("used",) if "used" in t.name else (t.name,)
-        bars.append(_Bar(1, t.start, t.end, _COMM, KIND_COLORS[_COMM], tuple(x for x in labels if x), t.name))
-    _draw_bars(ax, bars, 2, origin, timeline.makespan)
-    starts = {t.name: t.start for t in transfers}
-    for b, bucket in enumerate(buckets):
-        ready = max(grad_ready[name] for name in bucket) - origin
-        ax.plot([ready, ready], [0.4, 0.6], color="black", linewidth=1.2)
-        start = starts.get(f"all-reduce bucket {b}")
-        if start is not None:
-            ax.plot([ready, start - origin], [0.6, 0.6], color="black", linestyle=":", linewidth=1.0)
-    _frame(ax, ["compute", "all-reduce"], timeline)
-    ax.set_title(title or "backward per layer and the bucket all-reduces")
-    ready_handle = Line2D([], [], color="black", marker="|", linestyle=":", markersize=8,
-                          label="bucket's last gradient ready\n(dotted: until its all-reduce)")
-    _draw_legend(ax, [(KIND_COLORS["F"], "forward"), (KIND_COLORS["B"], "backward of one layer"),
-                      (KIND_COLORS[_COMM], "all-reduce of one bucket")], [ready_handle])
-    return ax
 
 
 _svg_ids = itertools.count()
@@ -357,7 +343,7 @@ def svg_text_width(text: str, font_px: float = _SVG_FONT_PX) -> float:
     return em * font_px
 
 
-def _svg_label(bar: _Bar, width: float) -> str | None:
+def _svg_label(bar: Bar, width: float) -> str | None:
     """The first of the bar's labels that fits in ``width`` pixels, padding included, or None."""
     return next((text for text in bar.labels if svg_text_width(text) + 2 * _LABEL_PAD_PX <= width), None)
 
@@ -365,9 +351,10 @@ def _svg_label(bar: _Bar, width: float) -> str | None:
 def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900, color_by: str = "microbatch") -> str:
     """The same picture as :func:`plot_timeline` as an SVG string, for widgets:
     the browser draws it in milliseconds, and hovering a bar shows its action
-    and times. ``color_by="version"`` colours bars by their weight version."""
+    and times. ``color_by="version"`` colours bars by their weight version,
+    ``"stage"`` by stage."""
     _check_color_by(color_by)
-    _check_timeline(timeline)
+    check_timeline(timeline)
     integer("width", width, _SVG_MIN_WIDTH)
     bars, legend = _bars(timeline, color_by)
     names = _row_names(timeline)
@@ -377,6 +364,8 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     scale = (width - left - 12) / span
     idle = f"idle{next(_svg_ids)}"
     axis_y = top + len(names) * row
+    if timeline.pairs:
+        legend = [*legend, ("none", _pair_style(timeline)[1])]
     legend_svg, legend_height = _svg_legend(legend, left, width, axis_y + 42, idle)
     unit, factor = timeline.display_unit()
     out = [
@@ -393,6 +382,12 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
         out.append(f'<rect x="{left}" y="{y + 2}" width="{span * scale:.2f}" height="{row - 4}" '
                    f'fill="url(#{idle})"/>')
     out += _svg_bars(bars, left, top, row, timeline.origin, scale)
+    row_of = {track: i for i, track in enumerate(_rows(timeline))}
+    dash = "" if timeline.pairs_overlapped else ' stroke-dasharray="4 2"'
+    for device, start, end in timeline.pairs:
+        out.append(f'<rect class="gpipe-pair" x="{left + (start - timeline.origin) * scale:.2f}" '
+                   f'y="{top + row_of[(device, "compute")] * row + 2}" width="{(end - start) * scale:.2f}" '
+                   f'height="{row - 4}" fill="none" stroke="black" stroke-width="1.4"{dash}/>')
     out += _svg_axis(left, axis_y, span, scale, factor)
     out.append(f'<text x="{width - 12}" y="{axis_y + 30}" text-anchor="end">time ({unit})</text>')
     out += legend_svg
@@ -400,7 +395,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     return "".join(out)
 
 
-def _svg_bars(bars: list[_Bar], left: int, top: int, row: int, origin: float, scale: float) -> list[str]:
+def _svg_bars(bars: list[Bar], left: int, top: int, row: int, origin: float, scale: float) -> list[str]:
     """A rect with a hover tooltip per bar, labelled where the label fits."""
     labelled = len(bars) <= _LABEL_LIMIT
     out = []
@@ -447,7 +442,7 @@ def plot_in_flight(timeline: Timeline, ax: "Axes | None" = None, title: str | No
     """Activation sets held per device over time (``Timeline.in_flight``), one step line per device."""
     import matplotlib.pyplot as plt
 
-    _check_timeline(timeline)
+    check_timeline(timeline)
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3))
     origin = timeline.origin

@@ -70,7 +70,7 @@ def test_simulate_shows_every_interleaved_action(capsys):
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (8, 16, 3)])
 @pytest.mark.parametrize("width", [1, 40, 160])
 def test_text_timeline_shows_every_action(name, p, m, v, width):
-    schedule = make_schedule(name, p, m, v if schedule_spec(name).multi_stage else 1)
+    schedule = make_schedule(name, p, m, v if schedule_spec(name).multi_stage else None)
     for cost in (CostModel(), CostModel(1.0, 2.0, 0.5, 0.3)):
         text = simulate(schedule, cost).to_text(max_width=width)
         assert "not shown" not in text.splitlines()[0]

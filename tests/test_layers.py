@@ -26,7 +26,7 @@ LAYERS = [
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size", "parallel_axes"]),
-    ("pictures", ["svg", "viz", "figures", "loss_curves", "backward_overlap", "widgets", "widgets.*"]),
+    ("pictures", ["svg", "viz", "figures", "loss_curves", "backward_overlap", "bucket_overlap", "placement", "widgets", "widgets.*"]),
     ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
     ("entry points", ["__main__", "arguments", ""]),  # "": the package root, gpipe_ref/__init__.py
 ]

@@ -112,7 +112,8 @@ def test_registry_peak_held_is_the_simulated_peak_for_every_schedule():
     checked = set()
     for name in schedule_names():
         spec = schedule_spec(name)
-        for p, m, v in itertools.product(range(1, 6), range(1, 11), (1, 2, 3) if spec.multi_stage else (1,)):
+        for p, m, v in itertools.product(range(1, 6), range(1, 11),
+                                         (1, 2, 3) if spec.multi_stage else (spec.stages_per_device,)):
             try:
                 timeline = simulate(make_schedule(name, p, m, v))
             except ValueError:  # an m the schedule refuses (interleaved_1f1b: rounds must split m evenly)

@@ -529,7 +529,7 @@ def test_calibrate_recovers_a_cost_model_exactly():
     (lambda m: GPipe(m, None, devices=["cpu"] * 7), ValueError,
      r"devices must list at most 6 devices when balance is None \(6 layers, stages_per_device=1, a layer per "
      r"stage at least\), got 7"),
-    (lambda m: GPipe(m, None, devices=["cpu"] * 4, stages_per_device=2), ValueError,
+    (lambda m: GPipe(m, None, devices=["cpu"] * 4, schedule="interleaved_1f1b", stages_per_device=2), ValueError,
      "devices must list at most 3 devices when balance is None .* got 4"),
 ])
 def test_bad_constructor_input(make, error, message):

@@ -189,8 +189,10 @@ def test_cost_model_refuses_infinite_costs(kwargs, message):
     (("gpipe", 4.0, 8), {}, "p must be an integer >= 1, got 4.0"),
     (("1f1b", 4, 0), {}, "m must be an integer >= 1, got 0"),
     (("interleaved_1f1b", 4, 8, 0), {}, "v must be an integer >= 1, got 0"),
-    (("gpipe", 4, 8, 2), {}, "v must be 1 for schedule 'gpipe' (only interleaved_1f1b put several stages on a "
-                             "device), got 2"),
+    (("gpipe", 4, 8, 2), {}, "v must be 1 for schedule 'gpipe' (it places its own stages; interleaved_1f1b, "
+                             "looped_bfs, interleaved_zero_bubble take any number), got 2"),
+    (("zero_bubble_v", 4, 8, 3), {}, "v must be 2 for schedule 'zero_bubble_v' (it places its own stages; "
+                                     "interleaved_1f1b, looped_bfs, interleaved_zero_bubble take any number), got 3"),
     (("zero_bubble_h1", 4, 8), {"backward_ratio": float("nan")}, "backward_ratio must be a finite number > 0, got nan"),
     (("zero_bubble_h1", 4, 8), {"backward_ratio": float("inf")}, "backward_ratio must be a finite number > 0, got inf"),
     (("gpipe", 4, 8), {"backward_ratio": 0}, "backward_ratio must be a finite number > 0, got 0"),

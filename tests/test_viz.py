@@ -274,7 +274,8 @@ def _bucketed_step(rank, world_size):
 
 def test_bucket_overlap_draws_the_backward_per_layer_and_buckets_after_their_gradients():
     from gpipe_ref.distributed import launch
-    from gpipe_ref.viz import bar_labels, plot_bucket_overlap
+    from gpipe_ref.bucket_overlap import plot_bucket_overlap
+    from gpipe_ref.viz import bar_labels
 
     timeline, ready, buckets = launch(_bucketed_step, 2)[0]
     assert sorted(ready) == sorted(name for bucket in buckets for name in bucket) and len(ready) == 8

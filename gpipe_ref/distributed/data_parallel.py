@@ -174,7 +174,7 @@ class DataParallel(nn.Module):
     With ``record_timeline=True``, after each synchronised backward ``timeline``
     holds this rank's forward, backward and all-reduces (the all-gather too), and
     ``grad_ready`` the time (same clock) each parameter's gradient was ready:
-    ``viz.plot_bucket_overlap`` draws both. Off by default: a plain step keeps
+    ``bucket_overlap.plot_bucket_overlap`` draws both. Off by default: a plain step keeps
     no clock.
 
     As with torch's DDP, a rank whose loss uses no parameter at all never

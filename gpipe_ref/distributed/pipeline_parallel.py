@@ -57,7 +57,7 @@ from ..executor import StepRun
 from ..measure import gc_paused
 from ..microbatch import Batch
 from ..partition import split
-from ..pipeline import GPipe
+from ..pipeline import GPipe, stages_per_device_of
 from ..schedule import Schedule
 from ..timeline import Event, Timeline
 from .agreement import check_agreement
@@ -104,14 +104,15 @@ class PipelineParallel(GPipe):
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
-                 checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int = 1,
+                 checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int | None = None,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  track_memory: bool = False, timeline: bool = False, deferred_batch_norm: bool = False) -> None:
         if not isinstance(timeline, bool):
             raise TypeError(f"timeline must be True or False, got {timeline!r}")
         size = dist.get_world_size(group)
         wanted = (schedule.num_devices if isinstance(schedule, Schedule)
-                  else len(balance) // max(1, stages_per_device) if hasattr(balance, "__len__") else size)
+                  else len(balance) // max(1, stages_per_device_of(schedule, stages_per_device))
+                  if hasattr(balance, "__len__") else size)
         if wanted != size:
             raise ValueError(f"schedule has {wanted} devices but the pipeline group has {size} ranks; "
                              f"they must be equal (one rank per pipeline device)")

@@ -25,7 +25,7 @@ from torch import nn
 from ..checks import integer, one_of, positive, positive_int, probe_writable
 from ..models import Residual, mlp_block, regression_data
 from ..rematerialization import CHECKPOINT_MODES
-from ..schedule import make_schedule, schedule_names, schedule_spec
+from ..schedule import make_schedule, resolve_stages_per_device, schedule_names, schedule_spec
 
 if TYPE_CHECKING:
     from ..timeline import Timeline
@@ -35,7 +35,7 @@ MAX_SEED = 2 ** 64 - 2  # torch seeds are at most 2**64 - 1, and the data is dra
 
 def option(default: Any, help: str, *, check: Callable[[str, Any], Any] | None = None,
            choices: Callable[[], Iterable[str]] | None = None, metavar: str | None = None,
-           output: bool = False) -> Any:
+           output: bool = False, kind: type | None = None) -> Any:
     """A :class:`TrainConfig` field that ``python -m gpipe_ref train`` offers as ``--name``.
 
     ``help`` is its help text; ``check`` a :mod:`gpipe_ref.checks` function, called as
@@ -43,9 +43,10 @@ def option(default: Any, help: str, *, check: Callable[[str, Any], Any] | None =
     it builds its parser (so a newly registered schedule is offered). :meth:`TrainConfig.check`
     applies ``check``, else ``choices``, so a config built in Python is held to the same rules.
     ``output`` marks a file the run writes: the command line refuses one it cannot write, up front.
+    ``kind`` is the type the command line converts to, when the default (``None``) does not say.
     """
     return field(default=default, metadata={"help": help, "check": check, "choices": choices, "metavar": metavar,
-                                            "output": output})
+                                            "output": output, "kind": kind})
 
 
 def flush_schedules() -> tuple[str, ...]:
@@ -72,6 +73,11 @@ def checkpoint_modes() -> tuple[str, ...]:
     return CHECKPOINT_MODES
 
 
+def _stages_per_device(name: str, value: object) -> int | None:
+    """``None`` (the schedule's own) or an integer >= 1."""
+    return value if value is None else positive_int(name, value)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run; the fields with help text are the ``train`` command's options."""
@@ -80,7 +86,8 @@ class TrainConfig:
     tp: int = option(1, "tensor-parallel ranks per stage", check=positive_int)
     pp: int = option(2, "pipeline stages, one rank each", check=positive_int)
     schedule: str = option("1f1b", "pipeline schedule", check=flush_schedule, choices=flush_schedules)
-    stages_per_device: int = option(1, "stages per pipeline rank, for interleaved_1f1b", check=positive_int)
+    stages_per_device: int | None = option(None, "stages per pipeline rank, for interleaved schedules (default 1; a "
+                                                 "V schedule places 2 itself)", check=_stages_per_device, kind=int)
     microbatches: int = option(8, "micro-batches per step", check=positive_int)
     steps: int = option(20, "optimizer steps", check=positive_int)
     width: int = option(32, "model width", check=positive_int)
@@ -94,6 +101,11 @@ class TrainConfig:
     quiet: bool = False
 
     @property
+    def stages_per_rank(self) -> int:
+        """The stages each pipeline rank holds: ``stages_per_device``, or the schedule's own (2 in a V)."""
+        return resolve_stages_per_device(self.schedule, self.stages_per_device)
+
+    @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
@@ -104,7 +116,7 @@ class TrainConfig:
                 f.metadata["check"](f.name, value)
             elif f.metadata.get("choices"):
                 one_of(f.name, value, f.metadata["choices"]())
-        stages = self.pp * self.stages_per_device
+        stages = self.pp * self.stages_per_rank
         if self.blocks % stages:
             raise ValueError(f"blocks must be a multiple of pp * stages_per_device = {stages}, got {self.blocks}")
         if self.batch % self.dp:
@@ -158,7 +170,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> tuple[list[
     if config.tp > 1:
         model = nn.Sequential(*[Residual(ParallelMLP.from_dense(block.inner, group=grid.tp_group))
                                 for block in model])
-    stages = config.pp * config.stages_per_device
+    stages = config.pp * config.stages_per_rank
     pipe = PipelineParallel(model, [config.blocks // stages] * stages, chunks=config.microbatches,
                             schedule=config.schedule, stages_per_device=config.stages_per_device,
                             checkpoint=config.checkpoint, group=grid.pp_group, timeline=True)

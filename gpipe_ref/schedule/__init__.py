@@ -11,7 +11,7 @@ The package, one idea a module (each imports only those listed before it):
   * ``ir``          :class:`Action`, :class:`Schedule` and the text form ``1F0`` (as torch's pipelining)
   * ``generators``  :func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`, :func:`zero_bubble_h1`,
                     :func:`pipedream_async`, :func:`interleaved_zero_bubble`, :func:`looped_bfs`
-  * ``v_schedules`` two stages a device in a V (:func:`v_placement`): :func:`zero_bubble_v`
+  * ``v_schedules`` two stages a device in a V (:func:`v_placement`): :func:`zero_bubble_v`, :func:`dualpipe_v`
   * ``registry``    :class:`ScheduleSpec`, :func:`register`, :func:`make_schedule`, the bubble and peak formulas
   * ``engine``      :func:`dependencies`, :func:`encode`, :func:`walk`, :func:`validate`, :func:`execution_order`
   * ``versions``    :class:`WeightPolicy`, the named :data:`POLICIES` and :func:`weight_versions`
@@ -22,18 +22,18 @@ from .engine import (DeadlockError, DeadlockReport, EncodedSchedule, Walk, depen
 from .generators import (gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
                          zero_bubble_h1)
 from .ir import OPS, Action, Schedule, ScheduleError
-from .registry import (SCHEDULES, ScheduleSpec, default_schedule, make_schedule, register, schedule_names,
-                       schedule_spec, unregister)
-from .v_schedules import v_placement, zero_bubble_v
+from .registry import (SCHEDULES, ScheduleSpec, default_schedule, make_schedule, register, resolve_stages_per_device,
+                       schedule_names, schedule_spec, unregister)
+from .v_schedules import dualpipe_v, v_placement, zero_bubble_v
 from .versions import POLICIES, VARIANT_LABELS, NamedPolicy, WeightPolicy, variant_label, weight_versions
 
 __all__ = [
     "OPS", "Action", "Schedule", "ScheduleError",
     "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs",
-    "zero_bubble_v",
+    "zero_bubble_v", "dualpipe_v",
     "v_placement",
     "ScheduleSpec", "SCHEDULES", "register", "unregister", "schedule_names", "schedule_spec", "make_schedule",
-    "default_schedule",
+    "default_schedule", "resolve_stages_per_device",
     "dependencies", "EncodedSchedule", "encode", "validate", "DeadlockReport", "DeadlockError", "Walk", "walk",
     "execution_order",
     "WeightPolicy", "NamedPolicy", "POLICIES", "VARIANT_LABELS", "variant_label", "weight_versions",

@@ -87,6 +87,8 @@ def encode(schedule: Schedule) -> EncodedSchedule:
         if not all(owner[a.stage] == d for a in acts):
             bad = next(a for a in acts if owner[a.stage] != d)
             raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
+    if schedule.overlap_pairs:
+        _check_overlap_pairs(schedule)
     encoded = EncodedSchedule(schedule)
     ops = "FBW" if schedule.has_weight_actions else "FB"
     expected = len(ops) * p * m
@@ -110,14 +112,39 @@ def encode(schedule: Schedule) -> EncodedSchedule:
     raise AssertionError("unreachable: counts differ but no action is missing or doubled")
 
 
+def _check_overlap_pairs(schedule: Schedule) -> None:
+    """Each overlapped pair is an F and a B of one device, the B right after the F; no action in two pairs."""
+    position = {a: (d, k) for d, acts in enumerate(schedule.per_device) for k, a in enumerate(acts)}
+    paired: set[Action] = set()
+    for pair in schedule.overlap_pairs:
+        if len(pair) != 2 or not all(isinstance(a, Action) for a in pair) or (pair[0].op, pair[1].op) != ("F", "B"):
+            raise ScheduleError(f"overlap_pairs must hold (F action, B action) pairs, got {pair!r}")
+        forward, backward = pair
+        for a in pair:
+            if a not in position:
+                raise ScheduleError(f"overlapped pair {forward}&{backward}: {a} is not in any device's list")
+            if a in paired:
+                raise ScheduleError(f"{a} is in two overlapped pairs")
+            paired.add(a)
+        if forward in dependencies(backward, schedule.num_stages):
+            raise ScheduleError(f"overlapped pair {forward}&{backward}: the B needs the F's result, so the two "
+                                f"cannot overlap")
+        (d, k), (e, j) = position[forward], position[backward]
+        if e != d or j != k + 1:
+            raise ScheduleError(f"overlapped pair {forward}&{backward}: the B must come right after the F on the "
+                                f"same device, got {forward} at device {d} place {k}, {backward} at device {e} "
+                                f"place {j}")
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check every rule; raise :class:`ScheduleError` naming the first broken one.
 
     Rules: each action on the device that owns its stage; every
     (op, stage, micro-batch) exactly once (W for all or for none);
     F(s,i) after F(s-1,i); B(s,i) after F(s,i) and B(s+1,i); W(s,i) after
-    B(s,i); and no deadlock when each device runs its list in order (the
-    error names the cycle of waiting devices). Returns the schedule.
+    B(s,i); each overlapped pair an F with a B right after it on its device;
+    and no deadlock when each device runs its list in order (the error names
+    the cycle of waiting devices). Returns the schedule.
     """
     walk(encode(schedule))
     return schedule
@@ -165,13 +192,16 @@ class Walk:
         return [(owner[a.stage], a) for a in map(action_of.__getitem__, self.order)]
 
 
-def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, comm: float = 0.0) -> Walk:
+def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, comm: float = 0.0, *,
+         pairs_as_blocks: bool = False) -> Walk:
     """Run every device's list in order, each action once its dependencies ran.
 
     With ``durations[key]`` (one per action key) and ``comm`` it also times each action
     as the simulator defines: start when the device is free and every
     dependency has ended (+ comm when it crosses devices). One pass, O(actions).
     Raises :class:`DeadlockError` when devices wait for each other.
+    With ``pairs_as_blocks`` an overlapped pair's F also waits for what its B waits for
+    (the two start together; the caller gives the F the block's time and the B none).
 
     The loop is written out by hand (no helper calls, flat lists): it is the
     simulator's hot path, 64 devices x 1024 micro-batches in well under a second.
@@ -201,6 +231,11 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
     # comm paid by F(s) receiving from stage s-1, and by B(s) receiving from stage s+1
     recv_fwd = [comm if s > 0 and owner[s - 1] != owner[s] else 0.0 for s in range(p)]
     recv_bwd = [comm if s < p - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(p)]
+    block_wait: dict[int, tuple[int, float]] = {}  # a paired F's key -> (its B's dependency on the next stage, comm)
+    if pairs_as_blocks:
+        for forward, backward in schedule.overlap_pairs:
+            if backward.stage < p - 1:
+                block_wait[encoded.key(forward)] = (encoded.key(backward) + m, recv_bwd[backward.stage])
     end = [-1.0] * (3 * pm)  # -1: not run yet
     start = [0.0] * (3 * pm)
     waiting: list[list[int] | None] = [None] * (3 * pm)  # devices blocked on each key
@@ -225,6 +260,14 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
                     if ready_time < 0:
                         break
                     ready_time += recv_fwd[s]
+                    if ready_time > begin:
+                        begin = ready_time
+                if block_wait and key in block_wait:
+                    dep, delay = block_wait[key]
+                    ready_time = end[dep]
+                    if ready_time < 0:
+                        break
+                    ready_time += delay
                     if ready_time > begin:
                         begin = ready_time
             else:  # B waits for F(s) and B(s+1); W waits for B(s)
@@ -268,7 +311,8 @@ def _deadlock_report(encoded: EncodedSchedule, cursor: list[int], end: list[floa
     for d, acts in enumerate(schedule.per_device):
         if cursor[d] < len(acts):
             a = acts[cursor[d]]
-            missing = next(x for x in dependencies(a, p) if end[encoded.key(x)] < 0)
+            waits_for = dependencies(a, p) + [x for f, b in schedule.overlap_pairs if f == a for x in dependencies(b, p)]
+            missing = next(x for x in waits_for if end[encoded.key(x)] < 0)
             report.waiting[d] = (a, missing)
     # A device blocked on its own later action is the plainest broken rule: report it first.
     own = [d for d, (_, dep) in sorted(report.waiting.items()) if owner[dep.stage] == d]

@@ -219,8 +219,9 @@ def interleaved_zero_bubble(num_devices: int, num_microbatches: int, stages_per_
     ``p - 1 - d`` forwards shorter so that its B's come back earlier, and the W of each backward run ``d``
     backwards later, in what would be idle time (device 0 right after its B).
 
-    With ``m >= p`` and a thin stage's F = B = W: bubble ``(p-1)/(3vm+p-1)``, and every device holds ``p``
-    micro-batches' worth (``v p`` thin stages) at its peak, 1F1B's memory; fewer micro-batches wait longer.
+    With ``m >= p`` and a thin stage's F = B = W: bubble ``(p-1)/(3vm+p-1)``; fewer micro-batches wait longer.
+    At its peak a device holds its warm-up's ``min((v-1) g + p, v m)`` thin stages (``g`` micro-batches a round):
+    for ``m`` a multiple of ``p``, ``p`` micro-batches' worth, 1F1B's memory.
     Its order equals torch 2.13's ``ScheduleInterleavedZeroBubble`` on every device, and both refuse the same
     ``m`` (those :func:`interleaved_1f1b`'s rounds do not split).
     """

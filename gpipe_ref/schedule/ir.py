@@ -62,6 +62,11 @@ class Schedule:
     ``flush`` is True for synchronous schedules (one optimizer step after all
     micro-batches) and False for PipeDream-style asynchronous ones, where a
     stage updates its weights after each of its backward actions.
+    ``overlap_pairs`` lists ``(F, B)`` pairs a device may run overlapped, one
+    micro-batch's forward beside another's backward (DeepSeek-V3's "F&B",
+    DeepSeek-AI 2024, sec. 3.2.1): the B comes right after its F in the
+    device's order. Executors run the two one after the other; the simulator
+    prices a pair as their sum or as overlapped (``CostModel.pair_pricing``).
     """
 
     name: str
@@ -71,11 +76,13 @@ class Schedule:
     stage_to_device: tuple[int, ...]
     per_device: tuple[tuple[Action, ...], ...]
     flush: bool = True
+    overlap_pairs: tuple[tuple[Action, Action], ...] = ()
 
     def __post_init__(self) -> None:
         # Store tuples whatever sequence the caller gave, so the schedule is hashable.
         object.__setattr__(self, "stage_to_device", tuple(self.stage_to_device))
         object.__setattr__(self, "per_device", tuple(tuple(acts) for acts in self.per_device))
+        object.__setattr__(self, "overlap_pairs", tuple(tuple(pair) for pair in self.overlap_pairs))
 
     # -- derived facts ---------------------------------------------------------
     @property
@@ -98,6 +105,13 @@ class Schedule:
         return "custom"
 
     @property
+    def messages_per_microbatch(self) -> int:
+        """Point-to-point messages one micro-batch sends: an activation and a gradient at every stage boundary
+        that crosses devices (1F1B: ``2(p-1)``; a V: ``4(p-1)``, its bottom turn stays on one device)."""
+        placed = self.stage_to_device
+        return 2 * sum(placed[s] != placed[s + 1] for s in range(self.num_stages - 1))
+
+    @property
     def has_weight_actions(self) -> bool:
         """True when B is the input-gradient half and W actions do the rest."""
         return any(a.op == "W" for acts in self.per_device for a in acts)
@@ -110,10 +124,19 @@ class Schedule:
 
     # -- text form -------------------------------------------------------------
     def to_text(self) -> str:
-        """One line per device: ``"<device>: 0F0 0F1 ..."``."""
-        return "\n".join(
-            f"{d}: " + " ".join(str(a) for a in acts) for d, acts in enumerate(self.per_device)
-        )
+        """One line per device: ``"<device>: 0F0 0F1 ..."``; an overlapped pair is one token, ``"0F7&7B3"``."""
+        paired = {b: f for f, b in self.overlap_pairs}
+
+        def tokens(acts: tuple[Action, ...]) -> list[str]:
+            out: list[str] = []
+            for k, a in enumerate(acts):
+                if a in paired and k and acts[k - 1] == paired[a]:
+                    out[-1] += f"&{a}"
+                else:
+                    out.append(str(a))
+            return out
+
+        return "\n".join(f"{d}: " + " ".join(tokens(acts)) for d, acts in enumerate(self.per_device))
 
     @classmethod
     def from_text(
@@ -127,6 +150,7 @@ class Schedule:
     ) -> "Schedule":
         """Parse one line per device (an optional ``"<device>:"`` prefix is allowed).
 
+        A token ``"0F7&7B3"`` is an overlapped pair (``overlap_pairs``).
         Stages and micro-batches are counted from the actions; stages are
         placed on the device whose line first mentions them unless
         ``stage_to_device`` is given. The result is not validated: call
@@ -138,14 +162,10 @@ class Schedule:
         if not lines:
             raise ValueError("text must hold at least one line of actions, got an empty text")
         per_device: list[tuple[Action, ...]] = []
+        pairs: list[tuple[Action, ...]] = []
         for number, line in enumerate(lines):
-            if ":" in line:
-                label, line = line.split(":", 1)
-                if label.strip() != str(number):
-                    raise ValueError(
-                        f"line {number + 1} must start with '{number}:' or no label, got {label.strip()!r}:"
-                    )
-            per_device.append(tuple(Action.parse(tok) for tok in line.replace(",", " ").split()))
+            acts = _parse_line(number, line, pairs)
+            per_device.append(acts)
         all_actions = [a for acts in per_device for a in acts]
         if not all_actions:
             raise ValueError("text holds no actions")
@@ -170,9 +190,28 @@ class Schedule:
             stage_to_device=tuple(stage_to_device),
             per_device=tuple(per_device),
             flush=flush,
+            overlap_pairs=tuple(pairs),
         )
 
     def __str__(self) -> str:
         return f"{self.name} (p={self.num_stages} stages, m={self.num_microbatches}, " \
                f"{self.num_devices} devices)\n{self.to_text()}"
 
+
+
+def _parse_line(number: int, line: str, pairs: list) -> tuple[Action, ...]:
+    """Device ``number``'s actions from its line; its overlapped pairs are appended to ``pairs``."""
+    if ":" in line:
+        label, line = line.split(":", 1)
+        if label.strip() != str(number):
+            raise ValueError(f"line {number + 1} must start with '{number}:' or no label, got {label.strip()!r}:")
+    acts: list[Action] = []
+    for token in line.replace(",", " ").split():
+        parts = [Action.parse(part) for part in token.split("&")]
+        if len(parts) > 1:
+            if len(parts) != 2 or (parts[0].op, parts[1].op) != ("F", "B"):
+                raise ValueError(f"an overlapped pair must look like <F action>&<B action>, e.g. '0F7&7B3', "
+                                 f"got {token!r}")
+            pairs.append(tuple(parts))
+        acts += parts
+    return tuple(acts)

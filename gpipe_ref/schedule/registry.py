@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checks import positive_int
-from .generators import gpipe, interleaved_1f1b, one_f_one_b, pipedream_async, zero_bubble_h1
+from .generators import (gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
+                         zero_bubble_h1)
 from .ir import Schedule
+from .v_schedules import dualpipe_v, zero_bubble_v
 
 __all__ = ["ScheduleSpec", "SCHEDULES", "register", "unregister", "schedule_names", "schedule_spec",
-           "make_schedule", "default_schedule"]
+           "make_schedule", "default_schedule", "resolve_stages_per_device"]
 
 
 @dataclass(frozen=True)
@@ -18,11 +20,15 @@ class ScheduleSpec:
     """Everything the package knows about one named schedule.
 
     ``build(p, m)`` makes the schedule (``build(p, m, v)`` when ``multi_stage``:
-    ``p`` devices with ``v`` stages each). ``bubble(p, m, v, r)`` is the closed-form
+    ``p`` devices with ``v`` stages each, the caller's choice); a schedule that is not
+    ``multi_stage`` puts ``stages_per_device`` stages on each device itself (1, or 2
+    in a V). Where the stages sit is the schedule's own ``placement``, never read
+    from the spec. ``bubble(p, m, v, r)`` is the closed-form
     bubble fraction for uniform stages, no communication and backward/forward cost
     ratio ``r``; ``formula`` is the same as text, exact when ``exact_when(p, m, v, r)``
     holds (else a lower bound, for the reason in ``exact_note``). ``peak_held(p, m, v)``
-    is how many micro-batches' activations the first device holds at its peak.
+    is how many micro-batches' activations the first device holds at its peak, each
+    micro-batch's worth being the activations of one device's share of the layers.
     """
 
     name: str
@@ -38,6 +44,7 @@ class ScheduleSpec:
     split_backward: bool = False
     exact_when: Callable[[int, int, int, float], bool] = lambda p, m, v, r: True
     exact_note: str = ""
+    stages_per_device: int = 1
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}  # name -> spec, in registration order
@@ -84,28 +91,39 @@ def schedule_spec(name: str, *, flush: bool | None = None) -> ScheduleSpec:
     return SCHEDULES[key]
 
 
-def make_schedule(
-    name: str, num_stages: int, num_microbatches: int, stages_per_device: int = 1
-) -> Schedule:
-    """Build a registered schedule by name. For a multi-stage schedule (``interleaved_1f1b``),
-    ``num_stages`` is the number of devices and the model has ``num_stages * stages_per_device`` stages."""
+def resolve_stages_per_device(name: str, stages_per_device: int | None = None) -> int:
+    """How many stages each device holds under schedule ``name``: ``stages_per_device`` for a schedule that lets
+    the caller choose (interleaved, default 1), else the schedule's own (1, or 2 in a V), which ``stages_per_device``
+    may repeat but not contradict."""
     spec = schedule_spec(name)
-    positive_int("stages_per_device", stages_per_device)
+    if stages_per_device is not None:
+        positive_int("stages_per_device", stages_per_device)
     if spec.multi_stage:
-        return spec.build(num_stages, num_microbatches, stages_per_device)
-    if stages_per_device != 1:
+        return 1 if stages_per_device is None else stages_per_device
+    if stages_per_device not in (None, spec.stages_per_device):
         multi = [n for n, s in SCHEDULES.items() if s.multi_stage]
         raise ValueError(
-            f"stages_per_device must be 1 for schedule {spec.name!r} (only {', '.join(multi)} put "
-            f"several stages on a device), got {stages_per_device}"
+            f"stages_per_device must be {spec.stages_per_device} for schedule {spec.name!r} (it places its own "
+            f"stages; {', '.join(multi)} take any number), got {stages_per_device}"
         )
-    return spec.build(num_stages, num_microbatches)
+    return spec.stages_per_device
 
 
-def default_schedule(stages_per_device: int = 1) -> str:
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, stages_per_device: int | None = None
+) -> Schedule:
+    """Build a registered schedule by name. ``num_stages`` is the number of devices; the model has
+    ``num_stages * resolve_stages_per_device(name, stages_per_device)`` stages (several for interleaved schedules,
+    two for a V)."""
+    spec = schedule_spec(name)
+    v = resolve_stages_per_device(name, stages_per_device)
+    return spec.build(num_stages, num_microbatches, v) if spec.multi_stage else spec.build(num_stages, num_microbatches)
+
+
+def default_schedule(stages_per_device: int | None = 1) -> str:
     """The schedule a run uses when none is named: 1F1B with a flush, or with several stages per device the
     registered flush schedule that places them (interleaved 1F1B)."""
-    if positive_int("stages_per_device", stages_per_device) == 1:
+    if stages_per_device is None or positive_int("stages_per_device", stages_per_device) == 1:
         return "1f1b"
     return next(name for name, spec in SCHEDULES.items() if spec.multi_stage and spec.flush)
 
@@ -147,3 +165,36 @@ register(ScheduleSpec(
     formula="(p-1)/(m+p-1)", peak_held=lambda p, m, v: min(m, p), source="Narayanan et al. 2019, sec. 3",
     aliases=("pipedream",)))
 
+
+
+def _looped_bfs_bubble(p: int, m: int, v: int, r: float) -> float:
+    """Fill-drain over ``v`` thin stages a device; with ``m < p`` each of the ``v - 1`` chunk switches waits
+    ``p - m`` more thin-stage times."""
+    wait = (p - 1) + (v - 1) * max(0, p - m)
+    return wait / (v * m + wait)
+
+
+register(ScheduleSpec(
+    "looped_bfs", looped_bfs, "Looped BFS", flush=True, bubble=_looped_bfs_bubble,
+    formula="(p-1+w)/(v·m+p-1+w), w=(v-1)·max(0,p-m)", peak_held=lambda p, m, v: m,
+    source="Lamy-Poirier 2023, sec. 3", multi_stage=True))
+register(ScheduleSpec(
+    "interleaved_zero_bubble", interleaved_zero_bubble, "Interleaved zero bubble", flush=True,
+    bubble=lambda p, m, v, r: (p - 1) / (v * m * (1 + r) + p - 1), formula="(p-1)/((1+r)·v·m+p-1)",
+    peak_held=lambda p, m, v: min((v - 1) * (m // max(1, m // p)) + p, v * m) / v,
+    source="Qi et al. 2024, sec. 2.1; Narayanan et al. 2021, sec. 2.2",
+    multi_stage=True, split_backward=True, exact_when=lambda p, m, v, r: m >= p and r == 2,
+    exact_note="the formula assumes m >= p and F = B = W (r = 2)"))
+register(ScheduleSpec(
+    "zero_bubble_v", zero_bubble_v, "ZB-V (V placement)", flush=True,
+    bubble=lambda p, m, v, r: (p - 1) / (2 * m * (1 + r) + p - 1), formula="(p-1)/(2(1+r)·m+p-1)",
+    peak_held=lambda p, m, v: min(m + 1, 2 * p) / 2, source="Qi et al. 2024, sec. 6 (ZB-V)", aliases=("zbv",),
+    split_backward=True, exact_when=lambda p, m, v, r: m >= 2 * p - 1 and r == 2,
+    exact_note="the formula assumes m >= 2p-1 and F = B = W (r = 2)", stages_per_device=2))
+register(ScheduleSpec(
+    "dualpipe_v", dualpipe_v, "DualPipeV (V, F&B pairs)", flush=True,
+    bubble=lambda p, m, v, r: (p - 1) / (2 * m * (1 + r) + p - 1), formula="(p-1)/(2(1+r)·m+p-1), pairs summed",
+    peak_held=lambda p, m, v: p + 0.5, source="DeepSeek-AI 2024, sec. 3.2.1 (DualPipe cut in half: torch's "
+    "ScheduleDualPipeV)", aliases=("dualpipev",), split_backward=True, exact_when=lambda p, m, v, r: r == 2,
+    exact_note="the formula assumes F = B = W (r = 2) and each F&B pair priced as the sum of its halves",
+    stages_per_device=2))

@@ -8,10 +8,12 @@ device to the first.
 
 from __future__ import annotations
 
+from collections import deque
+
 from ..checks import positive_int
 from .ir import Action, Schedule
 
-__all__ = ["v_placement", "zero_bubble_v"]
+__all__ = ["v_placement", "zero_bubble_v", "dualpipe_v"]
 
 
 def v_placement(num_devices: int) -> tuple[int, ...]:
@@ -66,10 +68,93 @@ def zero_bubble_v(num_devices: int, num_microbatches: int) -> Schedule:
     Its order equals torch 2.13's ``ScheduleZBVZeroBubble`` on every device (``tests/test_schedule_v.py`` compares
     them through ``get_schedule_ops``, our B for torch's ``I``), for every ``m``; torch refuses none of them either.
     With ``m >= 2p - 1`` and a thin stage's F = B = W, every device idles ``p - 1`` of those units per step:
-    bubble ``(p-1)/(6m+p-1)``. At its peak a device holds ``2p`` thin stages' activations, ``p`` micro-batches of
-    its whole share of the layers: the peak of 1F1B's first device, on every device.
+    bubble ``(p-1)/(6m+p-1)``. At its peak device 0 holds ``min(m + 1, 2p)`` thin stages' activations: from
+    ``m >= 2p - 1`` on, ``p`` micro-batches of its whole share of the layers, the peak of 1F1B's first device.
     """
     p = positive_int("num_devices", num_devices)
     m = positive_int("num_microbatches", num_microbatches)
     return Schedule("zero_bubble_v", 2 * p, m, p, v_placement(p),
                     tuple(_zero_bubble_v_order(d, p, m) for d in range(p)))
+
+
+def _dualpipe_v_order(d: int, p: int, m: int) -> tuple[tuple[Action, ...], list[tuple[Action, Action]]]:
+    """Device ``d``'s actions under DualPipeV in torch's order (``ScheduleDualPipeV``), and its overlapped pairs.
+
+    Eight phases (``down = d``, ``up = 2p - 1 - d``): ``2(p - 1 - d)`` forwards down; ``d + 1`` pairs of forwards
+    (down, up); ``p - 1 - d`` times the up stage's B, W and F; the main phase, ``m - 2p + d + 1`` times an F down
+    overlapped with a full backward up, then an F up with a full backward down (the last device runs its first
+    F down and B up apart); ``p - 1 - d`` times a full backward up, then F up with backward down overlapped;
+    ``d + 1`` backwards up and down, the B's from halfway on leaving their W for later (zero bubble); ``p - 1 - d``
+    times a deferred W then a backward down; the last ``d + 1`` deferred W's. A full backward is our B and its W
+    back to back; the W's deferred run oldest first.
+    """
+    down, up = d, 2 * p - 1 - d
+    done = {(op, stage): 0 for op in "FB" for stage in (down, up)}
+    order: list[Action] = []
+    pairs: list[tuple[Action, Action]] = []
+    deferred: deque[Action] = deque()
+
+    def forward(stage: int) -> Action:
+        order.append(Action("F", stage, done["F", stage]))
+        done["F", stage] += 1
+        return order[-1]
+
+    def backward(stage: int, full: bool = True) -> Action:
+        b = Action("B", stage, done["B", stage])
+        done["B", stage] += 1
+        order.append(b)
+        (order.append if full else deferred.append)(Action("W", stage, b.microbatch))
+        return b
+
+    def oldest_weight() -> None:
+        if deferred:
+            order.append(deferred.popleft())
+
+    for _ in range(2 * (p - 1 - d)):
+        forward(down)
+    for _ in range(d + 1):
+        forward(down), forward(up)
+    for _ in range(p - 1 - d):
+        backward(up, full=False), oldest_weight(), forward(up)
+    for i in range(m - 2 * p + d + 1):
+        if i == 0 and d == p - 1:  # the turn of the V: apart, so the B can start as soon as its F ends
+            forward(down), backward(up)
+        else:
+            pairs.append((forward(down), backward(up)))
+        pairs.append((forward(up), backward(down)))
+    for _ in range(p - 1 - d):
+        backward(up)
+        pairs.append((forward(up), backward(down)))
+    half = (d + 1) // 2
+    for i in range(d + 1):
+        backward(up, full=i < half or (i == half and d % 2 == 0))
+        backward(down, full=i < half)
+    for _ in range(p - 1 - d):
+        oldest_weight(), backward(down, full=False)
+    while deferred:
+        oldest_weight()
+    return tuple(order), pairs
+
+
+def dualpipe_v(num_devices: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-AI 2024, sec. 3.2.1, "cut in half" to a V by Sea AI Lab): ZB-V's placement, the steady
+    state made of pairs, one micro-batch's forward overlapped with another's full backward (``overlap_pairs``),
+    so that a model whose stages wait on all-to-all communication (expert parallelism) hides it behind the other
+    half of the pair's compute.
+
+    Its order equals torch 2.13's ``ScheduleDualPipeV`` on every device (our B and W back to back for torch's full
+    backward ``B``, our B for its ``I``), and like torch it needs ``m >= 2p`` (at least one micro-batch a stage).
+    With a thin stage's F = B = W and each pair priced as the sum of its halves (the executors run them one after
+    the other), every device idles ``p - 1`` of those units: ZB-V's bubble ``(p-1)/(6m+p-1)``. DeepSeek's table
+    gives ``(PP/2-1)(F&B+B-3W)`` with ``PP = 2p`` stages and ``B`` the whole backward: ``2(p-1)`` units here, an
+    upper bound at these costs (notebook 07 compares the two). At its peak every device holds ``2p + 1`` thin
+    stages' activations, DeepSeek's ``PP + 1``.
+    """
+    p = positive_int("num_devices", num_devices)
+    m = positive_int("num_microbatches", num_microbatches)
+    if m < 2 * p:
+        raise ValueError(f"num_microbatches must be at least the number of stages 2 * num_devices = {2 * p} for "
+                         f"dualpipe_v (as torch's ScheduleDualPipeV), got {m}")
+    orders = [_dualpipe_v_order(d, p, m) for d in range(p)]
+    return Schedule("dualpipe_v", 2 * p, m, p, v_placement(p), tuple(order for order, _ in orders),
+                    overlap_pairs=tuple(pair for _, pairs in orders for pair in pairs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 
+from ..placement import placement_svg
 from ..playground import analyse, builtin_text, run_on_executor
 from ..viz import timeline_svg
 from .base import Dashboard, schedule_choices
@@ -13,8 +14,10 @@ __all__ = ["SchedulePlayground", "schedule_playground"]
 
 class SchedulePlayground(Dashboard):
     """Type a schedule in ``1F0`` notation, one line per device (or load a built-in), and see at once the
-    validator's verdict with the offending actions marked, the simulated timeline, the bubble and the peak
-    in-flight micro-batches beside the built-in schedules; then run it on the executor."""
+    validator's verdict with the offending actions marked, where its stages sit (read from the text: a stage
+    lives on the device whose line runs it), the simulated timeline (coloured by stage when a device holds
+    several), the bubble and the peak in-flight micro-batches beside the built-in schedules; then run it on the
+    executor. ``0F7&7B3`` is an overlapped F&B pair (DualPipeV)."""
 
     def __init__(self, text: str | None = None, start: str = "gpipe", stages: int = 3, microbatches: int = 4) -> None:
         import ipywidgets as w
@@ -32,6 +35,7 @@ class SchedulePlayground(Dashboard):
         self.verdict = w.HTML()
         self.verdict.add_class("gpipe-playground-verdict")
         self.marked = w.HTML()
+        self.placement = w.HTML()
         self.picture = w.HTML()
         self.table = w.HTML()
         self.run = w.Button(description="run on the executor", tooltip="GPipe on simulated devices vs one device",
@@ -43,7 +47,7 @@ class SchedulePlayground(Dashboard):
         self.run.on_click(lambda _b: self.run_executor())
         self.text.observe(lambda _change: self.redraw(), names="value")
         self.widget = w.VBox([w.HBox([self.start, self.stages, self.microbatches, self.load]), self.text,
-                              self.verdict, self.marked, self.picture, self.table,
+                              self.verdict, self.marked, self.placement, self.picture, self.table,
                               w.HBox([self.run, self.run_result])])
         self.redraw()
 
@@ -61,11 +65,14 @@ class SchedulePlayground(Dashboard):
         self.run.disabled = not result.valid
         if not result.valid:
             self.marked.value = result.highlighted_html() if result.offending else ""
-            self.picture.value = self.table.value = ""
+            self.picture.value = self.table.value = self.placement.value = ""
             self.verdict.value = f"<b style='color:#b00'>&#10007; {html.escape(result.verdict())}</b>"
             return
         self.marked.value = ""
-        self.picture.value = timeline_svg(result.timeline, title="your schedule")
+        several = result.schedule.stages_per_device > 1
+        self.placement.value = placement_svg(result.schedule) if several else ""
+        self.picture.value = timeline_svg(result.timeline, title="your schedule",
+                                          color_by="stage" if several else "microbatch")
         t = result.timeline
         rows = [("yours", t.bubble_fraction, [t.peak_in_flight(d) for d in range(t.num_devices)])]
         rows += [(name, bubble, peaks) for name, (bubble, peaks) in result.comparison.items()]
