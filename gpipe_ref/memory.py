@@ -22,7 +22,7 @@ from .models import mlp_block, regression_data
 from .pipeline import GPipe
 from .schedule import schedule_names, schedule_spec
 
-__all__ = ["CATEGORIES", "MEMORY_SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "Precision", "PRECISIONS",
+__all__ = ["CATEGORIES", "memory_schedules", "RECOMPUTE_MODES", "ZERO_STAGES", "Precision", "PRECISIONS",
            "MemorySetup", "DeviceMemory", "block_parameters", "stage_parameters", "sharded_parameters",
            "state_bytes", "saved_per_microbatch", "microbatches_in_flight", "activation_bytes", "memory_anatomy",
            "measure_anatomy", "ActivationMeter"]
@@ -36,9 +36,15 @@ __all__ = ["CATEGORIES", "MEMORY_SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "
 # (data- and tensor-parallel ranks are alike), so the anatomy has one entry per stage.
 
 CATEGORIES = (*MODEL_STATES, "activations")
-# The schedules the model counts: one stage per device, flush, the backward one action (what GPipe runs here).
-MEMORY_SCHEDULES = tuple(name for name in schedule_names(flush=True, split_backward=False)
-                         if not schedule_spec(name).multi_stage)
+
+
+def memory_schedules() -> tuple[str, ...]:
+    """The schedules the model counts, read from the registry when asked: one stage per device, flush, the
+    backward one action (what GPipe runs here)."""
+    return tuple(name for name in schedule_names(flush=True, split_backward=False)
+                 if not schedule_spec(name).multi_stage and schedule_spec(name).stages_per_device == 1)
+
+
 RECOMPUTE_MODES = ("never", "always")  # checkpoint nothing / every stage input (GPipe's checkpoint modes)
 
 
@@ -67,7 +73,7 @@ class MemorySetup:
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "batch", "ffn", "dp", "tp", "pp", "microbatches"):
             positive_int(name, getattr(self, name))
-        one_of("schedule", self.schedule, MEMORY_SCHEDULES)
+        one_of("schedule", self.schedule, memory_schedules())
         one_of("recompute", self.recompute, RECOMPUTE_MODES)
         one_of("precision", self.precision, tuple(PRECISIONS))
         one_of("zero_stage", self.zero_stage, ZERO_STAGES)
@@ -158,7 +164,7 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> list[in
     ``min(m, p - stage)`` under 1F1B (notebook 05, section 3). The registry's ``peak_held`` is the first stage's;
     under these schedules stage s runs as the first stage of the last ``p - s`` stages' own pipeline would, so it
     holds ``peak_held(p - s, m)`` (``tests/test_memory.py`` holds both equal to the simulator's count)."""
-    peak_held = schedule_spec(one_of("schedule", schedule, MEMORY_SCHEDULES)).peak_held
+    peak_held = schedule_spec(one_of("schedule", schedule, memory_schedules())).peak_held
     positive_int("pp", pp)
     positive_int("microbatches", microbatches)
     return [int(peak_held(pp - stage, microbatches, 1)) for stage in range(pp)]

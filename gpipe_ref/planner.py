@@ -50,10 +50,13 @@ STATE_MEMORY, ACTIVATION_MEMORY, TOTAL_MEMORY = "weights, gradients, optimizer",
 
 
 def _planned_schedules() -> tuple[str, ...]:
-    """The cost model times flush schedules whose backward is one action, but looped BFS: its bubble is interleaved
-    1F1B's and it holds every micro-batch, so with no data-parallel overlap modelled (the one thing it does
-    better) it never wins here."""
-    return tuple(name for name in schedule_names(flush=True, split_backward=False) if name != "looped_bfs")
+    """The cost model times flush schedules whose backward is one action and whose stages sit one a device or
+    interleaved (the caller's ``v``), but looped BFS: its bubble is interleaved 1F1B's and it holds every
+    micro-batch, so with no data-parallel overlap modelled (the one thing it does better) it never wins here. A
+    schedule that places its own stages (a V) sends other messages and idles otherwise: it is not modelled."""
+    specs = [schedule_spec(name) for name in schedule_names(flush=True, split_backward=False)]
+    return tuple(spec.name for spec in specs
+                 if spec.name != "looped_bfs" and (spec.multi_stage or spec.stages_per_device == 1))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ test_browser.py for the shared pieces)."""
 from __future__ import annotations
 
 from gpipe_ref.memory import MemorySetup, memory_anatomy
-from gpipe_ref.widgets.memory import SCHEDULE_LABELS, format_bytes
+from gpipe_ref.widgets.memory import format_bytes, schedule_labels
 from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 
@@ -35,7 +35,7 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert readout.locator("table tr").count() == 5  # the header and four stages
 
         eventually(four_stages_gpipe)
-        label = next(label for label, name in SCHEDULE_LABELS if name == "1f1b")  # the registry's label
+        label = next(label for label, name in schedule_labels() if name == "1f1b")  # the registry's label
         page.locator(".widget-dropdown", has_text="schedule").locator("select").select_option(label=label)
 
         def four_stages_1f1b():

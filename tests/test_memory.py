@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.memory import (MEMORY_SCHEDULES, PRECISIONS, ActivationMeter, DeviceMemory, MemorySetup,
+from gpipe_ref.memory import (memory_schedules, PRECISIONS, ActivationMeter, DeviceMemory, MemorySetup,
                               activation_bytes, block_parameters, measure_anatomy, memory_anatomy,
                               microbatches_in_flight)
 from gpipe_ref.schedule import make_schedule, schedule_names, schedule_spec
@@ -119,7 +119,7 @@ def test_registry_peak_held_is_the_simulated_peak_for_every_schedule():
             except ValueError:  # an m the schedule refuses (interleaved_1f1b: rounds must split m evenly)
                 continue
             assert timeline.peak_in_flight(0) / v == spec.peak_held(p, m, v), (name, p, m, v)
-            if name in MEMORY_SCHEDULES:
+            if name in memory_schedules():
                 assert microbatches_in_flight(name, p, m) == [timeline.peak_in_flight(s) for s in range(p)]
             checked.add(name)
     assert checked == set(schedule_names())

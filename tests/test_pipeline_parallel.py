@@ -524,7 +524,9 @@ def _tuple_ranks(rank, world_size, schedule, balance, v, batches, checkpoint):
 @pytest.mark.parametrize("schedule,balance,v,checkpoint", [("gpipe", [2, 4], 1, "never"),
                                                            ("1f1b", [3, 3], 1, "except_last"),
                                                            ("zero_bubble_h1", [2, 4], 1, "never"),
-                                                           ("interleaved_1f1b", [2, 1, 1, 2], 2, "always")])
+                                                           ("interleaved_1f1b", [2, 1, 1, 2], 2, "always"),
+                                                           ("zero_bubble_v", [2, 1, 1, 2], None, "except_last"),
+                                                           ("dualpipe_v", [1, 2, 1, 2], None, "always")])
 def test_tuples_cross_ranks(schedule, balance, v, checkpoint):
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(n, 6, generator=generator), torch.randn(n, 6, generator=generator)) for n in (10, 10, 12)]

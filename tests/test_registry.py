@@ -95,3 +95,88 @@ def test_the_default_schedule_comes_from_the_registry():
     assert make_schedule(several, 2, 4, 2).num_stages == 4
     with pytest.raises(ValueError, match=r"stages_per_device must be an integer >= 1, got 0"):
         default_schedule(0)
+
+
+# -- a throwaway V schedule: every consumer asks the schedule where its stages sit, never its name ---------------
+def v_fill_drain(num_devices: int, num_microbatches: int) -> Schedule:
+    """Fill-drain over 2p stages placed in a V (device d holds d and 2p-1-d), under a name that says nothing."""
+    from gpipe_ref.schedule import v_placement
+
+    p, m = num_devices, num_microbatches
+    per_device = []
+    for d in range(p):
+        down, up = d, 2 * p - 1 - d
+        per_device.append([Action("F", down, i) for i in range(m)] + [Action("F", up, i) for i in range(m)]
+                          + [Action("B", up, i) for i in range(m)] + [Action("B", down, i) for i in range(m)])
+    return Schedule("plain_name", 2 * p, m, p, v_placement(p), per_device)
+
+
+@pytest.fixture
+def v_throwaway():
+    spec = register(ScheduleSpec(
+        "plain_name", v_fill_drain, "fill-drain in a V", flush=True, bubble=lambda p, m, v, r: (p - 1) / (m + p - 1),
+        formula="(p-1)/(m+p-1)", peak_held=lambda p, m, v: m, source="a test", stages_per_device=2))
+    try:
+        yield spec
+    finally:
+        unregister("plain_name")
+
+
+def _v_ranks(rank, world_size):
+    from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
+    from gpipe_ref.models import mlp
+
+    register(ScheduleSpec("plain_name", v_fill_drain, "fill-drain in a V", flush=True,
+                          bubble=lambda p, m, v, r: 0.0, formula="", peak_held=lambda p, m, v: m, source="a test",
+                          stages_per_device=2))
+    model, plain = mlp(width=6, depth=4, seed=1), mlp(width=6, depth=4, seed=1)
+    x, y = torch.randn(7, 6, generator=torch.Generator().manual_seed(1)), torch.randn(7, 6)
+    nn.MSELoss()(plain(x), y).backward()
+    pipe = PipelineParallel(model, [2] * 4, chunks=3, schedule="plain_name")  # 2 ranks x the V's 2 stages
+    pipe.step(x, y, nn.MSELoss())
+    owned = [(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()) if a.grad is not None]
+    return pipe.schedule.placement, len(owned), max((a - b).abs().max().item() for a, b in owned)
+
+
+def test_a_registered_v_schedule_works_with_every_consumer(v_throwaway, capsys):
+    from gpipe_ref.distributed import launch
+    from gpipe_ref.distributed.train import TrainConfig
+    from gpipe_ref.models import mlp
+    from gpipe_ref.placement import placement_svg
+    from gpipe_ref.playground import analyse, builtin_text
+    from gpipe_ref.widgets.bubble import BubbleExplorer
+
+    schedule = validate(make_schedule("plain_name", 3, 5))
+    assert schedule.placement == "v" and schedule.num_stages == 6 and make_schedule("plain_name", 3, 5, 2) == schedule
+    with pytest.raises(ValueError, match="stages_per_device must be 2 for schedule 'plain_name'"):
+        make_schedule("plain_name", 3, 5, 3)
+    assert simulate(schedule).bubble_fraction == pytest.approx(bubble_formula("plain_name", 3, 5))
+    assert main_ok(["simulate", "--schedule", "plain_name", "--stages", "3", "--microbatches", "4"], capsys,
+                   "6 stages on 3 devices")
+    assert TrainConfig(schedule="plain_name", pp=2, blocks=4).check().stages_per_rank == 2
+    model, plain = mlp(width=6, depth=6, seed=0), mlp(width=6, depth=6, seed=0)
+    x, y = torch.randn(9, 6, generator=torch.Generator().manual_seed(0)), torch.randn(9, 6)
+    nn.MSELoss()(plain(x), y).backward()
+    pipe = GPipe(model, [2] * 6, chunks=4, schedule="plain_name")
+    pipe.step(x, y, nn.MSELoss())
+    assert pipe.schedule.placement == "v" and len(pipe.devices) == 3
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    for placement, owned, gap in launch(_v_ranks, 2):
+        assert placement == "v" and owned == 4 and gap < 1e-6
+    explorer = BubbleExplorer(schedule="plain_name", stages=3, microbatches=4)
+    assert "a V: device d holds d and 2p-1-d" in explorer.placement.value and explorer.stages_per_device.disabled
+    assert "stage 5" in explorer.picture.value and "p=3, m=4, v=2" in explorer.readout.value
+    analysis = analyse(builtin_text("plain_name", 3, 4))
+    assert analysis.valid and analysis.schedule.placement == "v" and "plain_name" in analysis.comparison
+    assert "a V" in placement_svg(analysis.schedule)
+    model_config = ModelConfig(layers=8, hidden=256, heads=8, batch=16, seq_len=128, vocab=1000)
+    with pytest.raises(ValueError, match="schedule must be one of .*got 'plain_name'"):
+        estimate(model_config, ClusterConfig(gpus=4), schedule="plain_name", dp=1, tp=1, pp=4)
+    assert f"{__name__}.v_fill_drain" in schedule_generators()
+
+
+def main_ok(args: list[str], capsys, expected: str) -> bool:
+    from gpipe_ref.__main__ import main
+
+    return main(args) == 0 and expected in capsys.readouterr().out

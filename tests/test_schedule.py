@@ -294,3 +294,46 @@ def test_walk_with_huge_but_finite_durations_still_runs():
     # the quick check sums the durations; an overflowing sum alone must not refuse valid ones
     ran = walk(encode(gpipe(1, 1)), [1e308, 1e308, 0.0])
     assert ran.end[:2] == [1e308, float("inf")]  # F then B: the clock itself overflows, as floats do
+
+
+# -- overlapped F&B pairs (DualPipeV) and the messages a micro-batch sends ------------------------------------------
+def test_an_overlapped_pair_round_trips_through_the_text_form():
+    text = "0: 0F0 0F1 3F0 3B0 3W0 3F1&0B0 0W0 3B1 3W1 0B1 0W1\n1: 1F0 1F1 2F0 2B0 2W0 1B0 1W0 2F1 2B1 2W1 1B1 1W1"
+    schedule = validate(Schedule.from_text(text))
+    assert schedule.overlap_pairs == ((Action("F", 3, 1), Action("B", 0, 0)),)
+    assert schedule.to_text() == text and schedule.placement == "v"
+
+
+@pytest.mark.parametrize("pairs, message", [
+    (((Action("F", 3, 0), Action("B", 3, 0)),), r"3F0&3B0: the B needs the F's result"),
+    (((Action("F", 0, 1), Action("B", 0, 0)),), r"0F1&0B0: the B must come right after the F on the same device"),
+    (((Action("F", 3, 1), Action("B", 1, 0)),), r"3F1&1B0: the B must come right after the F on the same device, got "
+                                                r"3F1 at device 0 place 5, 1B0 at device 1 place 5"),
+    (((Action("B", 0, 0), Action("F", 3, 1)),), r"overlap_pairs must hold \(F action, B action\) pairs"),
+    (((Action("F", 3, 1), Action("B", 0, 0)),) * 2, r"3F1 is in two overlapped pairs"),
+])
+def test_a_bad_overlapped_pair_is_named(pairs, message):
+    plain = Schedule.from_text("0: 0F0 0F1 3F0 3B0 3W0 3F1 0B0 0W0 3B1 3W1 0B1 0W1\n"
+                               "1: 1F0 1F1 2F0 2B0 2W0 1B0 1W0 2F1 2B1 2W1 1B1 1W1")
+    broken = Schedule(plain.name, plain.num_stages, plain.num_microbatches, plain.num_devices, plain.stage_to_device,
+                      plain.per_device, overlap_pairs=pairs)
+    with pytest.raises(ScheduleError, match=message):
+        validate(broken)
+
+
+@pytest.mark.parametrize("token", ["0F1&0F2", "0B1&0F2", "0F1&1B0&2B0"])
+def test_from_text_refuses_a_pair_that_is_not_f_then_b(token):
+    with pytest.raises(ValueError, match="an overlapped pair must look like <F action>&<B action>"):
+        Schedule.from_text(f"0: {token}")
+
+
+def test_messages_per_microbatch_count_the_crossings():
+    """An activation forward and a gradient back at each stage boundary that changes device."""
+    from gpipe_ref.schedule import dualpipe_v, zero_bubble_v
+
+    for p in range(1, 6):
+        assert one_f_one_b(p, 4).messages_per_microbatch == 2 * (p - 1)
+        assert zero_bubble_v(p, 4).messages_per_microbatch == 4 * (p - 1)  # the V's turn stays on device p-1
+        assert dualpipe_v(p, 2 * p).messages_per_microbatch == 4 * (p - 1)
+        for v in (2, 3):
+            assert interleaved_1f1b(p, p, v).messages_per_microbatch == (2 * (v * p - 1) if p > 1 else 0)

@@ -239,7 +239,10 @@ def tuple_model(seed: int) -> nn.Sequential:
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("schedule,balance,v", [("gpipe", [2, 1, 1, 2], 1), ("1f1b", [2, 2, 2], 1),
                                                 ("zero_bubble_h1", [2, 1, 3], 1), ("zero_bubble_h1", [2, 4], 1),
-                                                ("interleaved_1f1b", [2, 1, 1, 2], 2)])
+                                                ("interleaved_1f1b", [2, 1, 1, 2], 2),
+                                                ("interleaved_zero_bubble", [2, 1, 1, 2], 2),
+                                                ("looped_bfs", [1, 1, 2, 2], 2), ("zero_bubble_v", [2, 1, 1, 2], None),
+                                                ("dualpipe_v", [1, 2, 1, 2], None)])
 def test_tuples_of_tensors_cross_stage_boundaries(schedule, balance, v, checkpoint, executor):
     """A (hidden, mask) pair and a (tensor, tensor, mask) triple between stages: loss and gradients equal the
     plain model's, the boolean mask getting no gradient, on every schedule, checkpoint mode and executor."""

@@ -321,3 +321,41 @@ def test_a_measured_step_under_a_second_reads_in_milliseconds():
     assert ax.get_xlabel() == "time (ms)"
     long = place(schedule, {action: 0.5 for _, action in schedule.actions()}, unit="s")
     assert long.display_unit() == ("s", 1.0) and "time (s)" in timeline_svg(long)
+
+
+# -- several stages a device: colour by stage; DualPipeV's F&B pairs framed -----------------------------------
+def test_colour_by_stage_tells_a_devices_chunks_apart(artifacts_dir):
+    from gpipe_ref.schedule import zero_bubble_v
+    from gpipe_ref.viz import stage_colors
+
+    timeline = simulate(zero_bubble_v(3, 6))
+    ax = plot_timeline(timeline, color_by="stage")
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [f"stage {s}" for s in range(6)] + ["idle (bubble)"]
+    assert len(set(stage_colors(6))) == 6 and len(set(stage_colors(20))) == 20
+    svg = timeline_svg(timeline, color_by="stage")
+    assert all(f">stage {s}</text>" in svg for s in range(6)) and "<title>5B0 (stage 5)" in svg
+    ax.figure.savefig(artifacts_dir / "timeline_zbv_by_stage.png")
+
+
+def test_fb_pairs_are_framed_solid_when_overlapped_dashed_when_summed(artifacts_dir):
+    from gpipe_ref.schedule import dualpipe_v
+    from gpipe_ref.simulator import CostModel
+
+    schedule = dualpipe_v(3, 6)
+    for pricing, style, name in (("sum", "dashed", "F&B pair, one after the other"),
+                                 ("overlap", "solid", "F&B pair, overlapped")):
+        timeline = simulate(schedule, CostModel(all_to_all=0.5, pair_pricing=pricing))
+        ax = plot_timeline(timeline, color_by="stage")
+        frames = ax.collections[-1]
+        assert len(frames.get_paths()) == len(schedule.overlap_pairs) and frames.get_facecolor().size == 0
+        assert name in [t.get_text() for t in ax.get_legend().get_texts()]
+        svg = timeline_svg(timeline)
+        assert svg.count('class="gpipe-pair"') == len(schedule.overlap_pairs) and name in svg
+        assert ('stroke-dasharray' in svg) == (style == "dashed")
+        ax.figure.savefig(artifacts_dir / f"timeline_dualpipev_{pricing}.png")
+
+
+def test_color_by_must_be_known():
+    with pytest.raises(ValueError, match=r"color_by must be one of \('microbatch', 'version', 'stage'\), got 'op'"):
+        timeline_svg(simulate(gpipe(2, 2)), color_by="op")

@@ -15,17 +15,23 @@ import io
 import re
 from dataclasses import replace
 
-from ..memory import CATEGORIES, MEMORY_SCHEDULES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy
+from ..memory import CATEGORIES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy, memory_schedules
 from ..model_states import format_bytes
 from ..schedule import schedule_spec
 from .base import Dashboard
 
-__all__ = ["MemoryExplorer", "memory_explorer", "memory_readout", "memory_svg", "format_bytes"]
+__all__ = ["MemoryExplorer", "memory_explorer", "memory_readout", "memory_svg", "format_bytes", "schedule_labels"]
 
 COLOURS = dict(zip(CATEGORIES, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")))
 HATCHES = dict(zip(CATEGORIES, ("", "//", "..", "xx")))
 RECOMPUTE_LABELS = [("none", "never"), ("checkpoint every stage input", "always")]
-SCHEDULE_LABELS = [(schedule_spec(name).label, name) for name in MEMORY_SCHEDULES]  # the registry's labels
+
+
+def schedule_labels() -> list[tuple[str, str]]:
+    """The registry's label of each schedule the memory model counts, read when a dashboard is built."""
+    return [(schedule_spec(name).label, name) for name in memory_schedules()]
+
+
 PRECISION_LABELS = [(PRECISIONS[name].label, name) for name in PRECISIONS]
 ZERO_LABELS = [("0: none (DDP)", 0), ("1: optimizer state", 1), ("2: + gradients", 2), ("3: + weights (FSDP)", 3)]
 
@@ -134,7 +140,7 @@ class MemoryExplorer(Dashboard):
                                     style=style, layout=layout)
         self.microbatches = w.SelectionSlider(options=self.MICROBATCH_CHOICES, value=microbatches,
                                               description="micro-batches m", style=style, layout=layout)
-        self.schedule = w.Dropdown(options=SCHEDULE_LABELS, value=schedule, description="schedule", style=style,
+        self.schedule = w.Dropdown(options=schedule_labels(), value=schedule, description="schedule", style=style,
                                    layout=layout)
         self.recompute = w.Dropdown(options=RECOMPUTE_LABELS, value=recompute, description="recomputation",
                                     style=style, layout=layout)
