@@ -713,3 +713,32 @@ def test_step_with_gradients_disabled_is_refused(disabled):
     with disabled(), pytest.raises(RuntimeError, match=r"step\(\) computes gradients, but gradients are disabled"):
         pipe.step(torch.randn(4, 4), torch.randn(4, 3), nn.MSELoss())
     assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble_v", "dualpipe_v", "interleaved_zero_bubble", "looped_bfs"])
+def test_the_meter_counts_what_the_formula_holds_on_several_stages_a_device(schedule):
+    """Measured saved bytes per device (the meter) against the registry's count of held thin stages (the
+    simulator's per-device peak; ``peak_held`` on device 0), each ``PAIRS + 1`` activations, plus the loss's
+    target for held micro-batches of the last stage. Looped BFS holds every micro-batch at its peak, targets
+    included: exact. With W actions a micro-batch between its B and its W has already freed what only the input
+    gradient needed, and the last stage's targets go as its B's run: within one thin stage below the count."""
+    from gpipe_ref.schedule import resolve_stages_per_device, schedule_spec
+    from gpipe_ref.simulator import simulate
+
+    p, m = 3, 6
+    v = resolve_stages_per_device(schedule, 2 if schedule_spec(schedule).multi_stage else None)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(p * v * PAIRS) for layer in (nn.Linear(HIDDEN, HIDDEN), nn.ReLU())])
+    pipe = GPipe(model, [2 * PAIRS] * (p * v), chunks=m, checkpoint="never", schedule=schedule, stages_per_device=v)
+    pipe.step(torch.randn(m * MICRO, HIDDEN), torch.randn(m * MICRO, HIDDEN), nn.MSELoss())
+    timeline = simulate(pipe.schedule)
+    held = [timeline.peak_in_flight(d) for d in range(p)]
+    assert held[0] / v == schedule_spec(schedule).peak_held(p, m, v)
+    one, stage = MICRO * HIDDEN * 4, (PAIRS + 1) * MICRO * HIDDEN * 4
+    for d in range(p):
+        targets = m * one if d == pipe.schedule.stage_to_device[-1] else 0
+        measured = pipe.timeline.peak_memory[d]
+        if pipe.schedule.has_weight_actions:
+            assert (held[d] - 1) * stage <= measured <= held[d] * stage + targets, (d, measured / one, held[d])
+        else:
+            assert measured == held[d] * stage + targets, (d, measured / one, held[d])
