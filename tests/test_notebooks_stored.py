@@ -13,7 +13,7 @@ from conftest import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 COURSE = ["00_welcome", "01_data_parallel", "02_tensor_parallel", "03_model_parallel", "04_gpipe",
-          "05_rematerialization", "06_pipedream", "07_beyond", "08_zero"]
+          "05_rematerialization", "06_pipedream", "07_beyond", "08_zero", "09_v_schedules"]
 
 
 def test_course_notebooks_exist():

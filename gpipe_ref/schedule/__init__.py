@@ -29,7 +29,8 @@ from .versions import POLICIES, VARIANT_LABELS, NamedPolicy, WeightPolicy, varia
 
 __all__ = [
     "OPS", "Action", "Schedule", "ScheduleError",
-    "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs",
+    "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble",
+    "looped_bfs",
     "zero_bubble_v", "dualpipe_v",
     "v_placement",
     "ScheduleSpec", "SCHEDULES", "register", "unregister", "schedule_names", "schedule_spec", "make_schedule",

@@ -311,7 +311,8 @@ def _deadlock_report(encoded: EncodedSchedule, cursor: list[int], end: list[floa
     for d, acts in enumerate(schedule.per_device):
         if cursor[d] < len(acts):
             a = acts[cursor[d]]
-            waits_for = dependencies(a, p) + [x for f, b in schedule.overlap_pairs if f == a for x in dependencies(b, p)]
+            paired = [x for f, b in schedule.overlap_pairs if f == a for x in dependencies(b, p)]
+            waits_for = dependencies(a, p) + paired
             missing = next(x for x in waits_for if end[encoded.key(x)] < 0)
             report.waiting[d] = (a, missing)
     # A device blocked on its own later action is the plainest broken rule: report it first.

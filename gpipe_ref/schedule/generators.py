@@ -234,9 +234,10 @@ def interleaved_zero_bubble(num_devices: int, num_microbatches: int, stages_per_
 
 
 def looped_bfs(num_devices: int, num_microbatches: int, stages_per_device: int) -> Schedule:
-    """Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"): interleaved placement (device ``d``
-    holds stages ``d, d + p, ...``), each device running every micro-batch through one of its stages before the
-    next ("breadth first"), then the backwards from its last stage down, micro-batches in reverse order.
+    """Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism", arXiv:2211.05953): interleaved
+    placement (device ``d`` holds stages ``d, d + p, ...``), each device running every micro-batch through one of its
+    stages before the next ("breadth first"), then the backwards from its last stage down, micro-batches in
+    reverse order.
 
     GPipe's memory (every micro-batch held at once) for interleaving's bubble, ``(p-1)/(vm+p-1)`` with thin
     stages costing ``1/v``; with ``m < p`` each of the ``v - 1`` stage switches waits ``p - m`` more stage-times,

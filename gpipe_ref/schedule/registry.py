@@ -177,7 +177,7 @@ def _looped_bfs_bubble(p: int, m: int, v: int, r: float) -> float:
 register(ScheduleSpec(
     "looped_bfs", looped_bfs, "Looped BFS", flush=True, bubble=_looped_bfs_bubble,
     formula="(p-1+w)/(v·m+p-1+w), w=(v-1)·max(0,p-m)", peak_held=lambda p, m, v: m,
-    source="Lamy-Poirier 2023, sec. 3", multi_stage=True))
+    source="Lamy-Poirier 2023, arXiv:2211.05953", multi_stage=True))
 register(ScheduleSpec(
     "interleaved_zero_bubble", interleaved_zero_bubble, "Interleaved zero bubble", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (v * m * (1 + r) + p - 1), formula="(p-1)/((1+r)·v·m+p-1)",
@@ -188,7 +188,8 @@ register(ScheduleSpec(
 register(ScheduleSpec(
     "zero_bubble_v", zero_bubble_v, "ZB-V (V placement)", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (2 * m * (1 + r) + p - 1), formula="(p-1)/(2(1+r)·m+p-1)",
-    peak_held=lambda p, m, v: min(m + 1, 2 * p) / 2, source="Qi et al. 2024, sec. 6 (ZB-V)", aliases=("zbv",),
+    peak_held=lambda p, m, v: min(m + 1, 2 * p) / 2, source="Qi et al. 2024, arXiv:2401.10241, sec. 6 (ZB-V)",
+    aliases=("zbv",),
     split_backward=True, exact_when=lambda p, m, v, r: m >= 2 * p - 1 and r == 2,
     exact_note="the formula assumes m >= 2p-1 and F = B = W (r = 2)", stages_per_device=2))
 register(ScheduleSpec(

@@ -1,9 +1,9 @@
 """V-shaped schedules: each device holds two stages, placed in a V, so the loss is computed where the input enters.
 
 Device ``d`` of ``p`` holds stage ``d`` on the way down and stage ``2p - 1 - d`` on the way up: device 0 runs the
-first and the last stage (ZB-V: Qi et al. 2024, "Zero Bubble (Almost) Pipeline Parallelism", arXiv:2401.10241). A
-micro-batch's forward goes down the devices and back up, its backward the reverse, with no hop from the last
-device to the first.
+first and the last stage (ZB-V: Qi et al. 2024, "Zero Bubble (Almost) Pipeline Parallelism", arXiv:2401.10241,
+sec. 6). A micro-batch's forward goes down the devices and back up, its backward the reverse, with no hop from the
+last device to the first.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def _zero_bubble_v_order(d: int, p: int, m: int) -> tuple[Action, ...]:
 
 
 def zero_bubble_v(num_devices: int, num_microbatches: int) -> Schedule:
-    """ZB-V (Qi et al. 2024, arXiv version): ``2p`` stages in a V on ``p`` devices, the backward split into B (the input's
+    """ZB-V (Qi et al. 2024, sec. 6): ``2p`` stages in a V on ``p`` devices, the backward split into B (the input's
     gradient) and W (the weights'), W placed to fill what would be idle.
 
-    Its order equals torch 2.13's ``ScheduleZBVZeroBubble`` on every device (``tests/test_schedule_v.py`` compares
+    Its order equals torch 2.13's ``ScheduleZBVZeroBubble`` on every device (``tests/test_v_schedules.py`` compares
     them through ``get_schedule_ops``, our B for torch's ``I``), for every ``m``; torch refuses none of them either.
     With ``m >= 2p - 1`` and a thin stage's F = B = W, every device idles ``p - 1`` of those units per step:
     bubble ``(p-1)/(6m+p-1)``. At its peak device 0 holds ``min(m + 1, 2p)`` thin stages' activations: from
