@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 from .arguments import (COST, COUNT, MAX_SIMULATED, PROG, RATE, CommandLineParser, ResultsFile, checked, folder,
                         output_file, writable_folder)
-from .checks import positive_int, probe_writable
+from .checks import positive_int, probability, probe_writable
 from .schedule import ScheduleError, make_schedule, resolve_stages_per_device, schedule_names
-from .simulator import CostModel, bubble_formula, simulate
+from .simulator import PAIR_PRICINGS, CostModel, bubble_formula, simulate
 
 # -- one parser per command ------------------------------------------------------------------------------
 def _simulate_parser(commands) -> argparse.ArgumentParser:
@@ -49,6 +49,12 @@ def _simulate_parser(commands) -> argparse.ArgumentParser:
                           "a full B costs backward-input + backward-weight")
     sim.add_argument("--comm", type=COST, default=0.0,
                      help="cost added when an activation or gradient crosses devices (default: 0)")
+    sim.add_argument("--pairs", choices=PAIR_PRICINGS, default="sum",
+                     help="how F&B pairs (dualpipe_v) are priced: sum (one after the other) or overlap (one "
+                          "block, the all-to-all share hidden; default: sum)")
+    sim.add_argument("--all-to-all", type=checked(probability, float), default=0.0,
+                     help="share of each F and B spent in all-to-all communication, that --pairs overlap hides "
+                          "(0 <= a < 1, default: 0)")
     sim.add_argument("--width", type=COUNT, default=160,
                      help="widest line of the text timeline, in characters; a longer timeline is wrapped "
                           "(default: 160)")
@@ -404,7 +410,8 @@ def _check_simulation_size(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     _check_simulation_size(args)
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.stages_per_device)
-    cost = CostModel(args.forward, args.backward_input, args.backward_weight, args.comm)
+    cost = CostModel(args.forward, args.backward_input, args.backward_weight, args.comm, all_to_all=args.all_to_all,
+                     pair_pricing=args.pairs)
     timeline = simulate(schedule, cost)
     print(f"schedule {schedule.name}: {schedule.num_stages} stages on {schedule.num_devices} devices, "
           f"{schedule.num_microbatches} micro-batches")

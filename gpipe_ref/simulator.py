@@ -17,7 +17,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Callable, Mapping
 
-from .checks import integer, non_negative, one_of, positive, positive_int
+from .checks import integer, non_negative, one_of, positive, positive_int, probability
 from .measure import gc_paused
 from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, WeightPolicy, encode, execution_order,
                        resolve_stages_per_device, walk, weight_versions)
@@ -26,10 +26,6 @@ from .timeline import Event, Timeline
 __all__ = ["PAIR_PRICINGS", "CostModel", "simulate", "place", "time_one_at_a_time", "bubble_formula", "calibrate"]
 
 PAIR_PRICINGS = ("sum", "overlap")
-
-
-def _is_share(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < 1
 
 
 @dataclass(frozen=True)
@@ -64,8 +60,7 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight", "comm"):
             non_negative(name, getattr(self, name))
-        if not (_is_share(self.all_to_all)):
-            raise ValueError(f"all_to_all must be a share of the time, 0 <= all_to_all < 1, got {self.all_to_all!r}")
+        probability("all_to_all", self.all_to_all)  # a share of the time: all of it would leave nothing to hide
         one_of("pair_pricing", self.pair_pricing, PAIR_PRICINGS)
         if self.stage_scale is not None:
             scale = tuple(self.stage_scale)

@@ -476,3 +476,15 @@ def test_exercises_mutate_lists_the_slips_that_keep_full_marks(tmp_path, capsys)
     with pytest.raises(SystemExit) as stop:
         main(["exercises", "mutate", "--solutions", str(tmp_path / "nope")])
     assert stop.value.code == 2 and "--solutions" in capsys.readouterr().err
+
+
+def test_simulate_prices_dualpipe_vs_pairs_either_way(capsys):
+    """Summed, DualPipeV's bubble is its formula's; overlapped, with all-to-all half of each half, the step is
+    shorter, and a share of 1 is refused with the rule."""
+    args = ["simulate", "--schedule", "dualpipe_v", "--stages", "4", "--microbatches", "8"]
+    assert main(args) == 0 and "bubble fraction: 0.0588 (5.88%)" in capsys.readouterr().out
+    assert main(args + ["--pairs", "overlap", "--all-to-all", "0.5"]) == 0
+    assert "makespan 44 cost" in capsys.readouterr().out  # 51 summed
+    with pytest.raises(SystemExit):
+        main(args + ["--all-to-all", "1"])
+    assert "argument --all-to-all: must be a number in [0, 1), got 1.0" in capsys.readouterr().err
