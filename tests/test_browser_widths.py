@@ -1,6 +1,6 @@
 """JupyterLab at 1280 px with the file browser open: every widget's picture fits its output area (none is
 clipped or needs a sideways scroll) and no label or button is cut short, the course's nine dashboards shown one
-per cell."""
+per cell, the explorer and the playground also with a V schedule (placement picture, pairs, more controls)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ DASHBOARDS = [  # the calls the course's notebooks make
     "staleness_explorer(stages=4, microbatches=8, lr=0.2)",
     'planner_explorer(model="GPT 39.1B", gpus=512, memory_gb=80, batch=1536)',
     'schedule_playground(start="gpipe", stages=3, microbatches=4)',
+    'bubble_explorer(schedule="dualpipe_v", stages=4, microbatches=8, pair_pricing="overlap")',
+    'schedule_playground(start="zero_bubble_v", stages=3, microbatches=6)',
 ]
 OVERFLOW = """(area) => {
     const box = area.getBoundingClientRect();
