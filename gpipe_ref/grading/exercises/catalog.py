@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..cases import Exercise
 from . import (ex01_data_parallel, ex02_tensor_parallel, ex03_model_parallel, ex04_gpipe, ex05_rematerialization,
-               ex06_pipedream, ex07_beyond, ex08_zero)
+               ex06_pipedream, ex07_beyond, ex08_zero, ex09_v_schedules)
 
 __all__ = ["EXERCISES", "NOTEBOOKS", "exercise"]
 
@@ -17,6 +17,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
     "06_pipedream": ex06_pipedream.EXERCISES,
     "07_beyond": ex07_beyond.EXERCISES,
     "08_zero": ex08_zero.EXERCISES,
+    "09_v_schedules": ex09_v_schedules.EXERCISES,
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 
