@@ -13,6 +13,8 @@ from conftest import ROOT
 
 import gpipe_ref.bench
 from gpipe_ref.__main__ import main
+from gpipe_ref.bench.pipelines import TORCH_PIPELINING_PEERS, torch_pipelining_sides
+from gpipe_ref.schedule import schedule_names
 
 KEYS = {"name", "config", "ours_s", "peer_s", "ratio", "theory", "target", "met"}
 
@@ -36,6 +38,16 @@ def test_quick_bench_writes_json_and_plot(tmp_path):
             if "ours_min_max_s" in case:  # timed cases: a median of the repetitions
                 low, high = case["ours_min_max_s"]
                 assert low <= case["ours_s"] <= high
+    versus_torch = [c for c in data["cases"] if "torch.distributed.pipelining" in c["name"]]
+    assert [(c["config"]["schedule"], c["torch_schedule"], c["target"]) for c in versus_torch] == [
+        ("gpipe", "torch.distributed.pipelining.ScheduleGPipe", 1.0),
+        ("1f1b", "torch.distributed.pipelining.Schedule1F1B", 1.0),
+        ("interleaved_1f1b", "torch.distributed.pipelining.ScheduleInterleaved1F1B", 1.1),
+        ("zero_bubble_v", "torch.distributed.pipelining.ScheduleZBVZeroBubble", 1.1),
+        ("dualpipe_v", "torch.distributed.pipelining.ScheduleDualPipeV", 1.1)]
+    assert all(c["ours_s"] > 0 and c["peer_s"] > 0 and c["config"]["microbatches"] == 4 for c in versus_torch)
+    scaled = [c["config"]["schedule"] for c in data["cases"] if c["name"] == "simulator scale"]
+    assert sorted(scaled) == sorted(schedule_names())  # every registered schedule, the V ones included
     speedups = [c for c in data["cases"] if "speedup" in c]
     assert all(c["theory"] == 2 * c["config"]["microbatches"] / (c["config"]["microbatches"] + 1) for c in speedups)
     assert all(abs(c["ratio"] - c["speedup"] / c["theory"]) <= 1e-12 for c in speedups)
@@ -70,6 +82,47 @@ def test_the_gpu_rows_pipes_build_and_train_like_the_plain_model_on_cpu(schedule
     assert pipe.balance == [4, 4] and pipe.chunks == 8
     for a, b in zip(reference.parameters(), pipe.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+
+
+def _ours_against_torch_pipelining(rank, world_size):
+    """On each rank, per schedule of the torch rows: the largest gap between our step's gradients and torch's
+    schedule's over the same stages, and both mini-batch losses where torch's last stage (its losses) lives."""
+    from gpipe_ref.models import regression_data
+
+    x, y = regression_data(samples=32, width=16, seed=0)
+    out = []
+    for name in TORCH_PIPELINING_PEERS:
+        ours, torch_step, theirs = torch_pipelining_sides(rank, name, width=16, m=4)
+        loss = ours.step(x, y, torch.nn.MSELoss()).item()
+        losses = torch_step(x, y)
+        mine = list(ours.parameters())
+        gap = max((a.grad - b.grad).abs().max().item() for a, b in zip(mine, theirs))
+        out.append((name, len(mine), len(theirs), gap, loss, torch.stack(losses).mean().item() if losses else None))
+    return out
+
+
+def test_the_torch_pipelining_rows_compare_the_same_training_step():
+    """Each row's two sides (the V schedules' included: rank d holds stages d and 3 - d on both) hold the same
+    stages on the same rank and give the same gradients and losses, so the rows time the same work."""
+    from gpipe_ref.distributed import launch
+
+    per_rank = launch(_ours_against_torch_pipelining, 2, timeout=300)
+    for rank, rows in enumerate(per_rank):
+        assert [row[0] for row in rows] == list(TORCH_PIPELINING_PEERS)
+        assert {"zero_bubble_v", "dualpipe_v"} <= set(TORCH_PIPELINING_PEERS)
+        for name, ours_count, torch_count, gap, loss, torch_loss in rows:
+            assert ours_count == torch_count == 4 and gap < 1e-6, (rank, name, gap)  # 2 Linears a rank
+            if torch_loss is not None:  # the last stage's rank: rank 1, or rank 0 in a V
+                assert abs(loss - torch_loss) < 1e-6, (rank, name, loss, torch_loss)
+    last_stage_rank = {name: [rank for rank in range(2) if per_rank[rank][k][5] is not None]
+                       for k, name in enumerate(TORCH_PIPELINING_PEERS)}
+    assert last_stage_rank == {"gpipe": [1], "1f1b": [1], "interleaved_1f1b": [1], "zero_bubble_v": [0],
+                               "dualpipe_v": [0]}
+
+
+def test_torch_pipelining_sides_names_an_unknown_schedule():
+    with pytest.raises(ValueError, match="schedule must be one of .*'dualpipe_v'.*got 'zero_bubble_h1'"):
+        torch_pipelining_sides(0, "zero_bubble_h1", width=16, m=4)
 
 
 def test_launch_timings_come_from_a_process_that_had_not_launched_yet():

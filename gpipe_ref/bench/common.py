@@ -69,6 +69,6 @@ def accumulate_gradients(model: nn.Module, x, y, chunks: int) -> None:
 
 def one_stage_flush_schedules(*, split_backward: bool | None = None) -> tuple[str, ...]:
     """The registered flush schedules with one stage per device (GPipe, 1F1B, zero bubble, ...): those an
-    executor runs on the benchmarks' 4-stage or 2-stage models."""
+    executor runs on the benchmarks' 4-stage or 2-stage models (neither interleaved nor in a V)."""
     return tuple(name for name in schedule_names(flush=True, split_backward=split_backward)
-                 if not schedule_spec(name).multi_stage)
+                 if not schedule_spec(name).multi_stage and schedule_spec(name).stages_per_device == 1)

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from ..models import mlp, regression_data
-from ..schedule import make_schedule, schedule_names, schedule_spec
+from ..schedule import make_schedule, resolve_stages_per_device, schedule_names, schedule_spec
 from .common import accumulate_gradients, alternate, one_stage_flush_schedules, result_row, timed_ranks
 
-__all__ = ["concurrency_case", "executor_cases", "pipeline_cases", "simulator_cases", "speedup_profile",
-           "torch_pipelining_cases"]
+__all__ = ["TORCH_PIPELINING_PEERS", "concurrency_case", "executor_cases", "pipeline_cases", "simulator_cases",
+           "speedup_profile", "torch_pipelining_cases", "torch_pipelining_sides"]
 
 
 def _pipeline_rank(rank: int, world: int, width: int, rows: int, ms: list[int], repeats: int, balance: list[int]):
@@ -144,48 +144,68 @@ def pipeline_cases(quick: bool) -> list[dict]:
     return rows_out
 
 
-def _torch_pipelining_rank(rank: int, world: int, width: int, rows: int, m: int, repeats: int):
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+# Each of our schedules beside torch.distributed.pipelining's class of the same order on 2 ranks: one stage per
+# rank, interleaved (2 stages per rank, looped: rank d holds d and d + 2) or in a V (rank d holds d and 3 - d).
+TORCH_PIPELINING_PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                          "interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble_v": "ScheduleZBVZeroBubble",
+                          "dualpipe_v": "ScheduleDualPipeV"}
+
+
+def _stages_per_rank(schedule: str) -> int:
+    """A registered schedule's stages per device, 2 for those that let the caller choose (interleaved)."""
+    return resolve_stages_per_device(schedule, 2 if schedule_spec(schedule).multi_stage else None)
+
+
+def torch_pipelining_sides(rank: int, schedule: str, width: int, m: int):
+    """Our PipelineParallel and torch's ``schedule`` on this of 2 ranks: (ours, torch_step, torch's parameters here)."""
+    import torch.distributed.pipelining as pipelining
 
     from ..distributed.pipeline_parallel import PipelineParallel
 
+    if schedule not in TORCH_PIPELINING_PEERS:
+        raise ValueError(f"schedule must be one of {list(TORCH_PIPELINING_PEERS)}, got {schedule!r}")
+    v = _stages_per_rank(schedule)
+    stages, layers = 2 * v, list(mlp(width=width, depth=4, seed=0))
+    per = len(layers) // stages
+    ours = PipelineParallel(mlp(width=width, depth=4, seed=0), [per] * stages, chunks=m, schedule=schedule,
+                            stages_per_device=v, checkpoint="never", track_memory=False)
+    mine = [s for s in range(stages) if ours.schedule.stage_to_device[s] == rank]  # torch places them alike
+    modules = [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in mine]
+    torch_stages = [pipelining.PipelineStage(module, s, stages, torch.device("cpu"))
+                    for s, module in zip(mine, modules)]
+    theirs = getattr(pipelining, TORCH_PIPELINING_PEERS[schedule])(
+        torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=nn.MSELoss())
+
+    def torch_step(x, y) -> list:  # the micro-batches' losses on the last stage's rank, [] on the other
+        losses = []
+        theirs.step(*([x] if 0 in mine else []), **({"target": y, "losses": losses} if stages - 1 in mine else {}))
+        return losses
+
+    return ours, torch_step, [param for module in modules for param in module.parameters()]  # in our order
+
+
+def _torch_pipelining_rank(rank: int, world: int, width: int, rows: int, m: int, repeats: int):
+    """Each schedule of TORCH_PIPELINING_PEERS: our step and torch's, timed in alternation."""
     x, y = regression_data(samples=rows, width=width, seed=0)
     out = []
-    for name, torch_class, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
-                                 ("interleaved_1f1b", ScheduleInterleaved1F1B, 2)):
-        stages = 2 * v
-        per = 8 // stages
-        ours = PipelineParallel(mlp(width=width, depth=4, seed=0), [per] * stages, chunks=m, schedule=name,
-                                stages_per_device=v, checkpoint="never", track_memory=False)
-        model = mlp(width=width, depth=4, seed=0)
-        layers = list(model)
-        mine = [s for s in range(stages) if s % 2 == rank]
-        torch_stages = [PipelineStage(nn.Sequential(*layers[s * per:(s + 1) * per]), s, stages, torch.device("cpu"))
-                        for s in mine]
-        loss_fn = nn.MSELoss()
-        theirs = torch_class(torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=loss_fn)
-
-        def torch_step():
-            if rank == 0:
-                theirs.step(x)
-            else:
-                theirs.step(target=y, losses=[])
-
+    for name in TORCH_PIPELINING_PEERS:
+        ours, torch_step, _ = torch_pipelining_sides(rank, name, width, m)
         a, b = alternate([lambda: timed_ranks(lambda: ours.step(x, y, nn.MSELoss())),
-                           lambda: timed_ranks(torch_step)], repeats)
+                          lambda: timed_ranks(lambda: torch_step(x, y))], repeats)
         out.append((name, a, b))
     return out
 
 
 def torch_pipelining_cases(quick: bool) -> list[dict]:
+    """Case 2: our step against torch.distributed.pipelining's on 2 gloo ranks, per TORCH_PIPELINING_PEERS."""
     from ..distributed import launch
 
-    width, rows, m = (512, 128, 4) if quick else (1024, 256, 8)
+    width, rows, m = (512, 128, 4) if quick else (1024, 256, 8)  # m >= 2p = 4: DualPipeV's least
     measured = launch(_torch_pipelining_rank, 2, width, rows, m, 3 if quick else 31, timeout=900)[0]
     return [result_row("ours vs torch.distributed.pipelining, 2 gloo ranks",
                        {"schedule": name, "microbatches": m, "width": width, "rows": rows}, a, b,
-                       target=1.10 if schedule_spec(name).multi_stage else 1.00)
+                       target=1.10 if _stages_per_rank(name) > 1 else 1.00,
+                       torch_schedule=f"torch.distributed.pipelining.{TORCH_PIPELINING_PEERS[name]}")
             for name, a, b in measured]
 
 
@@ -249,12 +269,13 @@ def executor_cases(quick: bool) -> list[dict]:
 def simulator_cases(quick: bool) -> list[dict]:
     from ..simulator import simulate
 
-    cases = [(name, 64, 1024, 1) for name in schedule_names() if not schedule_spec(name).multi_stage]
-    multi = [name for name in schedule_names() if schedule_spec(name).multi_stage]
-    cases += [(name, p, 1024, 2) for name in multi for p in ((32,) if quick else (32, 64))]
+    one_stage = [name for name in schedule_names() if _stages_per_rank(name) == 1]
+    cases = [(name, 64, 1024, 1) for name in one_stage]  # the others (interleaved, V) hold 2 stages per device
+    cases += [(name, p, 1024, 2) for name in schedule_names() if name not in one_stage
+              for p in ((32,) if quick else (32, 64))]
     out = []
     for name, p, m, v in cases:
-        schedule = make_schedule(name, p, m, v)
+        schedule = make_schedule(name, p, m, v if schedule_spec(name).multi_stage else None)
         samples = []
         for r in range((3 if quick else 5) + 1):
             began = time.perf_counter()
