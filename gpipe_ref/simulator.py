@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int, probability
 from .measure import gc_paused
-from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, WeightPolicy, encode, execution_order,
+from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, Walk, WeightPolicy, encode, execution_order,
                        resolve_stages_per_device, walk, weight_versions)
 from .timeline import Event, Timeline
 
@@ -140,18 +140,21 @@ def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel
     if overlapped:
         for f, b in keys:
             priced[f], priced[b] = cost.pair_factor * (per_key[f] + per_key[b]), 0.0
-    timeline = _place(encoded, priced, cost.comm, cost.unit, versions=versions, pairs_as_blocks=overlapped)
-    at = {e.action: k for k, e in enumerate(timeline.events)}
-    spans = []
-    for forward, backward in encoded.schedule.overlap_pairs:
-        f, b = timeline.events[at[forward]], timeline.events[at[backward]]
-        if overlapped:
-            whole = per_key[encoded.key(forward)] + per_key[encoded.key(backward)]
-            split = f.start + (f.end - f.start) * (per_key[encoded.key(forward)] / whole if whole else 0.5)
-            timeline.events[at[forward]] = f._replace(end=split)
-            timeline.events[at[backward]] = b._replace(start=split, end=f.end)
-        spans.append((f.device, f.start, max(f.end, b.end)))
-    timeline.pairs, timeline.pairs_overlapped = spans, overlapped
+
+    def split_blocks(ran: Walk) -> None:  # in the walk's own lists, before the events are built from them
+        start, end = ran.start, ran.end
+        for f, b in keys:
+            whole = per_key[f] + per_key[b]
+            block_end = end[f]
+            end[f] = start[b] = start[f] + (block_end - start[f]) * (per_key[f] / whole if whole else 0.5)
+            end[b] = block_end
+
+    timeline, ran = _place(encoded, priced, cost.comm, cost.unit, versions=versions, pairs_as_blocks=overlapped,
+                           adjust=split_blocks if overlapped else lambda ran: None)
+    owner = encoded.schedule.stage_to_device
+    timeline.pairs = [(owner[f.stage], ran.start[k], ran.end[j])
+                      for (f, _), (k, j) in zip(encoded.schedule.overlap_pairs, keys)]
+    timeline.pairs_overlapped = overlapped
     return timeline
 
 
@@ -200,9 +203,13 @@ def time_one_at_a_time(schedule: Schedule, run: Callable[[Action], None], *,
 
 def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: str = "cost",
            peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None,
-           pairs_as_blocks: bool = False) -> Timeline:
+           pairs_as_blocks: bool = False, adjust: Callable[[Walk], None] | None = None):
+    """The walk's times as a Timeline; with ``adjust`` (which may move times in the walk's lists first), the
+    Timeline and the walk."""
     schedule = encoded.schedule
     ran = walk(encoded, per_key, comm, pairs_as_blocks=pairs_as_blocks)
+    if adjust is not None:
+        adjust(ran)
     # One column per Event field, then the records: every loop here runs in C (map, zip), as this builds one
     # record per action (10^5 of them at 64 devices x 1024 micro-batches).
     actions = list(map(encoded.action_of.__getitem__, ran.order))
@@ -211,7 +218,8 @@ def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: st
                map(_MICROBATCH, actions), map(ran.start.__getitem__, ran.order), map(ran.end.__getitem__, ran.order),
                repeat(0) if versions is None else map(versions.__getitem__, actions))
     events = list(map(_new_event, zip(*columns)))
-    return Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
+    timeline = Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
+    return timeline if adjust is None else (timeline, ran)
 
 
 _STAGE, _OP, _MICROBATCH = attrgetter("stage"), attrgetter("op"), attrgetter("microbatch")
