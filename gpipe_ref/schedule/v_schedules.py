@@ -4,6 +4,11 @@ Device ``d`` of ``p`` holds stage ``d`` on the way down and stage ``2p - 1 - d``
 first and the last stage (ZB-V: Qi et al. 2024, "Zero Bubble (Almost) Pipeline Parallelism", arXiv:2401.10241,
 sec. 6). A micro-batch's forward goes down the devices and back up, its backward the reverse, with no hop from the
 last device to the first.
+
+The orders list compute actions only. The sends and receives torch's runtime adds to its tables (``SEND_F`` and
+``RECV_F``, ``SEND_B`` and ``RECV_B``) follow here from ``stage_to_device``: where a stage's neighbour lives on
+another device, the executors send the stage's output after its F and its input's gradient after its B, and the
+receiving action waits for it; the turn of the V, stage ``p - 1`` to stage ``p``, stays on device ``p - 1``.
 """
 
 from __future__ import annotations
