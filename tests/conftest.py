@@ -101,3 +101,14 @@ def _stop(server: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory) -> Path:
+    """The course website built afresh from this checkout (tools/build_site.py, as `make site` runs it), once per
+    session: the folder of HTML, for tests/test_site.py and tests/test_browser_site.py."""
+    build = tmp_path_factory.mktemp("site")
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "build_site.py"), "--build-dir", str(build)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, f"the site did not build:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return build / "html"

@@ -1,0 +1,90 @@
+"""Sphinx extension: a lesson page shows what was stored, and says where a kernel is needed.
+
+Reads each notebook's stored JSON before myst-nb renders it (nothing is executed):
+- a stored error output, or a widget view whose model is not in the saved widget state (it would show as a
+  blank box), is a warning, so the -W build fails on it;
+- under every widget view goes one line: the view is frozen, interactive in JupyterLab with ``make lab``;
+- a text output laid out in columns (a table, a text timeline) keeps its lines whole: JupyterLab and this site
+  wrap long output lines, so such an output is written to fit TABLE_WIDTH characters (a test checks the stored
+  notebooks), and here it is marked so that it never wraps;
+- the test-only ``# NBVAL_...`` marker lines are dropped from the code shown.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+VIEW = "application/vnd.jupyter.widget-view+json"
+STATE = "application/vnd.jupyter.widget-state+json"
+MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
+TABLE_WIDTH = 100  # characters: what a lesson's column holds at 1280 px, in JupyterLab and on this site
+ALIGNED = re.compile(r"\S {2,}\S|^ +\S")  # padding inside a line, or a line indented to line up
+WIDGET_NOTE = ("A saved view of a widget: interactive in JupyterLab, <code>make lab</code> "
+               "(the controls here do nothing).")
+
+
+def widget_note() -> dict:
+    """The output placed under a widget view: one line of HTML, with a plain-text twin."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": f'<p class="widget-note">{WIDGET_NOTE}</p>',
+                     "text/plain": re.sub(r"</?code>", "`", WIDGET_NOTE)}}
+
+
+def is_table(text: str) -> bool:
+    """Whether a text output is laid out in columns: two or more of its lines are padded to line up."""
+    return sum(bool(ALIGNED.search(line)) for line in text.splitlines() if line.strip()) >= 2
+
+
+def output_text(output: dict) -> str | None:
+    """The text of a stream output, or of a result that has nothing richer than text/plain; None otherwise."""
+    if output.get("output_type") == "stream":
+        return "".join(output.get("text", ""))
+    data = output.get("data", {})
+    if output.get("output_type") in ("execute_result", "display_data") and set(data) == {"text/plain"}:
+        return "".join(data["text/plain"])
+    return None
+
+
+def as_table(text: str) -> dict:
+    """A text output laid out in columns, as HTML that keeps its lines whole."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": f'<pre class="text-table">{html.escape(text)}</pre>', "text/plain": text}}
+
+
+def prepare(app, docname: str, source: list[str]) -> None:
+    """Check, annotate and clean one notebook's JSON in place of its source."""
+    if app.env.doc2path(docname).suffix != ".ipynb":
+        return
+    notebook = json.loads(source[0])
+    saved = notebook.get("metadata", {}).get("widgets", {}).get(STATE, {}).get("state", {})
+    for index, cell in enumerate(notebook.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        cell["source"] = MARKER.sub("", "".join(cell.get("source", [])))
+        outputs = []
+        for output in cell.get("outputs", []):
+            text = output_text(output)
+            outputs.append(as_table(text) if text is not None and is_table(text) else output)
+            if output.get("output_type") == "error":
+                logger.warning("cell %d has a stored error output: %s: %s", index, output.get("ename"),
+                               output.get("evalue"), location=docname, type="course", subtype="stored_error")
+            view = output.get("data", {}).get(VIEW)
+            if view is None:
+                continue
+            if view.get("model_id") not in saved:
+                logger.warning("cell %d shows widget %s, which is not in the saved widget state (re-execute the "
+                               "notebook: tools/execute_notebooks.py)", index, view.get("model_id"),
+                               location=docname, type="course", subtype="widget_state")
+            outputs.append(widget_note())
+        cell["outputs"] = outputs
+    source[0] = json.dumps(notebook)
+
+
+def setup(app):
+    app.connect("source-read", prepare)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
