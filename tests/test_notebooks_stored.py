@@ -10,8 +10,10 @@ import pytest
 
 import gpipe_ref
 from conftest import ROOT
+from website.notebook_pages import TABLE_WIDTH, is_table, output_text
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 COURSE = ["00_welcome", "01_data_parallel", "02_tensor_parallel", "03_model_parallel", "04_gpipe",
           "05_rematerialization", "06_pipedream", "07_beyond", "08_zero", "09_v_schedules"]
 
@@ -71,15 +73,15 @@ def test_every_notebook_from_01_shows_a_dashboard(name):
     assert calls & factories, f"{name} builds none of {sorted(factories)}"
 
 
-TEXT_TIMELINE_WIDTH = 100  # characters of JupyterLab's monospace that fit its output area at 1280 px, file browser open
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_printed_timelines_fit_at_1280_px(path):
-    """A text timeline (rows ``device d |...|``) wraps, and stops reading as one, past about 100 characters."""
+@pytest.mark.parametrize("path", NOTEBOOKS + EXERCISES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_text_tables_and_timelines_fit_at_1280_px(path):
+    """An output laid out in columns (a table, a text timeline) stops reading as one once JupyterLab or the site wraps
+    its lines: each line fits TABLE_WIDTH characters, what the column holds at 1280 px in both."""
     nb = json.loads(path.read_text())
     for index, cell in enumerate(nb["cells"]):
         for output in cell.get("outputs", []):
-            for line in "".join(output.get("text", "")).splitlines():
-                if line.startswith("device ") and "|" in line:
-                    assert len(line) <= TEXT_TIMELINE_WIDTH, f"cell {index}: a timeline row of {len(line)} characters"
+            text = output_text(output)
+            if text is None or not is_table(text):
+                continue
+            longest = max(text.splitlines(), key=len)
+            assert len(longest) <= TABLE_WIDTH, f"cell {index}: a table line of {len(longest)} characters: {longest!r}"
