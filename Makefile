@@ -2,6 +2,8 @@
 #   make test   create .venv if missing, install, run every test (unit, notebooks, browser)
 #   make lab    create .venv if missing, install, copy the exercises you lack into work/ (never
 #               overwriting your answers), start JupyterLab on the course (notebooks/, work/)
+#   make site   build the course website into _build/html from the stored notebooks (seconds; the folder to
+#               publish); make site-serve previews it on http://127.0.0.1:8000
 # GPU users: install the torch build for your CUDA into .venv first (see README);
 # an installed torch is kept.
 
@@ -16,12 +18,12 @@ PYTEST_ARGS ?=
 LAB_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: test lab browser sandbox notebooks exercises bench gpu-check clean
+.PHONY: test lab site site-serve browser sandbox notebooks exercises bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[lab,test]"
+	$(PY) -m pip install --quiet -e ".[lab,test,site]"
 	@touch $@
 
 # Debian's chromium for the browser test (Playwright drives it; it downloads no browser).
@@ -61,6 +63,17 @@ lab: $(STAMP) sandbox
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb \
 	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
+# The course website: every lesson, the glossary and the exercise notebooks as pages, rendered from the stored
+# outputs and saved widget state (nothing runs, no network); any broken link, missing picture, stored error or
+# widget without saved state fails it. Publish _build/html as it is, on any static host.
+SITE_PORT ?= 8000
+site: $(STAMP)
+	$(PY) tools/build_site.py
+
+site-serve: site
+	@echo "serving _build/html on http://127.0.0.1:$(SITE_PORT) (Ctrl-C to stop)"
+	$(PY) -m http.server $(SITE_PORT) --bind 127.0.0.1 --directory _build/html
+
 # Re-execute the committed notebooks in place (after editing one).
 notebooks: $(STAMP)
 	$(PY) tools/execute_notebooks.py notebooks/*.ipynb solutions/*.ipynb
@@ -85,4 +98,4 @@ gpu-check:
 	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache test-artifacts _build

@@ -47,6 +47,8 @@ def test_readme_gives_the_two_commands_and_ci_uses_make_test():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^test:", makefile, re.M) and re.search(r"^lab:", makefile, re.M)
+    assert re.search(r"^site:", makefile, re.M) and re.search(r"^site-serve:", makefile, re.M)
+    assert readme.index("make site") < readme.index("make lab")  # the site first, for reading
     assert "torch==$(TORCH_VERSION)" in makefile  # a CPU wheel here, never an unpinned torch
 
 
