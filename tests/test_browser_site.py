@@ -28,12 +28,19 @@ PAGE_FACTS = """() => {
         .filter(p => !p.parentElement.closest('svg') && p.getBoundingClientRect().width > 0)
         .filter(p => p.getBoundingClientRect().right > p.closest('.cell_output').getBoundingClientRect().right + 1)
         .map(p => `a ${Math.round(p.getBoundingClientRect().width)} px picture`);
+    const controls = [...document.querySelectorAll('.cell_output .jupyter-widgets :is(.widget-label, '
+        + '.widget-readout, .widget-dropdown, .widget-slider, .widget-text, button, select, input)')]
+        .filter(e => e.offsetParent !== null)
+        .filter(e => e.getBoundingClientRect().right > e.closest('.cell_output').getBoundingClientRect().right + 1
+                     || e.scrollWidth > e.clientWidth + 1)
+        .map(e => `a widget control cut short: "${(e.textContent || e.value || e.className).trim().slice(0, 40)}"`);
     const texts = [...document.querySelectorAll('.cell_output pre')];
     const clipped = texts.filter(t => t.scrollWidth > t.clientWidth + 1)
         .map(t => `a text output of ${t.scrollWidth} px in ${t.clientWidth}: ${t.textContent.slice(0, 60)}`);
-    const wrapped = texts.filter(t => !['pre', 'nowrap'].includes(getComputedStyle(t).whiteSpace)).length;
+    const tables = [...document.querySelectorAll('.cell_output pre.text-table')];
+    const wrapped = tables.filter(t => getComputedStyle(t).whiteSpace !== 'pre').length;
     const links = [...document.querySelectorAll('nav a[href], article a[href]')].map(a => a.href);
-    return {views: views.length, blank, notes, cut: cut.concat(clipped), wrapped, links,
+    return {views: views.length, blank, notes, cut: cut.concat(controls, clipped), wrapped, tables: tables.length, links,
             width: document.documentElement.scrollWidth};
 }"""
 
@@ -105,15 +112,16 @@ def test_every_page_loads_clean_and_fits_1280_px(site, browser_page, artifacts_d
     pages = _pages(folder)
     assert {f"notebooks/{lesson}.html" for lesson in LESSONS} | {"index.html", "notebooks/GLOSSARY.html"} \
         <= set(pages), pages
-    problems, views = [], 0
+    problems, views, tables = [], 0, 0
     for rel in pages:
         facts = _visit(browser_page, base + rel)
         views += facts["views"]
+        tables += facts["tables"]
         found = [*browser_page.errors, *(f"off-site request {url}" for url in browser_page.offsite)]
         found += [f"{facts['blank']} of {facts['views']} widget views blank"] * bool(facts["blank"])
         found += [f"{facts['views']} widget views but {facts['notes']} notes"] * (facts["notes"] != facts["views"])
         found += [f"page {facts['width']} px wide"] * (facts["width"] > WIDTH)
-        found += facts["cut"] + [f"{facts['wrapped']} text outputs wrap"] * bool(facts["wrapped"])
+        found += facts["cut"] + [f"{facts['wrapped']} text tables wrap"] * bool(facts["wrapped"])
         found += [f"broken link {href}" for href in sorted(set(facts["links"]))
                   if urlparse(href).hostname == "127.0.0.1" and not _resolves(folder, href)]
         problems += [f"{rel}: {problem}" for problem in found]
@@ -124,7 +132,7 @@ def test_every_page_loads_clean_and_fits_1280_px(site, browser_page, artifacts_d
         if rel == "index.html":
             browser_page.screenshot(path=str(artifacts_dir / "site_index.png"))
     assert not problems, "\n".join(problems)
-    assert views >= len(LESSONS), f"only {views} widget views on the whole site"
+    assert views >= len(LESSONS) and tables >= len(LESSONS), f"{views} widget views, {tables} text tables"
 
 
 def test_the_table_of_contents_lists_the_lessons_in_course_order(site, browser_page):

@@ -24,8 +24,7 @@ STATE = "application/vnd.jupyter.widget-state+json"
 MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
 TABLE_WIDTH = 100  # characters: what a lesson's column holds at 1280 px, in JupyterLab and on this site
 ALIGNED = re.compile(r"\S {2,}\S|^ +\S")  # padding inside a line, or a line indented to line up
-WIDGET_NOTE = ("A saved view of a widget: interactive in JupyterLab, <code>make lab</code> "
-               "(the controls here do nothing).")
+WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 
 
 def widget_note() -> dict:
