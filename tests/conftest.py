@@ -106,7 +106,12 @@ def _stop(server: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def built_site(tmp_path_factory) -> Path:
     """The course website built afresh from this checkout (tools/build_site.py, as `make site` runs it), once per
-    session: the folder of HTML, for tests/test_site.py and tests/test_browser_site.py."""
+    session: the folder of HTML, for tests/test_site.py and tests/test_browser_site.py. CI builds it with
+    `make site` just before the tests and names it in GPIPE_SITE_DIR, which is then used as it is."""
+    if os.environ.get("GPIPE_SITE_DIR"):
+        site = Path(os.environ["GPIPE_SITE_DIR"])
+        assert (site / "index.html").is_file(), f"GPIPE_SITE_DIR={site} holds no built site (make site)"
+        return site
     build = tmp_path_factory.mktemp("site")
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "build_site.py"), "--build-dir", str(build)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
