@@ -9,6 +9,7 @@ import re
 import pytest
 
 from conftest import ROOT
+from website.glossary_anchors import slug
 
 GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
 TERM = re.compile(r"^\*\*(?P<name>[^*]+)\*\*(?: \((?P<spellings>[^)]+)\))?$")
@@ -105,14 +106,9 @@ def test_the_notation_table_covers_the_letters_and_every_notebook_links_it():
         assert "GLOSSARY.md#notation" in first, path.name
 
 
-def term_anchor(name: str) -> str:
-    """A row's link target, as the website gives it (website/glossary_anchors.py): **1F1B** -> term-1f1b."""
-    return "term-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 def test_every_glossary_link_in_a_notebook_names_a_term_or_a_heading():
     """``[1F1B](GLOSSARY.md#term-1f1b)``: the site fails its build on a wrong anchor; this says so without building."""
-    anchors = {term_anchor(row["name"]) for row in ROWS}
+    anchors = {slug(row["name"]) for row in ROWS}
     anchors |= {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
                 for line in GLOSSARY.read_text().splitlines() if line.startswith("#")}
     for path in [*(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "exercises").glob("*.ipynb")]:
@@ -131,7 +127,7 @@ def test_a_lessons_concepts_that_the_glossary_defines_link_to_their_rows(stem):
     concepts = [found[1] for found in concepts if found]
     assert concepts, f"{stem} has no **Concepts:** line"
     linked = re.findall(r"\[([^\]]+)\]\(GLOSSARY\.md#(term-[\w-]+)\)", concepts[0])
-    assert all(term_anchor(spellings.get(normalise(text), text)) == anchor for text, anchor in linked), linked
+    assert all(slug(spellings.get(normalise(text), text)) == anchor for text, anchor in linked), linked
     plain = re.sub(r"\[[^\]]+\]\([^)]+\)", "", concepts[0])
     unlinked = [item for item in (normalise(part) for part in re.split(r",(?![^(]*\))", plain)) if item in spellings]
     assert not unlinked, f"{stem}: concepts the glossary defines but the line does not link: {unlinked}"

@@ -18,10 +18,12 @@ logger = logging.getLogger(__name__)
 
 
 def slug(name: str) -> str:
+    """A glossary row's anchor: **3D parallelism** -> term-3d-parallelism."""
     return "term-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def add_anchors(app, doctree) -> None:
+    """Give each row of the glossary's terms table its anchor, and register it for links and {term}."""
     docname = app.env.docname
     if docname != GLOSSARY:
         return
@@ -31,6 +33,7 @@ def add_anchors(app, doctree) -> None:
         logger.warning("no terms table in %s", docname, location=docname)
         return
     seen = set()
+    slugs = app.env.metadata[docname].setdefault("myst_slugs", {})
     for row in next(iter(table.findall(nodes.tbody))).findall(nodes.row):
         cell = row[0]
         strong = next(iter(cell.findall(nodes.strong)), None)
@@ -45,6 +48,7 @@ def add_anchors(app, doctree) -> None:
         row["ids"].append(anchor)
         std.anonlabels[anchor] = (docname, anchor)
         std.labels[anchor] = (docname, anchor, name)
+        slugs[anchor] = (0, anchor, name)  # where myst-parser before 5 looks up GLOSSARY.md#anchor
         rest = SPELLINGS.match(cell.astext()[len(name):])
         spellings = [name] + ([s.strip() for s in rest["spellings"].split(",")] if rest else [])
         for spelling in spellings:
