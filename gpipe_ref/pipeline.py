@@ -223,8 +223,8 @@ class GPipe(nn.Module):
                              f"layers, got {index}")
         return layers[index]
 
-    def extra_repr(self) -> str:
-        return (f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+    def extra_repr(self) -> str:  # two lines, so that a printed pipe fits a notebook's column
+        return (f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r},\n"
                 f"schedule={self.schedule.name!r}, executor={self.executor!r}, "
                 f"devices: {describe_placement(self.devices)}")
 
