@@ -131,8 +131,17 @@ BLANK_WIDGET = {"cell_type": "code", "id": "c", "metadata": {}, "execution_count
                     "text/plain": "widget"}}]}
 
 
+def _offline() -> list[str]:
+    """A command prefix that runs without network (a fresh network namespace), where this machine allows one."""
+    try:
+        works = subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        works = False
+    return ["unshare", "-n"] if works else []
+
+
 def _build(folder: Path, markdown: str, *code_cells: dict) -> subprocess.CompletedProcess:
-    """Build a one-lesson site (the course's glossary and configuration) in ``folder``."""
+    """Build a one-lesson site (the course's glossary and configuration) in ``folder``, offline where possible."""
     import matplotlib.image
 
     src = folder / "src"
@@ -143,7 +152,7 @@ def _build(folder: Path, markdown: str, *code_cells: dict) -> subprocess.Complet
                 "cells": [{"cell_type": "markdown", "id": "a", "metadata": {}, "source": markdown}, *code_cells]}
     (src / "notebooks" / "planted.ipynb").write_text(json.dumps(notebook))
     (src / "index.md").write_text("# Planted\n\n```{toctree}\nnotebooks/planted\nnotebooks/GLOSSARY\n```\n")
-    return subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-E", "-b", "html",
+    return subprocess.run([*_offline(), sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-E", "-b", "html",
                            "-c", str(ROOT / "website"), str(src), str(folder / "html")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
