@@ -32,7 +32,7 @@ NOTEBOOK_MS = 600_000  # starting the kernel, or running a notebook's cells (06 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(1500)]
 
 
-def _require_browser():
+def require_browser():
     if not Path(CHROMIUM).exists():
         if os.environ.get("GPIPE_REQUIRE_BROWSER"):
             pytest.fail(f"{CHROMIUM} is missing and GPIPE_REQUIRE_BROWSER is set (apt-get install chromium)")
@@ -112,7 +112,7 @@ def open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str
 @contextlib.contextmanager
 def lab_page(artifacts_dir: Path, name: str):
     """A headless Chromium page on JupyterLab; on failure a screenshot ``browser_<name>_failure.png`` is kept."""
-    sync_api = _require_browser()
+    sync_api = require_browser()
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=WAIT_MS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
+from test_browser import CHROMIUM, CHROMIUM_ARGS, require_browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
 WIDTH, HEIGHT = 1280, 900
@@ -62,7 +62,7 @@ def site(built_site):
 @pytest.fixture(scope="module")
 def browser_page():
     """One Chromium page for the module; it records console errors and refuses (and records) off-site requests."""
-    sync_api = _require_browser()
+    sync_api = require_browser()
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT})
