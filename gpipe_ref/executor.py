@@ -17,8 +17,9 @@ from .meter import ActivationMeter
 from .microbatch import batch_size
 from .rematerialization import Snapshot, captured, rematerializes, replayed
 from .schedule import Action
-from .stage_ops import (backward_into, check_activation, check_loss, detached, fusable_linear, grads_of, input_grads,
-                        linear_weight_grads, received, run_layers, to_device, weight_products)
+from .split_backward import ForwardMarks, WeightPass, backward_input, backward_weight, plain_stage
+from .stage_ops import (backward_into, check_activation, check_loss, detached, differentiable, input_grads, received,
+                        run_layers, to_device)
 from .timeline import Timeline
 
 __all__ = ["StepRun"]
@@ -29,11 +30,11 @@ class _MicroState:
     """What one stage keeps for one micro-batch between its F and its B (and W)."""
 
     inputs: torch.Tensor | None = None  # the stage input (a leaf, so its grad is the input gradient)
-    chain: list[torch.Tensor] = field(default_factory=list)  # the stage output or loss (zero bubble: each layer's)
+    chain: list[torch.Tensor] = field(default_factory=list)  # the stage output, and the loss on the last stage
     token: object = None  # the meter's count of the held input
     snapshot: Snapshot | None = None  # re-materialization: the random state and buffers to replay
-    chain_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # for W: grad of each layer output
-    products: list | None = None  # full B with the weight gradients as products: (weight, bias, input, edge)
+    marks: ForwardMarks | None = None  # what the forward recorded for B and W (split_backward)
+    weight_pass: WeightPass | None = None  # what B leaves for W
 
 
 class StepRun:
@@ -63,16 +64,10 @@ class StepRun:
         self.last_stage = schedule.num_stages - 1
         self.stage_devices = [pipe.stage_device(s) for s in range(schedule.num_stages)]
         self.layers = [tuple(stage) if stage is not None else () for stage in pipe.stages]
-        # for W: (index, trainable parameters, (weight, bias) when W is its own matrix products, else None) of
-        # each stage's layers that have trainable parameters
-        self.weight_layers = [[(j, params, (layers[j].weight, layers[j].bias) if fusable_linear(layers[j]) else None)
-                               for j, params in
-                               ((j, [p for p in layer.parameters() if p.requires_grad]) for j, layer in enumerate(layers))
-                               if params] for layers in self.layers]
-        # a full B forms the weight gradients as W does (linear_weight_grads) where every trainable layer of the
-        # stage is a fusable Linear: the stage's .grad then match loss.backward()'s up to rounding
-        self.products = [not self.split_backward and bool(layers) and all(linear for _, _, linear in layers)
-                         for layers in self.weight_layers]
+        # plain stages (Linears and built-in layers without weights) form the weight gradients as products, in W
+        # or right after B's autograd call (split_backward); the rest through autograd
+        self.plain = [plain_stage(layers) for layers in self.layers]
+        self.shared = _stages_sharing_parameters(pipe.stages, schedule.stage_to_device)
         mode, m = pipe.checkpoint, schedule.num_microbatches
         self.checkpointed = [rematerializes(mode, i, m) for i in range(m)]
         self.losses: dict[int, torch.Tensor] = {}
@@ -108,21 +103,15 @@ class StepRun:
         return meter.recording() if self.tracked else contextlib.nullcontext()
 
     def _run_stage(self, stage: int, microbatch: int, x, st: _MicroState) -> None:
-        """Forward through the stage's layers, keeping the stage's output (and the loss); zero bubble's
-        W needs each layer's output too. (Keeping every output would hold tensors autograd does not
-        save, such as a Linear's output before its ReLU: memory the plain model frees at once.)"""
-        if self.split_backward:
-            chain = []
-            x = run_layers(self.layers[stage], x, stage, chain)
-        elif (self.products[stage] and type(x) is torch.Tensor and torch.is_grad_enabled()
-              and (stage > 0 or not x.requires_grad)):  # a caller's input that wants a gradient: autograd's way
-            layer_outputs = []
-            out = run_layers(self.layers[stage], x, stage, layer_outputs)
-            st.products = weight_products(self.weight_layers[stage], x, layer_outputs, stage != self.last_stage)
-            x, chain = out, [out]
+        """Forward through the stage's layers, keeping the stage's output (and the loss), and what the backward
+        needs of the layers (:class:`~gpipe_ref.split_backward.ForwardMarks`): for a split backward or a plain
+        stage."""
+        if (self.split_backward or self.plain[stage] is not None) and torch.is_grad_enabled():
+            st.marks = ForwardMarks(self.plain[stage], want_anchors=self.split_backward and not _wants_grad(x))
+            x = run_layers(self.layers[stage], x, stage, st.marks)
         else:
             x = run_layers(self.layers[stage], x, stage)
-            chain = [x]
+        chain = [x]
         if stage != self.last_stage:
             if type(x) is not torch.Tensor:
                 check_activation(x, stage)
@@ -180,8 +169,9 @@ class StepRun:
                 grad = grad.to(root.device)
             if self.split_backward:
                 self._backward_split(stage, microbatch, st, root, grad)
-            elif st.products:
-                self._backward_products(stage, microbatch, st, root, grad)
+            elif st.marks is not None and st.marks.plan is not None and (stage > 0 or not _wants_grad(st.inputs)):
+                self._backward_split(stage, microbatch, st, root, grad)  # B, then W at once: a full backward
+                self.weight(stage, microbatch)
             else:
                 self._backward_full(stage, microbatch, st, root, grad)
 
@@ -199,44 +189,23 @@ class StepRun:
         """One autograd call per stage and micro-batch, into every leaf the stage's graph reaches, as
         loss.backward() on the plain model: the stage's parameters and its input (a fresh leaf, so the
         graph stops at the stage boundary; on stage 0 the caller's input, if it requires grad). Naming
-        them with inputs= would cost the engine an extra pass over the graph."""
+        them with inputs= would cost the engine an extra pass over the graph. (A plain stage takes B and W
+        instead: the weight gradients as products, added straight into .grad.)"""
         if isinstance(root, tuple) or root.requires_grad:
             backward_into(root, grad)
         if stage > 0:
             self.send_gradient(stage, microbatch, input_grads(st.inputs))
         self._release(stage, microbatch)
 
-    def _backward_products(self, stage: int, microbatch: int, st: _MicroState, root, grad) -> None:
-        """A full B whose weight gradients are matrix products, as W's (:func:`linear_weight_grads`): one autograd
-        call for the gradients of the stage input and of each Linear's output, not of the weights, which then
-        accumulate straight into ``.grad``. Where autograd would form each weight gradient and add it (the
-        plain model's way), this saves a pass over every weight per micro-batch: what the extra autograd calls of
-        a pipeline (one per stage, not one per micro-batch) cost a small model on a CPU (``bench``, 1F1B)."""
-        wants = stage > 0 and st.inputs.requires_grad
-        targets = ([st.inputs] if wants else []) + [edge for *_, edge in st.products if edge is not None]
-        differentiable = isinstance(root, tuple) or root.requires_grad  # not: the stage ignores its Linears
-        found = iter(grads_of(root, targets, grad, retain_graph=False) if targets and differentiable
-                     else [None] * len(targets))
-        input_gradient = next(found) if wants else None
-        for weight, bias, x, edge in st.products:
-            g = grad if edge is None else next(found)  # None edge: the Linear's output is the stage's output
-            if g is not None:
-                linear_weight_grads(weight, bias, x, g)
-        if stage > 0:  # sent when the whole B is done, as the schedule (and the simulator) has it
-            self.send_gradient(stage, microbatch, input_gradient)
-        self._release(stage, microbatch)
-
     def _backward_split(self, stage: int, microbatch: int, st: _MicroState, root, grad) -> None:
-        """Split backward (zero bubble): the gradients of the stage input and of each parameterised
-        layer's output now; the weight gradients wait for W."""
+        """Split backward (zero bubble): the gradients of the stage input now, through autograd; what W needs to
+        form the weight gradients is kept (:func:`~gpipe_ref.split_backward.backward_input`)."""
         inputs = st.inputs if isinstance(st.inputs, tuple) else (st.inputs,)
-        wants = [t.requires_grad for t in inputs]  # an integer activation has no gradient
-        chain = st.chain
-        wanted = [j for j, _, _ in self.weight_layers[stage] if chain[j] is not root]
-        outputs = {j: chain[j] if isinstance(chain[j], tuple) else (chain[j],) for j in wanted}
-        targets = [t for t, w in zip(inputs, wants) if w] + [t for j in wanted for t in outputs[j] if t.requires_grad]
-        differentiable = isinstance(root, tuple) or root.requires_grad
-        found = iter(grads_of(root, targets, grad) if targets and differentiable else [None] * len(targets))
+        wants = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]  # an integer activation has none
+        roots, grads = differentiable(root, grad if isinstance(root, tuple) or grad is not None
+                                      else torch.ones_like(root))
+        found, st.weight_pass = backward_input(roots, grads, [t for t, w in zip(inputs, wants) if w], st.marks)
+        found = iter(found)
         input_gradients = [next(found) if w else None for w in wants]  # None: the output does not depend on it
         if stage > 0:
             if isinstance(st.inputs, tuple):
@@ -248,31 +217,24 @@ class StepRun:
             given = [(t, g) for t, g in zip(inputs, input_gradients) if g is not None]
             if given:
                 backward_into(tuple(t for t, _ in given), tuple(g for _, g in given))
-        grads = []
-        for j in wanted:  # a layer's output gradient, a tuple of them for a tuple output
-            layer_grads = tuple(next(found) if t.requires_grad else None for t in outputs[j])
-            grads.append(layer_grads if isinstance(chain[j], tuple) else layer_grads[0])
-        st.chain_grads = dict(zip(wanted, grads))
-        for j, _, _ in self.weight_layers[stage]:  # layers whose output is the stage output itself (later layers
-            if chain[j] is root:  # may be identities): its gradient is the one that came from the next stage
-                st.chain_grads[j] = grad
+        st.marks = None  # the output stays until W: it keeps the graph (the meter's saved activations) alive
+        # until the weight gradients are formed, as zero bubble's memory accounting has it (Qi et al. 2024, sec. 3)
 
     def weight(self, stage: int, microbatch: int) -> None:
-        """W: each layer's weight gradients from its output's gradient (kept by B)."""
+        """W: the weight gradients, from where B stopped (:func:`~gpipe_ref.split_backward.backward_weight`)."""
         st = self.state[(stage, microbatch)]
-        chain = st.chain
-        for j, params, linear in self.weight_layers[stage]:
-            g = st.chain_grads.get(j)
-            if g is None:
-                continue
-            if not (linear and type(g) is torch.Tensor
-                    and linear_weight_grads(*linear, chain[j - 1] if j else st.inputs, g)):
-                backward_into(chain[j], g, params)  # into .grad as loss.backward() would; post-accumulate hooks fire
+        if st.weight_pass is not None:
+            backward_weight(st.weight_pass)
         self._release(stage, microbatch)
 
     def _release(self, stage: int, microbatch: int) -> None:
         """Drop what the micro-batch kept on this stage (activations, graph, held input)."""
         del self.state[(stage, microbatch)]
+
+    def accumulates_shared(self, action: Action) -> bool:
+        """Whether ``action`` adds into the ``.grad`` of a parameter that a stage on another device also uses (tied
+        weights): the one B of a full backward, or W. Device threads run such actions in one fixed order."""
+        return action.stage in self.shared and action.op == ("W" if self.split_backward else "B")
 
     def run(self, action: Action) -> None:
         """Run one action."""
@@ -291,3 +253,21 @@ class StepRun:
     def peaks(self) -> dict[int, int]:
         """Peak saved-activation bytes per device (empty without memory tracking)."""
         return {d: m.peak for d, m in enumerate(self.meters)} if self.tracked else {}
+
+
+def _wants_grad(x) -> bool:
+    """Whether a stage input (a tensor or a tuple) has a tensor that requires grad."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x if isinstance(x, tuple) else (x,)))
+
+
+def _stages_sharing_parameters(stages, stage_to_device) -> set[int]:
+    """The stages holding a trainable parameter that a stage on another device holds too."""
+    devices: dict[int, set[int]] = {}
+    for s, stage in enumerate(stages):
+        if stage is not None:
+            for p in stage.parameters():
+                if p.requires_grad:
+                    devices.setdefault(id(p), set()).add(stage_to_device[s])
+    shared = {i for i, on in devices.items() if len(on) > 1}
+    return {s for s, stage in enumerate(stages) if stage is not None
+            and any(id(p) in shared for p in stage.parameters())}

@@ -150,8 +150,6 @@ class GPipe(nn.Module):
         # Only the stages this process owns are kept and moved to their device; the others are
         # never referenced, so they are freed once the caller drops the model (see PipelineParallel).
         stages = split(module, balance)
-        if self.schedule.has_weight_actions:
-            _check_split_backward(stages)
         if deferred_batch_norm:  # in place, once every check passed: the caller's model is the pipe's
             convert_deferred_batch_norm(module, self.chunks)
             stages = split(module, balance)
@@ -379,20 +377,6 @@ class _Placement:
     @property
     def timeline(self) -> Timeline:
         return place(self.schedule, dict(zip(self.order, self.seconds)), unit="s", peak_memory=self.peaks)
-
-
-def _check_split_backward(stages: Sequence[nn.Sequential]) -> None:
-    """W takes each layer's weight gradient from that layer's output alone (Qi et al. 2024, sec. 2):
-    a parameter used by two layers of one stage would need both outputs' paths, so it is refused."""
-    for s, stage in enumerate(stages):
-        first_use: dict[int, str] = {}
-        for j, layer in enumerate(stage):
-            for name, param in layer.named_parameters():
-                where = f"layer {j} ({name})"
-                if first_use.setdefault(id(param), where) != where:
-                    raise ValueError(f"stage {s} uses one parameter in {first_use[id(param)]} and {where}: a split "
-                                     f"backward (W actions) needs each weight in one layer of its stage; use a flush "
-                                     f"schedule without W (gpipe, 1f1b) or put the two uses in different stages")
 
 
 def _owned_layers(module: nn.Sequential, stages: Sequence[nn.Sequential | None]) -> nn.Sequential:

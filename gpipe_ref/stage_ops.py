@@ -1,24 +1,21 @@
 """What F, B and W do to one stage's tensors: the boundary crossing, the layers, the autograd calls (GPipe sec. 2.2).
 
 A stage's input arrives as a fresh leaf on its device, so autograd stops at the stage boundary and the leaf's
-gradient is what flows back to the previous stage. Zero bubble's W (Qi et al. 2024, sec. 2) takes each layer's
-weight gradient from that layer's output gradient.
+gradient is what flows back to the previous stage. Zero bubble's split of the backward into B and W is
+:mod:`gpipe_ref.split_backward`'s.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
-from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from .microbatch import Batch
+from .split_backward import ForwardMarks
 
-__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "fusable_linear", "grads_of",
-           "input_grads", "linear_weight_grads", "received", "requires_grad", "run_layers", "to_device",
-           "weight_products"]
+__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "grads_of", "input_grads",
+           "received", "requires_grad", "run_layers", "to_device"]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -60,14 +57,19 @@ def differentiable(outputs: Batch, grads: Batch) -> tuple[tuple, tuple]:
     return tuple(out for out, _ in pairs), tuple(g.to(out.device) for out, g in pairs)
 
 
-def run_layers(layers, x, stage: int, chain: list | None = None):
-    """``x`` through ``layers`` (each output appended to ``chain`` when given). A stage's input is a leaf
-    that keeps its gradient, which autograd lets nothing modify in place: say so, naming the stage."""
+def run_layers(layers, x, stage: int, marks: ForwardMarks | None = None):
+    """``x`` through ``layers``, each layer's output shown to ``marks`` when given (a split backward's
+    :class:`~gpipe_ref.split_backward.ForwardMarks`). A stage's input is a leaf that keeps its gradient, which
+    autograd lets nothing modify in place: say so, naming the stage."""
     try:
-        for layer in layers:
-            x = layer(x)
-            if chain is not None:
-                chain.append(x)
+        if marks is None:
+            for layer in layers:
+                x = layer(x)
+        else:
+            for j, layer in enumerate(layers):
+                out = layer(x)
+                marks.after(j, x, out)
+                x = out
     except RuntimeError as exc:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
             raise
@@ -115,64 +117,6 @@ def grads_of(root: Batch, targets: Sequence, grad: Batch | None, retain_graph: b
                                                                       tuple(targets), True, False)
     return torch.autograd.Variable._execution_engine.run_backward(
         (root,), (torch.ones_like(root) if grad is None else grad,), retain_graph, False, tuple(targets), True, False)
-
-
-def fusable_linear(layer: nn.Module) -> bool:
-    """Whether W of ``layer`` may run as its own matrix products (:func:`linear_weight_grads`): a plain
-    ``nn.Linear`` whose trainable parameters have no hooks and dense gradients. W of anything else (another
-    layer type, hooks on a parameter, a sparse gradient) is left to autograd."""
-    if type(layer) is not nn.Linear:
-        return False
-    params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
-    return bool(params) and not any(
-        p._backward_hooks or p._post_accumulate_grad_hooks or (p.grad is not None and p.grad.layout != torch.strided)
-        for p in params)
-
-
-def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x, g: torch.Tensor) -> bool:
-    """W of a :func:`fusable_linear` layer as the matrix products themselves: for z = x A^T + b, dA = g^T x
-    and db = g^T 1, the sum of g over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run
-    apart from B). From the second micro-batch on, the products accumulate straight into ``.grad`` (``addmm_``
-    and ``addmv_``, as Megatron-LM's gradient-accumulation fusion does), where autograd would form them and
-    then add them: on a CPU that saves a pass over the weight and the autograd call, a sixth of a small
-    model's zero bubble step. The sums then round differently from loss.backward()'s, in the last bits. None
-    of these tensors requires grad, so no graph is built. Returns False, and leaves the work to autograd, when
-    the input, the gradient and the weight do not share one dtype (autocast)."""
-    if type(x) is not torch.Tensor or not x.dtype == g.dtype == weight.dtype:
-        return False
-    if g.dim() != 2:
-        g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    gt, x = g.t(), x.detach()
-    if weight.requires_grad:
-        if weight.grad is None:
-            weight.grad = gt @ x
-        else:  # the product adds itself into .grad: no temporary, one pass over it (see above)
-            weight.grad.addmm_(gt, x)
-    if bias is not None and bias.requires_grad:
-        if bias.grad is None:
-            bias.grad = g.sum(0)
-        else:
-            bias.grad.addmv_(gt, _ones(g.shape[0], g.dtype, g.device))
-    return True
-
-
-def weight_products(weight_layers: list, x: torch.Tensor, outputs: list, handed_on: bool) -> list | None:
-    """What a full B needs to form each fusable Linear's weight gradient itself: (weight, bias, the layer's input,
-    the ``GradientEdge`` of its output, or None for the stage's output when it is ``handed_on`` to the next
-    stage, whose B sends its gradient). Holding the edge, not the output, keeps no tensor autograd would not
-    keep. None when a dtype differs (autocast): B then leaves the weight gradients to autograd."""
-    products = []
-    for j, _, (weight, bias) in weight_layers:
-        inp, out = outputs[j - 1] if j else x, outputs[j]
-        if type(inp) is not torch.Tensor or type(out) is not torch.Tensor or not inp.dtype == out.dtype == weight.dtype:
-            return None
-        products.append((weight, bias, inp, None if handed_on and out is outputs[-1] else get_gradient_edge(out)))
-    return products
-
-
-@functools.lru_cache(maxsize=64)
-def _ones(rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.ones(rows, dtype=dtype, device=device)
 
 
 def requires_grad(batch: Batch) -> bool:

@@ -16,7 +16,7 @@ from .executor import StepRun
 from .schedule import Action, Schedule, dependencies, validate
 from .timeline import Event, Timeline
 
-__all__ = ["cuda_event_seconds", "one_at_a_time_order", "run_one_at_a_time", "run_threads"]
+__all__ = ["cuda_event_seconds", "one_at_a_time_order", "run_one_at_a_time", "run_threads", "tied_weight_order"]
 
 
 def one_at_a_time_order(schedule: Schedule) -> list[Action]:
@@ -74,11 +74,24 @@ def cuda_event_seconds(run: StepRun, order: list[Action]) -> list[float]:
     return [start.elapsed_time(end) / 1e3 for start, end in marks]  # milliseconds -> seconds
 
 
+def tied_weight_order(run: StepRun) -> dict[Action, Action]:
+    """Each action that adds into the ``.grad`` of a weight tied across devices -> the one it must wait for.
+    Two device threads adding into one ``.grad`` would race, and even under a lock their order, so the rounding
+    of the sum, would change from run to run: so these actions run in :func:`one_at_a_time_order`'s order, the
+    simulated executor's. Every such wait points to an earlier action of one valid order: no deadlock."""
+    if not run.shared:
+        return {}
+    ordered = [a for a in one_at_a_time_order(run.schedule) if run.accumulates_shared(a)]
+    return dict(zip(ordered[1:], ordered))
+
+
 def run_threads(run: StepRun, timeout: float = 600.0) -> Timeline:
     """One worker thread per device, each running its list and waiting for dependencies; the measured
-    timeline. A failure names the device and the action; nothing waits past ``timeout`` seconds."""
+    timeline. A failure names the device and the action; nothing waits past ``timeout`` seconds. An action that
+    adds into a tied weight's gradient also waits for the one before it (:func:`tied_weight_order`)."""
     schedule = run.schedule
     done = {a: threading.Event() for _, a in schedule.actions()}
+    after = tied_weight_order(run)
     abort = threading.Event()
     errors: list[tuple[int, Action, BaseException, str]] = []
     events: list[Event] = []
@@ -87,7 +100,7 @@ def run_threads(run: StepRun, timeout: float = 600.0) -> Timeline:
 
     def wait_for(action: Action) -> bool:
         """Wait for the action's dependencies; False when another device failed."""
-        for dep in dependencies(action, schedule.num_stages):
+        for dep in [*dependencies(action, schedule.num_stages), *([after[action]] if action in after else [])]:
             while not done[dep].wait(0.05):
                 if abort.is_set():
                     return False

@@ -9,8 +9,9 @@ and must not
 
 Dunder names (``__version__``) are public. Allowed too: the documented namedtuple
 API (``Event._make``, ``_replace``, ``_asdict``, ``_fields``) and the documented
-standard-library functions ``os._exit`` and ``sys._getframe``, and torch's
-``Variable._execution_engine.queue_callback`` (DataParallel's end-of-backward hook).
+standard-library functions ``os._exit`` and ``sys._getframe``, torch's
+``Variable._execution_engine.queue_callback`` (DataParallel's end-of-backward hook) and torch's
+module-wide hook tables (``torch.nn.modules.module._global_forward_hooks`` and its three siblings).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ NAMEDTUPLE_API = frozenset({"_make", "_replace", "_asdict", "_fields", "_field_d
 # Standard-library functions documented despite the underscore, and one torch hook with no public
 # equivalent: the autograd engine's end-of-backward callback (torch's own DDP and FSDP queue theirs there).
 # torch._C.DisableTorchFunctionSubclass: how torch's docs ("Extending torch with a Tensor wrapper") have a
-# __torch_function__ override call the original
-DOCUMENTED = frozenset({("os", "_exit"), ("sys", "_getframe"), ("torch", "_execution_engine"), ("torch", "_C")})
+# __torch_function__ override call the original. torch.nn's module-wide hook tables: no public way to ask whether a
+# hook is registered for every module, which split_backward's plain-stage guard must know
+DOCUMENTED = frozenset({("os", "_exit"), ("sys", "_getframe"), ("torch", "_execution_engine"), ("torch", "_C")} | {
+    ("torch", f"_global_{kind}_hooks") for kind in ("forward_pre", "forward", "backward_pre", "backward")})
 
 
 def is_private(name: str) -> bool:
