@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .arguments import (COST, COUNT, MAX_SIMULATED, PROG, RATE, CommandLineParser, ResultsFile, checked, folder,
                         output_file, writable_folder)
 from .checks import positive_int, probability, probe_writable
-from .schedule import ScheduleError, make_schedule, resolve_stages_per_device, schedule_names
+from .schedule import ScheduleError, make_schedule, resolve_stages_per_device, schedule_names, schedule_spec
 from .simulator import PAIR_PRICINGS, CostModel, bubble_formula, simulate
 
 # -- one parser per command ------------------------------------------------------------------------------
@@ -33,8 +33,8 @@ def _simulate_parser(commands) -> argparse.ArgumentParser:
                     "timeline (one row per device, wrapped into bands when wider than --width) with the "
                     "bubble fraction.",
     )
-    sim.add_argument("--schedule", default="gpipe", choices=schedule_names(),
-                     help="which schedule to build (default: gpipe)")
+    sim.add_argument("--schedule", default="gpipe", choices=schedule_names(), type=_canonical_schedule,
+                     help="which schedule to build, by name or alias as GPipe takes it (default: gpipe)")
     sim.add_argument("--stages", type=COUNT, default=4,
                      help="pipeline stages p; for interleaved_1f1b the number of devices (default: 4); "
                           f"stages x micro-batches x stages per device is at most {MAX_SIMULATED}")
@@ -448,11 +448,22 @@ def _print_figures(args: argparse.Namespace, schedule, timeline) -> None:
     else:
         print("formula:         none: it needs a finite ratio backward / forward > 0")
     peaks = [timeline.peak_in_flight(d) for d in range(timeline.num_devices)]
+    v = schedule.stages_per_device
+    # a device holding v stages holds one activation set per (stage, micro-batch): v sets make one micro-batch
+    what = "micro-batches" if v == 1 else "activation sets"
+    note = "" if v == 1 else f" (one per stage and micro-batch, {v} stages a device: {max(peaks) / v:g} micro-batches' worth)"
     if len(peaks) <= 64:
-        print("peak in-flight micro-batches per device: " + ", ".join(map(str, peaks)))
+        print(f"peak in-flight {what} per device: " + ", ".join(map(str, peaks)) + note)
     else:
-        print(f"peak in-flight micro-batches: {max(peaks)} on device {peaks.index(max(peaks))} "
-              f"of {len(peaks)}")
+        print(f"peak in-flight {what}: {max(peaks)} on device {peaks.index(max(peaks))} of {len(peaks)}{note}")
+
+
+def _canonical_schedule(name: str) -> str:
+    """A registered alias ("zbv") as its schedule's name, so the CLI takes what GPipe(schedule=...) takes."""
+    try:
+        return schedule_spec(name).name
+    except ValueError:
+        return name  # argparse's choices then refuse it, listing the names
 
 
 RUN: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -165,13 +165,19 @@ def ring_attention(q, k, v, cp: int, causal: bool = False):
     import torch
 
     positive_int("cp", cp)
-    if q.shape[-2] % cp:
-        raise ValueError(f"cp must divide the sequence length ({q.shape[-2]}), got {cp}")
+    if q.shape[-2] % cp or k.shape[-2] % cp:
+        raise ValueError(f"cp must divide the sequence lengths of the queries ({q.shape[-2]}) and the keys "
+                         f"({k.shape[-2]}), got {cp}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have one sequence length, got {k.shape[-2]} and {v.shape[-2]}")
+    if causal and k.shape[-2] != q.shape[-2]:
+        raise ValueError(f"causal attention here needs as many keys as queries (block i of the keys is block i of "
+                         f"the queries' positions), got {k.shape[-2]} keys for {q.shape[-2]} queries")
     scale = q.shape[-1] ** -0.5
     qs, ks, vs = (t.chunk(cp, dim=-2) for t in (q, k, v))
     outputs, received = [], [0] * cp
     for i in range(cp):
-        top = torch.full(qs[i].shape[:-1] + (1,), -math.inf, dtype=q.dtype)  # running maximum of the scores
+        top = torch.full(qs[i].shape[:-1] + (1,), -math.inf, dtype=q.dtype, device=q.device)  # running maximum
         total = torch.zeros_like(top)  # running sum of exp(score - top)
         acc = torch.zeros_like(qs[i])
         for hop in range(cp):
@@ -183,7 +189,7 @@ def ring_attention(q, k, v, cp: int, causal: bool = False):
             scores = qs[i] @ ks[j].transpose(-2, -1) * scale
             if causal and j == i:
                 n = scores.shape[-1]
-                scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+                scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
             new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
             weights = torch.exp(scores - new_top)
             shrink = torch.exp(top - new_top)
@@ -205,13 +211,26 @@ def expert_parallel_moe(tokens, router, experts, ep: int, top_k: int = 1):
     import torch
 
     positive_int("ep", ep)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= len(experts):
+        raise ValueError(f"top_k must be an integer from 1 to the number of experts ({len(experts)}), got {top_k!r}")
+    if tokens.dim() != 3:
+        raise ValueError(f"tokens must be (ep, tokens_per_rank, hidden), rank r's tokens in row r, got shape "
+                         f"{tuple(tokens.shape)}")
+    width = getattr(router, "out_features", None)
+    if width is not None and width != len(experts):
+        raise ValueError(f"router must score every expert: its out_features ({width}) must equal the number of "
+                         f"experts ({len(experts)}); a token routed to a missing expert would be dropped")
     if len(experts) % ep or tokens.shape[0] != ep:
         raise ValueError(f"ep must divide the experts ({len(experts)}) and equal tokens.shape[0] "
                          f"({tokens.shape[0]}), got {ep}")
     per_rank = len(experts) // ep
     output, sent = torch.zeros_like(tokens), [0] * ep
     for rank in range(ep):
-        gates = torch.softmax(router(tokens[rank]), dim=-1)
+        scores = router(tokens[rank])
+        if scores.shape[-1] != len(experts):
+            raise ValueError(f"router must score every expert: it gave {scores.shape[-1]} scores a token for "
+                             f"{len(experts)} experts")
+        gates = torch.softmax(scores, dim=-1)
         weight, chosen = gates.topk(top_k, dim=-1)
         for x, expert in enumerate(experts):
             rows, slot = (chosen == x).nonzero(as_tuple=True)

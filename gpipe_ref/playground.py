@@ -41,7 +41,9 @@ class Analysis:
             return f"invalid: {self.error}"
         t = self.timeline
         peaks = [t.peak_in_flight(d) for d in range(t.num_devices)]
-        return f"valid: bubble {t.bubble_fraction:.2%}, peak in-flight micro-batches per device {peaks}"
+        v = self.schedule.stages_per_device if self.schedule is not None else 1
+        what = "micro-batches" if v == 1 else f"activation sets (one per stage and micro-batch, {v} stages a device)"
+        return f"valid: bubble {t.bubble_fraction:.2%}, peak in-flight {what} per device {peaks}"
 
     def highlighted_html(self) -> str:
         """The typed lines with the actions the error names marked."""

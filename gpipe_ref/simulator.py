@@ -251,6 +251,7 @@ def bubble_formula(name: str, p: int, m: int, v: int | None = None, backward_rat
     except ValueError as error:
         raise ValueError(str(error).replace("stages_per_device", "v", 1)) from None
     positive("backward_ratio", backward_ratio)
+    spec.check_sizes(p, m, v)  # a size the schedule refuses has no bubble
     return spec.bubble(p, m, v, backward_ratio)
 
 

@@ -488,3 +488,19 @@ def test_simulate_prices_dualpipe_vs_pairs_either_way(capsys):
     with pytest.raises(SystemExit):
         main(args + ["--all-to-all", "1"])
     assert "argument --all-to-all: must be a number in [0, 1), got 1.0" in capsys.readouterr().err
+
+
+def test_simulate_counts_activation_sets_where_a_device_holds_several_stages(capsys):
+    """A V device holds one activation set per (stage, micro-batch): 5 sets at m = 4 are 2.5 micro-batches' worth,
+    the registry's peak_held (it said "5 micro-batches" before issue 42)."""
+    assert main(["simulate", "--schedule", "dualpipe_v", "--stages", "2", "--microbatches", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "peak in-flight activation sets per device: 5, 5 (one per stage and micro-batch, 2 stages a device: "
+        "2.5 micro-batches' worth)")
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "peak in-flight micro-batches per device: 2, 1"
+
+
+def test_simulate_takes_the_aliases_gpipe_takes(capsys):
+    assert main(["simulate", "--schedule", "zbv", "--stages", "2", "--microbatches", "4"]) == 0
+    assert capsys.readouterr().out.startswith("schedule zero_bubble_v:")

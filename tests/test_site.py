@@ -172,3 +172,19 @@ def test_the_vendored_scripts_are_the_ones_fetched_from_the_registry():
     assert vendor_site_assets.check() == []
     assert {"html-manager/embed.js", "mathjax/tex-chtml-full.js"} <= {
         line.split("  ", 1)[1] for line in vendor_site_assets.SUMS.read_text().splitlines()}
+
+
+def test_a_notebook_that_is_not_valid_json_fails_the_build_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before Sphinx runs (which would end in an extension traceback naming no file): one line with the file."""
+    import build_site
+
+    copy = tmp_path / "course"
+    for folder in ("notebooks", "exercises", "website"):
+        shutil.copytree(ROOT / folder, copy / folder)
+    broken = copy / "notebooks" / "04_gpipe.ipynb"
+    broken.write_text(broken.read_text()[:5000])  # cut short, as an interrupted save leaves it
+    monkeypatch.setattr(build_site, "ROOT", copy)
+    assert build_site.main(["--build-dir", str(tmp_path / "build")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("site: FAILED: notebooks/04_gpipe.ipynb is not valid JSON (line ")

@@ -9,6 +9,7 @@ an incremental build would skip unchanged pages and so their warnings). The fold
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -21,13 +22,30 @@ BUILD = ROOT / "_build"
 SOURCES = {"notebooks": ["*.ipynb", "GLOSSARY.md"], "exercises": ["*.ipynb"]}
 
 
+class NotANotebook(ValueError):
+    """A notebook the site would be built from is not valid JSON."""
+
+
+def check_notebook(path: Path) -> None:
+    """Refuse a notebook that is not valid JSON, naming the file and the place (Sphinx would end in a traceback)."""
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f"line {exc.lineno}, column {exc.colno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else exc
+        name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        raise NotANotebook(f"{name} is not valid JSON ({where}): restore it from git or "
+                           f"re-save it from JupyterLab") from None
+
+
 def stage(src: Path) -> None:
-    """Copy what becomes a page into ``src``, and nothing else."""
+    """Copy what becomes a page into ``src``, and nothing else; a notebook that is not valid JSON is refused."""
     shutil.rmtree(src, ignore_errors=True)
     for folder, patterns in SOURCES.items():
         (src / folder).mkdir(parents=True)
         for pattern in patterns:
             for path in sorted((ROOT / folder).glob(pattern)):
+                if path.suffix == ".ipynb":
+                    check_notebook(path)
                 shutil.copy2(path, src / folder / path.name)
     shutil.copy2(ROOT / "website" / "index.md", src / "index.md")
 
@@ -38,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     args, sphinx_args = parser.parse_known_args(argv)
     start = time.perf_counter()
     src, out = args.build_dir / "src", args.build_dir / "html"
-    stage(src)
+    try:
+        stage(src)
+    except NotANotebook as exc:
+        print(f"site: FAILED: {exc}", file=sys.stderr)
+        return 2
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     rc = subprocess.call([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-E", "-b", "html",

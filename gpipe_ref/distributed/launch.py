@@ -253,6 +253,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     positive("timeout", timeout)  # NaN or inf would never time out
+    if mp.current_process().daemon:
+        raise RuntimeError("launch was called inside a rank: a rank may not start ranks of its own (its process is "
+                           "daemonic, so multiprocessing refuses it children). Call launch once, from the main "
+                           "process, with a world_size that covers every rank, and split them into groups there "
+                           "(dist.new_group)")
     if backend is None:
         backend = default_backend(world_size)
     elif backend == "nccl":

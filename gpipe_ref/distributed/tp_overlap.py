@@ -48,9 +48,14 @@ class _AsyncAllReduceLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # as autocast runs F.linear: in its dtype, backward included
+            dtype = torch.get_autocast_dtype(kind)
+            x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.layer = layer
-        return F.linear(x, weight, bias)
+        with torch.autocast(kind, enabled=False):
+            return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -84,6 +89,11 @@ class OverlapLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group=None, overlap: bool = True) -> None:
         super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear (its output features are split over the ranks), got "
+                            f"{type(linear).__name__}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True (dW beside the all-reduce) or False (after it), got {overlap!r}")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if linear.out_features % world:
             raise ValueError(f"out_features must be divisible by the tensor-parallel size {world}, "

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..checks import integer, one_of, positive, positive_int
 from ..model_states import MODEL_STATES, ZERO_STAGES, model_state_bytes
+from ..pipeline import GPipe
 from .agreement import check_agreement
 from .collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .zero_guards import ShardedGradient, hide_parameter, sharded_gradient, show_parameter
@@ -90,6 +91,10 @@ class ZeRO:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         integer("stage", stage, min(ZERO_STAGES), max(ZERO_STAGES))
+        if stage >= 2 and isinstance(module, GPipe):
+            raise ValueError(f"stage must be 0 or 1 around a GPipe, got {stage}: ZeRO-2 and 3 shard the gradients "
+                             f"(and 3 the weights) through hooks on the module's forward and on each gradient's "
+                             f"accumulation, which GPipe.step's stage-by-stage actions bypass")
         one_of("collectives", collectives, COLLECTIVES)
         positive("lr", lr)
         if not dist.is_initialized():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..checks import positive_int
 from .ir import Action, Schedule
 
-__all__ = ["gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble",
+__all__ = ["check_interleaved_sizes", "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble",
            "looped_bfs"]
 
 
@@ -146,9 +146,14 @@ def interleaved_1f1b(num_devices: int, num_microbatches: int, stages_per_device:
     )
 
 
-def _interleaved_rounds(p: int, m: int) -> int:
+def check_interleaved_sizes(name: str):
+    """``check(p, m, v)`` raising ``name``'s refusal for the micro-batch counts its rounds do not split."""
+    return lambda p, m, v: _interleaved_rounds(p, m, name)
+
+
+def _interleaved_rounds(p: int, m: int, name: str = "interleaved_1f1b") -> int:
     """The rounds ``m`` micro-batches on ``p`` devices run in, ``max(1, m // p)``; refuses an ``m`` they do not
-    split, naming the nearest counts that work."""
+    split, naming the schedule (``name``) and the nearest counts that work."""
     rounds = max(1, m // p)
     if m % rounds != 0:
         splits = lambda n: n % max(1, n // p) == 0  # noqa: E731
@@ -156,7 +161,7 @@ def _interleaved_rounds(p: int, m: int) -> int:
         above = next(n for n in range(m + 1, m + p + 1) if splits(n))  # so does the next multiple of p
         raise ValueError(
             f"num_microbatches must be a multiple of its round count max(1, num_microbatches // num_devices) "
-            f"for interleaved_1f1b (num_devices={p}: {m} gives {rounds} rounds; nearest allowed: {below} and "
+            f"for {name} (num_devices={p}: {m} gives {rounds} rounds; nearest allowed: {below} and "
             f"{above}), got {m}"
         )
     return rounds
@@ -228,7 +233,7 @@ def interleaved_zero_bubble(num_devices: int, num_microbatches: int, stages_per_
     p = positive_int("num_devices", num_devices)
     m = positive_int("num_microbatches", num_microbatches)
     v = positive_int("stages_per_device", stages_per_device)
-    g = m // _interleaved_rounds(p, m)
+    g = m // _interleaved_rounds(p, m, "interleaved_zero_bubble")
     return Schedule("interleaved_zero_bubble", p * v, m, p, tuple(s % p for s in range(p * v)),
                     tuple(_interleaved_order(d, p, m, v, g, split_w=True) for d in range(p)))
 

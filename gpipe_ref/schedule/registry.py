@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checks import positive_int
-from .generators import (gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
+from .generators import (check_interleaved_sizes, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
                          zero_bubble_h1)
 from .ir import Schedule
-from .v_schedules import dualpipe_v, zero_bubble_v
+from .v_schedules import check_dualpipe_v_sizes, dualpipe_v, zero_bubble_v
 
 __all__ = ["ScheduleSpec", "SCHEDULES", "register", "unregister", "schedule_names", "schedule_spec",
            "make_schedule", "default_schedule", "resolve_stages_per_device"]
@@ -26,7 +26,8 @@ class ScheduleSpec:
     from the spec. ``bubble(p, m, v, r)`` is the closed-form
     bubble fraction for uniform stages, no communication and backward/forward cost
     ratio ``r``; ``formula`` is the same as text, exact when ``exact_when(p, m, v, r)``
-    holds (else a lower bound, for the reason in ``exact_note``). ``peak_held(p, m, v)``
+    holds (else a lower bound, for the reason in ``exact_note``). ``check_sizes(p, m, v)`` raises the generator's
+    refusal for sizes it cannot build, without building (so formulas refuse them too). ``peak_held(p, m, v)``
     is how many micro-batches' activations the first device holds at its peak, each
     micro-batch's worth being the activations of one device's share of the layers.
     """
@@ -45,6 +46,7 @@ class ScheduleSpec:
     exact_when: Callable[[int, int, int, float], bool] = lambda p, m, v, r: True
     exact_note: str = ""
     stages_per_device: int = 1
+    check_sizes: Callable[[int, int, int], None] = lambda p, m, v: None
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}  # name -> spec, in registration order
@@ -152,6 +154,7 @@ register(ScheduleSpec(
     bubble=lambda p, m, v, r: (p - 1) / (v * m + p - 1), formula="(p-1)/(v·m+p-1)",
     peak_held=lambda p, m, v: _interleaved_peak(p, m, v), source="Narayanan et al. 2021, sec. 2.2",
     aliases=("interleaved",), multi_stage=True, exact_when=lambda p, m, v, r: m >= p,
+    check_sizes=check_interleaved_sizes("interleaved_1f1b"),
     exact_note="the formula assumes m >= p: with fewer micro-batches than devices, each of the v-1 switches "
                "to the next chunk waits p-m more stage times"))
 register(ScheduleSpec(
@@ -184,6 +187,7 @@ register(ScheduleSpec(
     peak_held=lambda p, m, v: min((v - 1) * (m // max(1, m // p)) + p, v * m) / v,
     source="Qi et al. 2024, sec. 2.1; Narayanan et al. 2021, sec. 2.2",
     multi_stage=True, split_backward=True, exact_when=lambda p, m, v, r: m >= p and r == 2,
+    check_sizes=check_interleaved_sizes("interleaved_zero_bubble"),
     exact_note="the formula assumes m >= p and F = B = W (r = 2)"))
 register(ScheduleSpec(
     "zero_bubble_v", zero_bubble_v, "ZB-V (V placement)", flush=True,
@@ -198,4 +202,4 @@ register(ScheduleSpec(
     peak_held=lambda p, m, v: p + 0.5, source="DeepSeek-AI 2024, sec. 3.2.1 (DualPipe cut in half: torch's "
     "ScheduleDualPipeV)", aliases=("dualpipev",), split_backward=True, exact_when=lambda p, m, v, r: r == 2,
     exact_note="the formula assumes F = B = W (r = 2) and each F&B pair priced as the sum of its halves",
-    stages_per_device=2))
+    stages_per_device=2, check_sizes=check_dualpipe_v_sizes))

@@ -18,7 +18,7 @@ from collections import deque
 from ..checks import positive_int
 from .ir import Action, Schedule
 
-__all__ = ["v_placement", "zero_bubble_v", "dualpipe_v"]
+__all__ = ["check_dualpipe_v_sizes", "v_placement", "zero_bubble_v", "dualpipe_v"]
 
 
 def v_placement(num_devices: int) -> tuple[int, ...]:
@@ -141,6 +141,13 @@ def _dualpipe_v_order(d: int, p: int, m: int) -> tuple[tuple[Action, ...], list[
     return tuple(order), pairs
 
 
+def check_dualpipe_v_sizes(p: int, m: int, v: int = 2) -> None:
+    """DualPipeV needs ``m >= 2p``, a micro-batch a stage at least, as torch's ``ScheduleDualPipeV``."""
+    if m < 2 * p:
+        raise ValueError(f"num_microbatches must be at least the number of stages 2 * num_devices = {2 * p} for "
+                         f"dualpipe_v (as torch's ScheduleDualPipeV), got {m}")
+
+
 def dualpipe_v(num_devices: int, num_microbatches: int) -> Schedule:
     """DualPipeV (DeepSeek-AI 2024, sec. 3.2.1, "cut in half" to a V by Sea AI Lab): ZB-V's placement, the steady
     state made of pairs, one micro-batch's forward overlapped with another's full backward (``overlap_pairs``),
@@ -157,9 +164,7 @@ def dualpipe_v(num_devices: int, num_microbatches: int) -> Schedule:
     """
     p = positive_int("num_devices", num_devices)
     m = positive_int("num_microbatches", num_microbatches)
-    if m < 2 * p:
-        raise ValueError(f"num_microbatches must be at least the number of stages 2 * num_devices = {2 * p} for "
-                         f"dualpipe_v (as torch's ScheduleDualPipeV), got {m}")
+    check_dualpipe_v_sizes(p, m)
     orders = [_dualpipe_v_order(d, p, m) for d in range(p)]
     return Schedule("dualpipe_v", 2 * p, m, p, v_placement(p), tuple(order for order, _ in orders),
                     overlap_pairs=tuple(pair for _, pairs in orders for pair in pairs))
