@@ -415,3 +415,38 @@ def test_pipeline_parallel_on_two_ranks_equals_the_plain_model():
         assert set(got) == set(expected), (kind, schedule)
         for name, grad in got.items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=f"{kind}, {schedule}, {name}")
+
+
+# -- autocast: a recomputed stage equals torch.utils.checkpoint ------------------------------------------------
+def _checkpointed_reference(kind: str, dtype: torch.dtype, device: str = "cpu"):
+    """The plain model with each stage under torch.utils.checkpoint, micro-batch by micro-batch, in autocast."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = make(kind).to(device)
+    x, y = (t.to(device) for t in data(kind))
+    with torch.autocast(device, dtype=dtype):
+        for xi, yi in zip(scatter(x, CHUNKS), scatter(y, CHUNKS)):
+            h = checkpoint(model[:4], xi, use_reentrant=False)
+            out = checkpoint(model[4:], h, use_reentrant=False)
+            (F.mse_loss(out, yi) * (xi.shape[0] / BATCH)).backward()
+    return model
+
+
+AUTOCAST_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", AUTOCAST_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("kind", ["LayerNorm and GELU", "in-place activations"])
+def test_a_recomputed_stage_under_autocast_equals_torch_checkpoint(kind, checkpoint, schedule, dtype, device):
+    """Bit for bit: the recomputation runs in the forward's autocast state, as torch.utils.checkpoint's does."""
+    reference = _checkpointed_reference(kind, dtype, device)
+    model = make(kind)
+    x, y = (t.to(device) for t in data(kind))
+    pipe = GPipe(model, [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint=checkpoint, devices=[device] * 2)
+    with torch.autocast(device, dtype=dtype):
+        pipe.step(x, y, nn.MSELoss())
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), f"{name}: {(a.grad - b.grad).abs().max()}"
