@@ -68,6 +68,7 @@ class StepRun:
         # or right after B's autograd call (split_backward); the rest through autograd
         self.plain = [plain_stage(layers) for layers in self.layers]
         self.shared = _stages_sharing_parameters(pipe.stages, schedule.stage_to_device)
+        self.threaded = getattr(pipe, "executor", None) == "threads"  # device threads may add into one .grad
         mode, m = pipe.checkpoint, schedule.num_microbatches
         self.checkpointed = [rematerializes(mode, i, m) for i in range(m)]
         self.losses: dict[int, torch.Tensor] = {}
@@ -130,6 +131,8 @@ class StepRun:
         else:
             x = received(self.receive_activation(stage, microbatch), device)
         st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
+        if stage == 0:
+            x = _own_copy(x, self.inputs[microbatch])
         meter = self.meters[self.schedule.stage_to_device[stage]] if self.tracked else None
         if meter is not None:
             st.token = [meter.hold(t) for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, torch.Tensor)]
@@ -157,7 +160,8 @@ class StepRun:
         if self.checkpointed[microbatch]:  # recompute the stage with autograd on, from the forward's state
             meter = self.meters[self.schedule.stage_to_device[stage]]
             with replayed(self.pipe.stages[stage], self.stage_devices[stage], st.snapshot), self._recording(meter):
-                self._run_stage(stage, microbatch, st.inputs, st)
+                x = _own_copy(st.inputs, self.inputs[microbatch]) if stage == 0 else st.inputs
+                self._run_stage(stage, microbatch, x, st)
         root = st.chain[-1]
         grad = None if last else self.receive_gradient(stage, microbatch)
         if isinstance(grad, tuple) and all(g is None for g in grad):
@@ -224,7 +228,7 @@ class StepRun:
         """W: the weight gradients, from where B stopped (:func:`~gpipe_ref.split_backward.backward_weight`)."""
         st = self.state[(stage, microbatch)]
         if st.weight_pass is not None:
-            backward_weight(st.weight_pass)
+            backward_weight(st.weight_pass, self.threaded)
         self._release(stage, microbatch)
 
     def _release(self, stage: int, microbatch: int) -> None:
@@ -271,3 +275,12 @@ def _stages_sharing_parameters(stages, stage_to_device) -> set[int]:
     shared = {i for i, on in devices.items() if len(on) > 1}
     return {s for s, stage in enumerate(stages) if stage is not None
             and any(id(p) in shared for p in stage.parameters())}
+
+
+def _own_copy(x, given):
+    """The first stage's input, copied where it is still the caller's micro-batch (a view of the caller's batch): a
+    first layer that works in place (``nn.ReLU(inplace=True)``) then changes neither the caller's tensor nor the
+    input a re-materialization recomputes from, nor the version counter the micro-batches share."""
+    if isinstance(x, tuple):
+        return tuple(_own_copy(t, g) for t, g in zip(x, given))
+    return x.clone() if x is given else x

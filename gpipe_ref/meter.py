@@ -45,7 +45,8 @@ class ActivationMeter:
     """
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
-        self._ignore = {t.data_ptr() for t in ignore}  # views such as weight.t() share the address
+        # views such as weight.t() share the address; a lazy module's parameter has no storage before its first forward
+        self._ignore = {t.data_ptr() for t in ignore if not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)}
         self._refs: dict[tuple[int, int], int] = {}  # (address, bytes) -> live references
         self._bytes: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()

@@ -49,12 +49,15 @@ def _built_in(m: nn.Module) -> bool:
 
 def _linear(layer: nn.Module) -> tuple | None:
     """``(weight, bias)`` of an ``nn.Linear`` whose output is ``F.linear(input, weight, bias)`` with its own leaf
-    parameters, trainable, without tensor hooks and with dense gradients; None otherwise."""
+    parameters (plain ``nn.Parameter``s), trainable, without tensor hooks and with dense gradients; None
+    otherwise."""
     if type(layer) is not nn.Linear or not _built_in(layer):
         return None
     weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
     params = [p for p in (weight, bias) if p is not None and p.requires_grad]
-    if weight is None or not params or any(p._backward_hooks or p._post_accumulate_grad_hooks
+    if type(weight) is not nn.Parameter or (bias is not None and type(bias) is not nn.Parameter):
+        return None  # a Parameter subclass may change what F.linear computes (__torch_function__)
+    if not params or any(p._backward_hooks or p._post_accumulate_grad_hooks
                                            or (p.grad is not None and p.grad.layout != torch.strided) for p in params):
         return None
     return weight, bias
@@ -79,27 +82,27 @@ def plain_stage(layers: Sequence[nn.Module]) -> list | None:
 @dataclass(slots=True)
 class ForwardMarks:
     """What a stage's forward records for its backward: for a plain stage, each Linear's output node, input, input
-    version, weight and bias; with no input gradient to form, the first layer output's edges (where B's activation
-    path starts); the last layer output's nodes (where a loss begins)."""
+    version, weight and bias; with no input gradient to form, the first layer output computed from a weight (where
+    B's activation path starts: its tensors and their edges); the last layer output (where a loss begins)."""
 
     plan: list | None  # plain_stage(layers), or None
     want_anchors: bool
-    anchors: list = field(default_factory=list)
+    anchors: list = field(default_factory=list)  # (tensor, its gradient edge)
     products: list = field(default_factory=list)  # (output node, input, its version, weight, bias) per Linear
     output: object = None
 
     def after(self, j: int, x, out) -> None:
         """Layer ``j`` turned ``x`` into ``out``: mark it before a later layer changes ``out`` in place."""
         self.output = out
-        if self.want_anchors and not self.anchors:
-            self.anchors += [get_gradient_edge(t) for t in (out if isinstance(out, tuple) else (out,))
-                             if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.want_anchors and not self.anchors:  # a leaf (a parameter handed on as it is) is no anchor
+            self.anchors += [(t, get_gradient_edge(t)) for t in (out if isinstance(out, tuple) else (out,))
+                             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if self.plan is not None and self.plan[j] is not None:
             weight = self.plan[j][0]
             if type(out) is torch.Tensor and type(x) is torch.Tensor and out.grad_fn is not None \
-                    and x.dtype == out.dtype == weight.dtype:
+                    and not out._is_view() and x.dtype == out.dtype == weight.dtype:
                 self.products.append((out.grad_fn, x, x._version, *self.plan[j]))
-            else:  # autocast, or a tensor subclass: the graph decides
+            else:  # autocast, a tensor subclass, or a view (an in-place change moves its history): the graph decides
                 self.plan = None
 
 
@@ -108,9 +111,9 @@ class ForwardMarks:
 class WeightPass:
     """What B leaves for W: per group of leaves, where W starts and with which gradients, or a Linear's products."""
 
-    groups: list = field(default_factory=list)  # (leaves, starts, their grads, nodes to clamp)
+    groups: list = field(default_factory=list)  # (leaves, starts, their grads)
     products: list = field(default_factory=list)  # (input, its version, weight, bias, output gradient)
-    saved: dict = field(default_factory=dict)  # boundary node -> {output index: gradient}
+    keep_graph: bool = False  # a group starts from the stage's output: later groups run through its nodes
 
 
 def _walk(roots: Sequence[Node], stop: set[Node], anchors: set[Node]):
@@ -184,12 +187,15 @@ def _groups(roots, grads, root_edges, anchors: set[Node], stop: set[Node]):
     return groups, leaves, outputs
 
 
-def _loss_holds_no_leaf(roots: Sequence[torch.Tensor], root_edges: Sequence[GradientEdge], output) -> bool:
-    """Whether the nodes between ``roots`` and the stage output (a loss's operations) reach no leaf of their own."""
-    outputs = output if isinstance(output, tuple) else (output,)
+def _loss_adds_nothing(roots: Sequence[torch.Tensor], root_edges: Sequence[GradientEdge], output) -> bool:
+    """Whether the nodes between ``roots`` and the stage output (a loss's operations) reach no leaf of their own,
+    and no hook sits on the output (a loss may register one): then a plain stage's graph is its layers' alone."""
+    outputs = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
+    if any(t._backward_hooks for t in outputs):
+        return False
     if all(any(r is t for t in outputs) for r in roots):  # B starts from the stage output itself
         return True
-    stop = {get_gradient_edge(t).node for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad}
+    stop = {get_gradient_edge(t).node for t in outputs if t.requires_grad}
     return not _walk([e.node for e in root_edges], stop, set())[4]
 
 
@@ -208,76 +214,87 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     if not roots:  # the stage's output requires no grad: nothing flows back
         return (None,) * len(inputs), WeightPass()
     root_edges = [get_gradient_edge(r) for r in roots]
-    if marks is not None and marks.plan is not None and _loss_holds_no_leaf(roots, root_edges, marks.output):
-        return _backward_plain(roots, grads, inputs, marks)
+    if marks is not None and marks.plan is not None and _loss_adds_nothing(roots, root_edges, marks.output):
+        done = _backward_plain(roots, grads, inputs, marks)
+        if done is not None:
+            return done
     input_nodes = [get_gradient_edge(t).node for t in inputs]
-    anchors = set(input_nodes) | {e.node for e in (marks.anchors if marks is not None else ())}
-    groups, leaves, outputs = _groups(roots, grads, root_edges, anchors, set(input_nodes))
+    # An anchor's gradient is captured, not run through its node, so after the tensor's hooks: W, which runs the
+    # node, would apply them again. With a hook there, the activation path is left empty: W does it all.
+    anchors = [] if marks is None or any(t._backward_hooks for t, _ in marks.anchors) else marks.anchors
+    path = set(input_nodes) | {edge.node for _, edge in anchors}
+    groups, leaves, outputs = _groups(roots, grads, root_edges, path, set(input_nodes))
     # every output of each boundary node is captured as an edge: the engine hands the gradients back with the
     # input gradients, and no Python runs inside the backward
     kept = [GradientEdge(node, i) for _, nodes, _ in groups for node in nodes for i in (0, *outputs.get(node, ()))]
     found = _engine(roots, grads, (*inputs, *kept), True, False) if inputs or kept else ()
-    kept_pass = WeightPass()
+    saved: dict[Node, dict[int, torch.Tensor]] = {}
     for edge, g in zip(kept, found[len(inputs):]):
         if g is not None:
-            kept_pass.saved.setdefault(edge.node, {})[edge.output_nr] = g
+            saved.setdefault(edge.node, {})[edge.output_nr] = g
+    weight_pass = WeightPass()
     for mask, nodes, root_seeds in groups:
-        starts = [GradientEdge(node, i) for node in nodes for i in kept_pass.saved.get(node, ())]
-        start_grads = [kept_pass.saved[node][i] for node in nodes for i in kept_pass.saved.get(node, ())]
+        params = [leaves[i] for i in range(mask.bit_length()) if mask >> i & 1]
+        if len(nodes) > 1:  # a weight reached through several boundary nodes, one maybe under another: starting
+            # from each would add what flows from the upper one to what B kept at the lower one, which holds it
+            # already. So W starts from the stage's output, as a whole backward would, into these weights only.
+            weight_pass.groups.append((params, list(roots), list(grads)))
+            weight_pass.keep_graph = True
+            continue
+        starts = [GradientEdge(node, i) for node in nodes for i in saved.get(node, ())]
+        start_grads = [saved[node][i] for node in nodes for i in saved.get(node, ())]
         starts += [r for r, _ in root_seeds]
         start_grads += [g for _, g in root_seeds]
         if starts:
-            params = [leaves[i] for i in range(mask.bit_length()) if mask >> i & 1]
-            kept_pass.groups.append((params, starts, start_grads, nodes if len(nodes) > 1 else []))
-    return tuple(found[:len(inputs)]), kept_pass
+            weight_pass.groups.append((params, starts, start_grads))
+    return tuple(found[:len(inputs)]), weight_pass
 
 
-def _backward_plain(roots, grads, inputs, marks: ForwardMarks) -> tuple[tuple, WeightPass]:
-    """B of a plain stage: the input gradients and each Linear's output gradient, in one call, with no walk."""
+def _backward_plain(roots, grads, inputs, marks: ForwardMarks) -> tuple[tuple, WeightPass] | None:
+    """B of a plain stage: the input gradients and each Linear's output gradient, in one call, with no walk. None,
+    leaving it to the graph, where a Linear's output got no gradient (its output unused, or its node left the graph)."""
     kept = [GradientEdge(node, 0) for node, *_ in marks.products]
     found = _engine(roots, grads, (*inputs, *kept), True, False) if inputs or kept else ()
+    if any(g is None for g in found[len(inputs):]):
+        return None
     products = [(x, version, weight, bias, g) for (_, x, version, weight, bias), g
-                in zip(marks.products, found[len(inputs):]) if g is not None]
+                in zip(marks.products, found[len(inputs):])]
     return tuple(found[:len(inputs)]), WeightPass(products=products)
 
 
-def _clamped(saved: dict[int, torch.Tensor], grad_outputs: tuple) -> tuple:
-    return tuple(saved.get(i) for i in range(len(grad_outputs)))
-
-
-def backward_weight(kept: WeightPass) -> None:
-    """W: the leaves' gradients, accumulated into ``.grad`` as ``loss.backward()`` does (their hooks run). Where a
-    group has several boundary nodes and one lies under another (a weight used twice), autograd would add what
-    flows down from the upper one to the gradient B kept at the lower one, which already holds it: each such
-    node's gradient is set back to B's (torch.distributed.pipelining clamps the same way)."""
+def backward_weight(kept: WeightPass, locked: bool = False) -> None:
+    """W: the leaves' gradients, accumulated into ``.grad`` as ``loss.backward()`` does (their hooks run). With
+    ``locked`` (device threads), a Linear's products are added through autograd's accumulation too, which holds a
+    lock per gradient: another thread may add into the same ``.grad`` (a weight its loss uses)."""
     for x, version, weight, bias, g in kept.products:
         if x._version != version:  # autograd refuses this too: the plain model's backward fails the same way
             raise RuntimeError("a Linear's input was modified by an in-place operation after the Linear ran: "
                                "autograd needs it for the weight gradient (loss.backward() on the plain model "
                                "fails the same way); use an out-of-place operation there")
-        linear_weight_grads(weight, bias, x, g)
-    keep_graph = any(clamp for *_, clamp in kept.groups)  # a clamped group runs through other groups' nodes
-    for params, starts, grads, clamp in kept.groups:
-        hooks = [node.register_prehook(functools.partial(_clamped, kept.saved.get(node, {}))) for node in clamp]
-        try:
-            _engine(starts, grads, params, keep_graph, True)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        linear_weight_grads(weight, bias, x, g, locked)
+    for params, starts, grads in kept.groups:
+        _engine(starts, grads, params, kept.keep_graph, True)
 
 
-def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor) -> None:
+def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor,
+                        locked: bool = False) -> None:
     """W of a Linear as the matrix products themselves: for z = x A^T + b, dA = g^T x and db = g^T 1, the sum of g
     over the rows (Qi et al. 2024, sec. 2: W is the weight-gradient product, run apart from B). From the second
     micro-batch on they accumulate straight into ``.grad`` (``addmm_``, ``addmv_``, as Megatron-LM's gradient
-    accumulation fusion does), where autograd would form them and then add them. The sums round differently from
-    loss.backward()'s in the last bits."""
+    accumulation fusion does), where autograd would form them and then add them; ``locked`` hands them to
+    autograd's accumulation instead. A new ``.grad`` has the weight's strides, as autograd gives it. The sums round
+    differently from loss.backward()'s in the last bits."""
     if g.dim() != 2:
         g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
     gt, x = g.t(), x.detach()
+    if locked:
+        pairs = [(p, grad) for p, grad in ((weight, lambda: gt @ x), (bias, lambda: g.sum(0)))
+                 if p is not None and p.requires_grad]
+        _engine([p for p, _ in pairs], [grad() for _, grad in pairs], (), False, True)
+        return
     if weight.requires_grad:
         if weight.grad is None:
-            weight.grad = gt @ x
+            weight.grad = torch.mm(gt, x, out=torch.empty_like(weight, memory_format=torch.preserve_format))
         else:
             weight.grad.addmm_(gt, x)
     if bias is not None and bias.requires_grad:

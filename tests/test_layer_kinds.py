@@ -121,6 +121,59 @@ class Unpair(nn.Module):
         return pair[0]
 
 
+class WithState(nn.Module):
+    """Hands on a learned state beside its input: the first layer's output holds a parameter as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.h0 = nn.Parameter(torch.randn(W))
+
+    def forward(self, x):
+        return x, self.h0
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(W, W)
+
+    def forward(self, pair):
+        return torch.tanh(self.linear(pair[0]) + pair[1])
+
+
+class HookedProduct(nn.Module):
+    """x @ w with a tensor hook on the product that doubles its gradient; ``twice``: w used again after a tanh."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.w, self.twice = nn.Parameter(torch.randn(W, W) / 3), twice
+
+    def forward(self, x):
+        h = x @ self.w
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 2)
+        return torch.tanh(h) @ self.w if self.twice else h
+
+
+class Doubled(nn.Parameter):
+    """A Parameter subclass that changes what a function computes with it (fake quantization's pattern)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            x, weight, *rest = args
+            with torch._C.DisableTorchFunctionSubclass():
+                return F.linear(x, weight * 2, *rest)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _doubled_linear():
+    layer = nn.Linear(W, W)
+    layer.weight = Doubled(layer.weight.detach().clone())
+    return layer
+
+
 def hooked(kind: str) -> nn.Linear:
     layer = nn.Linear(W, W)
     if kind == "forward":
@@ -210,6 +263,19 @@ KINDS = {  # name -> (layers, input, per-micro-batch reference)
     "frozen parameters": _frozen,
     "a stage that hands on a tuple": lambda: [Pair(), PairLinear(), PairLinear(), PairLinear(), PairLinear(),
                                               PairLinear(), PairLinear(), Unpair()],
+    # found by the review of the new executor (issue 42), each silently wrong or failing in a first version
+    "3-D input, in-place activation": lambda: [nn.Linear(W, W), nn.ReLU(inplace=True), nn.Linear(W, W), nn.Tanh(),
+                                               nn.Linear(W, W), nn.ReLU(inplace=True), nn.Linear(W, W), nn.Tanh()],
+    "a first layer that hands on a parameter": lambda: [WithState(), Mix(), nn.Linear(W, W), nn.Tanh(),
+                                                        nn.Linear(W, W), nn.Tanh(), nn.Linear(W, W), nn.Tanh()],
+    "a tensor hook on an intermediate": lambda: [HookedProduct(False), nn.Tanh(), HookedProduct(True), nn.Tanh(),
+                                                 HookedProduct(False), nn.Tanh(), HookedProduct(True), nn.Tanh()],
+    "a Parameter subclass with __torch_function__": lambda: [_doubled_linear(), nn.Tanh(), nn.Linear(W, W),
+                                                             nn.Tanh(), _doubled_linear(), nn.Tanh(),
+                                                             nn.Linear(W, W), nn.Tanh()],
+    "an in-place first layer on the caller's input": lambda: [nn.LeakyReLU(0.1, inplace=True), nn.Linear(W, W),
+                                                              nn.Tanh(), nn.Linear(W, W), nn.Linear(W, W),
+                                                              nn.LeakyReLU(0.1, True), nn.Tanh(), nn.Linear(W, W)],
 }
 
 
@@ -220,9 +286,10 @@ def make(kind: str) -> nn.Sequential:
 
 def data(kind: str):
     generator = torch.Generator().manual_seed(1)
+    shape = (BATCH, 3, W) if kind.startswith("3-D") else (BATCH, W)
     x = (torch.randint(0, 10, (BATCH,), generator=generator) if kind == "Embedding on integer input"
-         else torch.randn(BATCH, W, generator=generator))
-    return x, torch.randn(BATCH, W, generator=generator)
+         else torch.randn(*shape, generator=generator))
+    return x, torch.randn(*shape, generator=generator)
 
 
 def plain(kind: str):
@@ -230,6 +297,7 @@ def plain(kind: str):
     the buffers."""
     model = make(kind)
     x, y = data(kind)
+    x = x.clone()  # an in-place first layer changes the plain model's input (the pipe copies it first)
     loss = 0.0
     for xi, yi in zip(scatter(x, CHUNKS), scatter(y, CHUNKS)):
         part = F.mse_loss(model(xi), yi) * (xi.shape[0] / BATCH)
@@ -291,7 +359,9 @@ def check_step(kind: str, schedule: str, executor: str, checkpoint: str) -> None
             assert_same_gradients(model, reference, label)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters()), label
         return
+    given = x.clone()
     loss = pipe.step(x, y, nn.MSELoss())
+    assert torch.equal(x, given), f"{label}: the caller's input changed"
     expected, reference = plain(kind)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7, msg=label)
     assert_same_gradients(model, reference, label)
@@ -315,6 +385,9 @@ def test_every_checkpoint_mode_on_the_default_schedule(kind, checkpoint):
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_forward_path_equals_the_plain_model(kind, checkpoint):
     """``loss_fn(pipe(x), y).backward()``: the micro-batches one after another, through autograd."""
+    if kind == "an in-place first layer on the caller's input":
+        pytest.skip("torch cannot compute it either: the micro-batches are views of one batch, so the in-place layer "
+                    "of the second changes the version of what the first saved (step() copies its inputs)")
     x, y = data(kind)
     model, pipe = pipe_of(kind, "gpipe", "simulated", checkpoint)
     if kind == "Dropout under recomputation":
@@ -325,9 +398,9 @@ def test_the_forward_path_equals_the_plain_model(kind, checkpoint):
         F.mse_loss(again(x), y).backward()
         assert_same_gradients(model, reference, kind)
         return
-    F.mse_loss(pipe(x), y).backward()
+    F.mse_loss(pipe(x.clone()), y).backward()
     reference = make(kind)
-    outputs = [reference(xi) for xi in scatter(x, CHUNKS)]  # BatchNorm: each micro-batch its own statistics
+    outputs = [reference(xi) for xi in scatter(x.clone(), CHUNKS)]  # BatchNorm: each micro-batch its own statistics
     F.mse_loss(torch.cat(outputs), y).backward()
     assert_same_gradients(model, reference, f"{kind}, forward path, checkpoint={checkpoint}")
 
@@ -450,3 +523,47 @@ def test_a_recomputed_stage_under_autocast_equals_torch_checkpoint(kind, checkpo
         pipe.step(x, y, nn.MSELoss())
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), f"{name}: {(a.grad - b.grad).abs().max()}"
+
+
+# -- what a loss function does to the last stage ---------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble_h1"])
+def test_a_hook_the_loss_puts_on_the_output_reaches_the_weights(schedule):
+    """loss_fn registers a hook on the model's output that doubles its gradient: the last Linear's weight gradient
+    doubles too (a plain stage's products took the gradient before the hook)."""
+    def loss_fn(out, target):
+        out.register_hook(lambda g: g * 2)
+        return F.mse_loss(out, target)
+
+    kind = "bias-free Linear"
+    x, y = data(kind)
+    reference = make(kind)
+    for xi, yi in zip(scatter(x, CHUNKS), scatter(y, CHUNKS)):
+        (loss_fn(reference(xi), yi) * (xi.shape[0] / BATCH)).backward()
+    model, pipe = pipe_of(kind, schedule, "simulated", "never")
+    pipe.step(x, y, loss_fn)
+    assert_same_gradients(model, reference, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble_h1"])
+def test_a_weight_the_loss_uses_loses_no_update_under_threads(schedule):
+    """The loss uses the first stage's weight: two device threads add into its .grad (one through the loss), and
+    the first stage's products go through autograd's locked accumulation: no contribution is lost."""
+    width = 256
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, width, generator=generator), torch.randn(64, width, generator=generator)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+
+    def loss_of(model):
+        return lambda out, target: F.mse_loss(out, target) + 1e-2 * (out @ model[0].weight).pow(2).mean()
+
+    reference = build()
+    for xi, yi in zip(scatter(x, CHUNKS), scatter(y, CHUNKS)):
+        (loss_of(reference)(reference(xi), yi) / CHUNKS).backward()
+    for _ in range(6):
+        model = build()
+        GPipe(model, [2, 2], chunks=CHUNKS, schedule=schedule, checkpoint="never", executor="threads",
+              devices=["cpu", "cpu"]).step(x, y, loss_of(model))
+        assert_same_gradients(model, reference, schedule)
