@@ -69,6 +69,7 @@ class StepRun:
         self.plain = [plain_stage(layers) for layers in self.layers]
         self.shared = _stages_sharing_parameters(pipe.stages, schedule.stage_to_device)
         self.threaded = getattr(pipe, "executor", None) == "threads"  # device threads may add into one .grad
+        self.copy_input = _changes_its_input(self.layers[0])  # the first stage copies the caller's micro-batch
         mode, m = pipe.checkpoint, schedule.num_microbatches
         self.checkpointed = [rematerializes(mode, i, m) for i in range(m)]
         self.losses: dict[int, torch.Tensor] = {}
@@ -131,8 +132,12 @@ class StepRun:
         else:
             x = received(self.receive_activation(stage, microbatch), device)
         st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
+        versions = None
         if stage == 0:
-            x = _own_copy(x, self.inputs[microbatch])
+            if self.copy_input:
+                x = _own_copy(x, self.inputs[microbatch])
+            else:
+                versions = _versions(x)
         meter = self.meters[self.schedule.stage_to_device[stage]] if self.tracked else None
         if meter is not None:
             st.token = [meter.hold(t) for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, torch.Tensor)]
@@ -145,6 +150,11 @@ class StepRun:
                 self._run_stage(stage, microbatch, x, st)
         else:
             self._run_stage(stage, microbatch, x, st)
+        if versions is not None and _versions(x) != versions:
+            raise RuntimeError("stage 0 changed its input in place in its forward: a recomputation would start from "
+                               "the changed input, and the micro-batches, views of your batch, share one version "
+                               "counter. Use an out-of-place operation there (an nn.ReLU(inplace=True) or another "
+                               "built-in layer with inplace=True as the first layer is copied for you)")
         out = st.chain[-1]
         if stage == self.last_stage:
             self.losses[microbatch] = out.detach()  # one dict store: atomic under the GIL, no lock needed
@@ -160,7 +170,7 @@ class StepRun:
         if self.checkpointed[microbatch]:  # recompute the stage with autograd on, from the forward's state
             meter = self.meters[self.schedule.stage_to_device[stage]]
             with replayed(self.pipe.stages[stage], self.stage_devices[stage], st.snapshot), self._recording(meter):
-                x = _own_copy(st.inputs, self.inputs[microbatch]) if stage == 0 else st.inputs
+                x = _own_copy(st.inputs, self.inputs[microbatch]) if stage == 0 and self.copy_input else st.inputs
                 self._run_stage(stage, microbatch, x, st)
         root = st.chain[-1]
         grad = None if last else self.receive_gradient(stage, microbatch)
@@ -275,6 +285,21 @@ def _stages_sharing_parameters(stages, stage_to_device) -> set[int]:
     shared = {i for i, on in devices.items() if len(on) > 1}
     return {s for s, stage in enumerate(stages) if stage is not None
             and any(id(p) in shared for p in stage.parameters())}
+
+
+def _changes_its_input(layers) -> bool:
+    """Whether a built-in layer with ``inplace=True`` comes before the first layer with parameters: it may change
+    the stage's input itself (``nn.ReLU(inplace=True)`` first)."""
+    for layer in layers:
+        if getattr(layer, "inplace", False) is True:
+            return True
+        if any(True for _ in layer.parameters()):
+            return False
+    return False
+
+
+def _versions(x) -> list[int]:
+    return [t._version for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, torch.Tensor)]
 
 
 def _own_copy(x, given):

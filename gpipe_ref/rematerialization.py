@@ -8,7 +8,8 @@ buffers) and the recomputation runs :func:`replayed` from it: same outputs as th
 buffers are left untouched. Swapping the buffer objects, rather than restoring their values in place, keeps
 references to them valid and leaves their version counters alone (BatchNorm's graph saves its running
 statistics and checks their version). One capture and one replay serve both paths: the executor's F and B
-(:class:`~gpipe_ref.executor.StepRun`) and the differentiable forward (:func:`rematerialized`).
+(:class:`~gpipe_ref.executor.StepRun`) and the differentiable forward (:func:`rematerialized`), which keeps the
+plain model's graph and recomputes only what it saved, through saved-tensor hooks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from .meter import ActivationMeter
 from .microbatch import Batch
-from .stage_ops import check_activation, grads_of, run_layers
+from .stage_ops import check_activation
 
 __all__ = ["CHECKPOINT_MODES", "RNG_LOCK", "Snapshot", "captured", "rematerialized", "rematerializes", "replayed"]
 
@@ -103,69 +104,66 @@ def replayed(stage: nn.Module, device: torch.device, snapshot: Snapshot) -> Iter
         yield
 
 
-@dataclass(slots=True)
-class _Kept:
-    """What a re-materialized stage keeps between its forward and its backward."""
+class _Frame:
+    """One stage on one micro-batch, re-materialized on the differentiable path: what its forward saved for the
+    backward is dropped (an index stands in for each tensor) and recomputed, all at once, the first time the
+    backward asks for one of them."""
 
-    stage: nn.Module
-    device: torch.device
-    meter: ActivationMeter | None
-    is_tuple: bool
-    index: int
-    params: tuple = ()  # the stage's trainable parameters, inputs of the Function
-    snapshot: Snapshot | None = None
-    inputs: tuple = ()
-    tokens: list | None = None
+    __slots__ = ("stage", "device", "meter", "index", "inputs", "snapshot", "saved", "recomputed", "tokens")
 
+    def __init__(self, stage: nn.Module, device: torch.device, meter: ActivationMeter | None, index: int, inputs):
+        self.stage, self.device, self.meter, self.index, self.inputs = stage, device, meter, index, inputs
+        self.snapshot: Snapshot | None = None
+        self.saved = 0  # how many tensors the forward saved
+        self.recomputed: list | None = None  # the recomputation's saved tensors (and meter tokens), by index
+        tensors = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.tokens = [meter.hold(t) for t in tensors] if meter is not None else None  # the kept input
 
-class _Rematerialization(torch.autograd.Function):
-    """One stage on one micro-batch, re-materialized: the forward runs without autograd and keeps the
-    stage's input and a :class:`Snapshot`; the backward recomputes the stage from them with autograd on and
-    returns the gradients of the input and of the stage's trainable parameters, which are inputs of the
-    Function too: so ``torch.autograd.grad(loss, params)`` and ``backward(inputs=params)`` reach every
-    micro-batch, not only those kept whole. ``phony`` requires grad so the backward runs even when no input
-    does (stage 0's data). A tuple input arrives as several tensors; a tuple output leaves as several (an
-    integer one, such as a mask, without a gradient)."""
+    def pack(self, tensor: torch.Tensor) -> int:
+        self.saved += 1
+        return self.saved - 1
 
-    @staticmethod
-    def forward(ctx, kept: _Kept, phony: torch.Tensor, *tensors: torch.Tensor):
-        xs = tensors[:len(tensors) - len(kept.params)]
-        with captured(kept.stage, kept.device) as kept.snapshot:
-            out = kept.stage(xs if kept.is_tuple else xs[0])
-        check_activation(out, kept.index)
-        kept.inputs = tuple(t.detach() for t in xs)
-        kept.tokens = [kept.meter.hold(t) for t in xs] if kept.meter is not None else None
-        ctx.kept = kept
-        ctx.set_materialize_grads(False)
-        outs = out if isinstance(out, tuple) else (out,)
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
-        return out
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
-        kept = ctx.kept
+    def unpack(self, position: int) -> torch.Tensor:
+        if self.recomputed is None:
+            self._recompute()
+        kept = self.recomputed[position]
         if kept is None:
             raise RuntimeError("a re-materialized micro-batch backpropagates once: its recomputed activations are "
-                               "freed after the first backward. For backward(retain_graph=True) twice, build the "
-                               "pipe with checkpoint=\"never\" (or call pipe.eval() for a forward without it)")
-        xs = tuple(t.requires_grad_(t.is_floating_point()) for t in kept.inputs)
-        recording = kept.meter.recording() if kept.meter is not None else contextlib.nullcontext()
-        with replayed(kept.stage, kept.device, kept.snapshot), recording, torch.enable_grad():
-            out = run_layers(kept.stage, xs if kept.is_tuple else xs[0], kept.index)
-        targets = [t for t in xs if t.requires_grad] + list(kept.params)
-        found = iter(grads_of(out if isinstance(out, tuple) else (out,), targets, grads, retain_graph=False)
-                     if targets else ())
-        ctx.kept = None  # the input, its token and the copies go with the graph
-        return (None, None, *(next(found) if t.requires_grad else None for t in xs), *found)
+                               "freed as the first backward uses them. For backward(retain_graph=True) twice, build "
+                               "the pipe with checkpoint=\"never\" (or call pipe.eval() for a forward without it)")
+        self.recomputed[position] = None  # the backward holds it now; the meter's count goes with it
+        return kept[0]
+
+    def _recompute(self) -> None:
+        """The stage again from its input, with the forward's random draws, buffers and autocast state, building a
+        graph only so that the same tensors are saved, in the same order; the meter counts them."""
+        recomputed: list = []
+
+        def keep(tensor: torch.Tensor) -> None:  # detached: a saved output would otherwise hold its own graph
+            tensor = tensor.detach()
+            recomputed.append((tensor, self.meter.hold(tensor) if self.meter is not None else None))
+
+        with replayed(self.stage, self.device, self.snapshot), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None):
+            self.stage(self.inputs)
+        if len(recomputed) != self.saved:
+            raise RuntimeError(f"stage {self.index}'s recomputation saved {len(recomputed)} tensors for the backward "
+                               f"where its forward saved {self.saved}: a re-materialized stage must run the same "
+                               f"operations again (checkpoint=\"never\" keeps its activations instead)")
+        self.recomputed = recomputed
 
 
 def rematerialized(stage: nn.Module, x: Batch, device: torch.device, meter: ActivationMeter | None = None,
                    index: int = 0) -> Batch:
-    """``stage(x)``, differentiable, keeping only ``x`` (a tensor or a tuple of tensors) for the backward,
-    which recomputes the stage. ``meter`` counts the kept input and the recomputation's saved tensors;
-    ``index`` names the stage in errors."""
+    """``stage(x)``, differentiable, keeping only ``x`` (a tensor or a tuple of tensors) for the backward, which
+    recomputes what the forward saved. The forward builds the plain model's graph, so gradients reach every
+    parameter and input as without re-materialization, and under ``torch.autocast`` a weight's cached cast is
+    shared by the micro-batches as in the plain model (torch.utils.checkpoint's non-reentrant variant works the
+    same way). ``meter`` counts the kept input and the recomputed tensors; ``index`` names the stage in errors."""
     check_activation(x, index)
-    phony = torch.empty(0, device=device, requires_grad=True)
-    params = tuple(p for p in stage.parameters() if p.requires_grad)
-    kept = _Kept(stage, device, meter, isinstance(x, tuple), index, params)
-    return _Rematerialization.apply(kept, phony, *(x if isinstance(x, tuple) else (x,)), *params)
+    frame = _Frame(stage, device, meter, index, x)
+    with captured(stage, device) as frame.snapshot, torch.autograd.graph.saved_tensors_hooks(frame.pack,
+                                                                                             frame.unpack):
+        out = stage(x)
+    check_activation(out, index)
+    return out
