@@ -6,8 +6,10 @@ each *boundary node*'s outputs: a node on the activation path (it reaches the st
 reaches only weights. W starts from those nodes and goes down the weights' side alone, so it repeats none of B's
 work. The boundary is found in the autograd graph itself, not from the modules: whatever a layer does (an in-place
 activation, a hook, a parametrization, a custom autograd Function, a weight used twice, a tensor it holds) is in
-the graph, so B and W together give the gradients ``loss.backward()`` gives. torch.distributed.pipelining splits a
-stage's backward the same way (``stage_backward_input`` and ``stage_backward_weight``).
+the graph, so B and W together give the gradients ``loss.backward()`` gives. A weight reached through several
+boundary nodes (used twice in the stage) takes its W from the stage's output instead, as a whole backward would.
+torch.distributed.pipelining splits a stage's backward the same way (``stage_backward_input`` and
+``stage_backward_weight``).
 
 Walking the graph and calling autograd once more per weight cost tens of microseconds each on a CPU, a large part
 of a small stage's step. So a *plain stage* skips both: every layer is an ``nn.Linear`` run as ``F.linear`` (its
@@ -15,7 +17,9 @@ class's forward, no module hook, its own leaf weight and bias with no tensor hoo
 module without trainable parameters or hooks. Its graph then holds nothing but those layers' operations, its
 boundary nodes are the Linears' output nodes, and W forms each weight gradient as the matrix product itself
 (:func:`linear_weight_grads`), from the input the forward recorded (its version counter unchanged) and the output
-gradient B kept, all in one dtype. The loss on the last stage is walked (a loss may hold a weight of its own).
+gradient B kept, all in one dtype. The loss on the last stage is walked (a loss may hold a weight of its own, or
+hook the output); a Linear output that is a view (an in-place layer would move its history) or that got no gradient
+leaves the stage to the graph.
 """
 
 from __future__ import annotations
