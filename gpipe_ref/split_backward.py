@@ -98,7 +98,8 @@ class ForwardMarks:
     def after(self, j: int, x, out) -> None:
         """Layer ``j`` turned ``x`` into ``out``: mark it before a later layer changes ``out`` in place."""
         self.output = out
-        if self.want_anchors and not self.anchors:  # a leaf (a parameter handed on as it is) is no anchor
+        if self.want_anchors and not self.anchors and self.plan is None:  # a plain stage needs none; a leaf (a
+            # parameter handed on as it is) is no anchor
             self.anchors += [(t, get_gradient_edge(t)) for t in (out if isinstance(out, tuple) else (out,))
                              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if self.plan is not None and self.plan[j] is not None:
@@ -191,7 +192,7 @@ def _groups(roots, grads, root_edges, anchors: set[Node], stop: set[Node]):
     return groups, leaves, outputs
 
 
-def _loss_adds_nothing(roots: Sequence[torch.Tensor], root_edges: Sequence[GradientEdge], output) -> bool:
+def _loss_adds_nothing(roots: Sequence[torch.Tensor], output) -> bool:
     """Whether the nodes between ``roots`` and the stage output (a loss's operations) reach no leaf of their own,
     and no hook sits on the output (a loss may register one): then a plain stage's graph is its layers' alone."""
     outputs = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
@@ -200,7 +201,7 @@ def _loss_adds_nothing(roots: Sequence[torch.Tensor], root_edges: Sequence[Gradi
     if all(any(r is t for t in outputs) for r in roots):  # B starts from the stage output itself
         return True
     stop = {get_gradient_edge(t).node for t in outputs if t.requires_grad}
-    return not _walk([e.node for e in root_edges], stop, set())[4]
+    return not _walk([get_gradient_edge(r).node for r in roots], stop, set())[4]
 
 
 def _engine(roots, grads, targets, keep_graph: bool, accumulate: bool):
@@ -217,11 +218,11 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     first layer output that ``marks`` recorded: B then forms the activation gradients down to it."""
     if not roots:  # the stage's output requires no grad: nothing flows back
         return (None,) * len(inputs), WeightPass()
-    root_edges = [get_gradient_edge(r) for r in roots]
-    if marks is not None and marks.plan is not None and _loss_adds_nothing(roots, root_edges, marks.output):
+    if marks is not None and marks.plan is not None and _loss_adds_nothing(roots, marks.output):
         done = _backward_plain(roots, grads, inputs, marks)
         if done is not None:
             return done
+    root_edges = [get_gradient_edge(r) for r in roots]
     input_nodes = [get_gradient_edge(t).node for t in inputs]
     # An anchor's gradient is captured, not run through its node, so after the tensor's hooks: W, which runs the
     # node, would apply them again. With a hook there, the activation path is left empty: W does it all.
