@@ -7,14 +7,12 @@ gradient is what flows back to the previous stage. Zero bubble's split of the ba
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from .microbatch import Batch
 from .split_backward import ForwardMarks
 
-__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "grads_of", "input_grads",
+__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "input_grads",
            "received", "requires_grad", "run_layers", "to_device"]
 
 
@@ -93,30 +91,16 @@ def check_activation(x: object, stage: int) -> None:
 # without their argument checks (about 5 us a call, a few percent of a small model's step). The checks
 # cannot fail here: ``grad`` is the gradient of the next stage's input, a tensor of ``root``'s shape and
 # dtype, or None for the loss, checked to be a scalar (check_loss).
-def backward_into(root: Batch, grad: Batch | None, inputs: Sequence[torch.Tensor] = ()) -> None:
-    """``torch.autograd.backward(root, grad, inputs=inputs or None)``: accumulate into the leaves' ``.grad``.
+def backward_into(root: Batch, grad: Batch | None) -> None:
+    """``torch.autograd.backward(root, grad)``: accumulate into the leaves' ``.grad``.
     A tuple ``root`` starts from each of its tensors that has a gradient in the tuple ``grad``."""
     if isinstance(root, tuple):
         roots, grads = differentiable(root, grad)
         if roots:
-            torch.autograd.Variable._execution_engine.run_backward(roots, grads, False, False, tuple(inputs), True,
-                                                                   True)
+            torch.autograd.Variable._execution_engine.run_backward(roots, grads, False, False, (), True, True)
         return
     torch.autograd.Variable._execution_engine.run_backward(
-        (root,), (torch.ones_like(root) if grad is None else grad,), False, False, tuple(inputs), True, True)
-
-
-def grads_of(root: Batch, targets: Sequence, grad: Batch | None, retain_graph: bool = True) -> tuple:
-    """``torch.autograd.grad(root, targets, grad, retain_graph=retain_graph, allow_unused=True)``; a target is
-    a tensor or a ``GradientEdge``."""
-    if isinstance(root, tuple):
-        roots, grads = differentiable(root, grad)
-        if not roots:
-            return (None,) * len(targets)
-        return torch.autograd.Variable._execution_engine.run_backward(roots, grads, retain_graph, False,
-                                                                      tuple(targets), True, False)
-    return torch.autograd.Variable._execution_engine.run_backward(
-        (root,), (torch.ones_like(root) if grad is None else grad,), retain_graph, False, tuple(targets), True, False)
+        (root,), (torch.ones_like(root) if grad is None else grad,), False, False, (), True, True)
 
 
 def requires_grad(batch: Batch) -> bool:
