@@ -21,9 +21,11 @@ from typing import Any, Protocol
 from .cases import CATEGORIES, THINKING
 from .exercises.catalog import NOTEBOOKS
 from ..checks import write_atomically
-from .grader_side.classroom import PackageChanged, grade_paths
-from .grader_side.reports import feedback_markdown, feedback_name, format_by_exercise, format_table, gradebook_csv, \
-    summary
+from .grader_side.classroom import PackageChanged, collect, grade_paths
+from .grader_side.grader import NotebookResult, shown
+from .grader_side.reports import (feedback_markdown, feedback_name, feedback_names, format_by_exercise,
+                                  format_table, gradebook_csv, summary)
+from .grader_side.sandbox import DEFAULT_LIMITS, Limits
 from .grader_side.signing import verified
 from .notebooks import AnswersWouldBeLost, answers_in, build, listing, read, start
 
@@ -173,13 +175,24 @@ def earlier_results(json_file: str) -> dict[str, dict]:
     return notebooks
 
 
+def limits_of(args: argparse.Namespace) -> Limits:
+    """The sandbox's limits from ``grade``'s flags (GiB and seconds), the defaults where a flag is absent."""
+    gib = 1 << 30
+    return Limits(memory=max(1, round(getattr(args, "memory", DEFAULT_LIMITS.memory / gib) * gib)),
+                  processes=getattr(args, "processes", DEFAULT_LIMITS.processes),
+                  disk=max(1, round(getattr(args, "disk", DEFAULT_LIMITS.disk / gib) * gib)),
+                  cpu_seconds=getattr(args, "cpu_time", DEFAULT_LIMITS.cpu_seconds))
+
+
 def grade(args: argparse.Namespace, output: ResultsOutput, prog: str, *, done: dict[str, dict] | None = None,
           feedback: Path | None = None) -> int:
     """``prog grade PATH ...``, its arguments already checked: grade, print the tables and the total, write the
     reports; ``done``: the results --resume keeps; ``feedback``: the folder for the feedback files. Returns the
     exit status (3 when the grader's own files changed meanwhile, 2 when a path could not be graded)."""
     roots = [Path(p) for p in args.paths if Path(p).is_dir()]
-    write = _ReportWriter(prog, roots, args.csv, feedback)
+    notebooks, bad = collect(args.paths)  # every feedback file's name is settled before any is written
+    names = feedback_names([NotebookResult(shown(p)) for p in notebooks] + bad, roots) if feedback else {}
+    write = _ReportWriter(prog, roots, args.csv, feedback, names)
 
     def save(results) -> None:
         output.save(summary(results))
@@ -190,7 +203,7 @@ def grade(args: argparse.Namespace, output: ResultsOutput, prog: str, *, done: d
         results = grade_paths(args.paths, jobs=args.jobs, cell_timeout=args.cell_timeout,
                               case_timeout=args.case_timeout, notebook_timeout=args.notebook_timeout,
                               on_result=save, done=done, sandbox="none" if getattr(args, "no_sandbox", False)
-                              else "bwrap")
+                              else "bwrap", limits=limits_of(args))
     except PackageChanged as changed:
         alert, results = str(changed), getattr(changed, "results", [])
     report = _print_report(results)
@@ -223,8 +236,9 @@ def _print_report(results: list) -> dict[str, Any]:
 class _ReportWriter:
     """The gradebook and the feedback files, written as results come in; a failure is said and grading goes on."""
 
-    def __init__(self, prog: str, roots: list[Path], csv: str | None, feedback: Path | None) -> None:
-        self.prog, self.roots, self.csv, self.feedback = prog, roots, csv, feedback
+    def __init__(self, prog: str, roots: list[Path], csv: str | None, feedback: Path | None,
+                 names: dict[str, str] | None = None) -> None:
+        self.prog, self.roots, self.csv, self.feedback, self.names = prog, roots, csv, feedback, names or {}
 
     def results(self, new: list, every: list | None) -> None:
         """Feedback files for the ``new`` results; with ``every`` (all results so far), the gradebook too."""
@@ -234,7 +248,8 @@ class _ReportWriter:
             return
         for result in new:
             root = next((r for r in self.roots if Path(result.path).is_relative_to(r)), None)
-            self.quietly(self.feedback / feedback_name(result, root), feedback_markdown(result), "--feedback")
+            name = self.names.get(result.path) or feedback_name(result, root)
+            self.quietly(self.feedback / name, feedback_markdown(result), "--feedback")
 
     def quietly(self, path: Path, text: str, option: str) -> bool:
         """Write a report file; a failure is said on stderr and grading goes on."""

@@ -35,6 +35,7 @@ from ..notebooks import NotebookError, read
 from . import grader
 from .grader import DEFAULT_CELL_TIMEOUT, DEFAULT_NOTEBOOK_TIMEOUT, NotebookResult, check_timeouts, shown, suspicious
 from .processes import become_private, become_subreaper, end_processes, live_processes
+from .sandbox import DEFAULT_LIMITS, Limits
 
 __all__ = ["PACKAGE", "PackageChanged", "Submission", "Worker", "changed_files", "collect", "grade_paths",
            "package_hashes", "preload", "result_of"]
@@ -139,13 +140,14 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
                 cell_timeout: float = DEFAULT_CELL_TIMEOUT, case_timeout: float | None = None,
                 notebook_timeout: float = DEFAULT_NOTEBOOK_TIMEOUT, progress: bool = True,
                 on_result: Callable[[list[NotebookResult]], Any] | None = None,
-                done: dict[str, dict[str, Any]] | None = None, sandbox: str = "bwrap") -> list[NotebookResult]:
+                done: dict[str, dict[str, Any]] | None = None, sandbox: str = "bwrap",
+                limits: Limits = DEFAULT_LIMITS) -> list[NotebookResult]:
     """Grade every notebook ``paths`` name, ``jobs`` at a time (default: the CPU count), with a progress bar.
 
     ``on_result(results)`` is called with the results so far after each notebook. ``done``: results of an
     earlier run by path; a notebook whose bytes still have the recorded sha256 is not graded again.
     Raises :class:`PackageChanged` when the package's files change during grading (the results handed to
-    ``on_result`` before that are kept). ``sandbox``: as :func:`grader.grade_notebook`'s."""
+    ``on_result`` before that are kept). ``sandbox`` and ``limits``: as :func:`grader.grade_notebook`'s."""
     check_timeouts(cell_timeout, case_timeout, notebook_timeout)
     grader.check_sandbox(sandbox)
     jobs = os.cpu_count() or 1 if jobs is None else jobs
@@ -171,7 +173,7 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
     preload()
     hashes = package_hashes()
     limits = {"cell_timeout": cell_timeout, "case_timeout": case_timeout, "notebook_timeout": notebook_timeout,
-              "sandbox": sandbox}
+              "sandbox": sandbox, "limits": limits}
     from tqdm.auto import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: this process forks

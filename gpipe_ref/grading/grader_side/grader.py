@@ -27,6 +27,7 @@ import re
 import secrets
 import tempfile
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -37,7 +38,7 @@ from ..exercises.catalog import NOTEBOOKS
 from ..judge import run_cases
 from ..notebooks import NotebookError, check_of, exercise_of, read
 from .kernel import Kernel, Trouble, request_text
-from .sandbox import SANDBOXES, sandbox_problem
+from .sandbox import DEFAULT_LIMITS, SANDBOXES, Limits, sandbox_problem
 from .signing import draw_seed
 
 __all__ = ["DEFAULT_CELL_TIMEOUT", "DEFAULT_NOTEBOOK_TIMEOUT", "MAX_TIMEOUT", "SUSPICIOUS", "NotebookResult",
@@ -147,22 +148,26 @@ def _not_attempted_error(text: str | None) -> bool:
 
 
 def shown(path: os.PathLike | str) -> str:
-    """A path as text that prints and encodes anywhere: bytes that are not UTF-8 (a Windows archive unzipped)
-    are shown as ``\\xNN`` escapes instead of stopping the reports."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    """A path as text that prints and encodes anywhere, and cannot drive a terminal: bytes that are not UTF-8 (a
+    Windows archive unzipped) are shown as ``\\xNN`` escapes, and so are control and format characters (terminal
+    escapes, newlines that would forge report lines, bidirectional overrides) instead of reaching the reports."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return "".join(ch if not unicodedata.category(ch).startswith("C") else
+                   (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}") for ch in text)
 
 
 def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    case_timeout: float | None = None, notebook_timeout: float = DEFAULT_NOTEBOOK_TIMEOUT,
-                   kernel_name: str = "python3", token: str | None = None, sandbox: str = "bwrap") -> NotebookResult:
+                   kernel_name: str = "python3", token: str | None = None, sandbox: str = "bwrap",
+                   limits: Limits = DEFAULT_LIMITS) -> NotebookResult:
     """Grade one learner notebook (its bytes ``data`` when given, else read from ``path``); never raises for
     anything the notebook does.
 
     ``cell_timeout``: seconds a notebook cell may run; ``case_timeout``: seconds an answer may take on one
     case (default: each exercise's own, 20-40 s); ``notebook_timeout``: seconds for the whole notebook,
     re-runs included. ``token`` marks every process the kernel starts (made up when None). ``sandbox``: "bwrap"
-    runs each kernel in its own sandbox (:mod:`.sandbox`) and refuses to grade where it cannot; "none" grades
-    without one (the threat model in docs/instructors.md says what that leaves open)."""
+    runs each kernel in its own sandbox (:mod:`.sandbox`), confined to ``limits``, and refuses to grade where it
+    cannot; "none" grades without one (the threat model in docs/instructors.md says what that leaves open)."""
     check_timeouts(cell_timeout, case_timeout, notebook_timeout)
     check_sandbox(sandbox)
     began = time.monotonic()
@@ -185,7 +190,8 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
         (Path(root) / "work" / Path(path).name).write_bytes(data)  # the learner's own copy, in its own folder
         grading = _Grading(nb, NOTEBOOKS[name], Path(root), result.warnings, cell_timeout=cell_timeout,
                            case_timeout=case_timeout, deadline=began + notebook_timeout, kernel_name=kernel_name,
-                           token=token or secrets.token_hex(16), sandbox=sandbox, digest=result.sha256 or "")
+                           token=token or secrets.token_hex(16), sandbox=sandbox, digest=result.sha256 or "",
+                           limits=limits)
         grading.run()
     result.verdicts = grading.final_verdicts()
     result.seconds = time.monotonic() - began
@@ -199,8 +205,9 @@ class _Grading:
 
     def __init__(self, nb, exercises: list[Exercise], root: Path, warnings: list[str], *, cell_timeout: float,
                  case_timeout: float | None, deadline: float, kernel_name: str, token: str, sandbox: str,
-                 digest: str = "") -> None:
+                 digest: str = "", limits: Limits = DEFAULT_LIMITS) -> None:
         self.nb, self.root, self.warnings, self.sandbox, self.digest = nb, root, warnings, sandbox, digest
+        self.limits = limits
         self.cell_timeout, self.case_timeout, self.deadline = cell_timeout, case_timeout, deadline
         self.kernel_name, self.token = kernel_name, token
         self.exercises = {ex.id: ex for ex in exercises}
@@ -278,7 +285,7 @@ class _Grading:
         """Run the notebook (up to cell ``upto``) in a fresh kernel and grade ``grade``; return the failing
         cell and its trouble (cell -1: grading itself needs a fresh kernel for the rest)."""
         errors: dict[str, str] = {}  # exercise cells that raised: graded all the same, the name may be defined
-        with Kernel(self.root, self.token, self.kernel_name, sandbox=self.sandbox) as kernel:
+        with Kernel(self.root, self.token, self.kernel_name, sandbox=self.sandbox, limits=self.limits) as kernel:
             trouble = self.run_cells(kernel, upto, errors)
             if trouble is None:
                 trouble = self.grade_in(kernel, grade, errors)

@@ -1,6 +1,9 @@
 """One learner notebook's kernel: a fresh IPython kernel in a throw-away folder, ended with every process it started.
 
-The kernel runs in a bubblewrap sandbox (:mod:`.sandbox`) unless asked for ``sandbox="none"``.
+The kernel runs in a bubblewrap sandbox (:mod:`.sandbox`) unless asked for ``sandbox="none"``. Its
+environment is an allow-list (:func:`.sandbox.kernel_environment`); it holds none of the grader's descriptors:
+its stdin and stdout are /dev/null, its stderr a pipe only the grader reads (the last lines name why a kernel
+could not start).
 
 The kernel talks to the grader over IPC sockets (no TCP port) kept in a private
 folder next to its working folder; its working folder and HOME are that
@@ -15,7 +18,9 @@ import base64
 import os
 import queue
 import re
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +33,9 @@ from ..judge import clean
 from ..kernel_side.runner import Request
 from ..kernel_side.wire import MAX_CHARS, Malformed, loads
 from .processes import end_processes
-from .sandbox import sandbox_command
+from .sandbox import DEFAULT_LIMITS, Limits, kernel_environment, kernel_user, sandbox_command
 
-__all__ = ["Kernel", "Trouble", "request_text"]
+__all__ = ["Kernel", "Trouble", "limit_hint", "request_text"]
 
 RUNNER = "gpipe_ref.grading.kernel_side.runner"  # the module the kernel runs each case with
 # the reply's text: the repr of one base64 string, checked before anything parses it
@@ -60,33 +65,56 @@ class Kernel:
     """A fresh kernel started in ``root/work`` (``with Kernel(...) as kernel:`` ends it and its processes)."""
 
     def __init__(self, root: Path, token: str, kernel_name: str = "python3", startup_timeout: float = 60.0,
-                 sandbox: str = "bwrap") -> None:
+                 sandbox: str = "bwrap", limits: Limits = DEFAULT_LIMITS) -> None:
         from jupyter_client import KernelManager
 
-        self.token = token
+        self.token, self.limits, self.sandboxed = token, limits, sandbox == "bwrap"
         work, home, ipc = root / "work", root / "home", root / "ipc"
-        for folder in (work, home, ipc):
+        for folder in (work, home, ipc, root / "tmp"):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         number = len(list(ipc.glob("k*.json")))
-        wrapper = sandbox_command(root) if sandbox == "bwrap" else []
+        user = kernel_user() if sandbox == "bwrap" else None
+        env = kernel_environment(root, MARKER_VARIABLE, token, sandboxed=sandbox == "bwrap")
+        wrapper = sandbox_command(root, limits, user, env) if sandbox == "bwrap" else []
+        if user is not None:  # the kernel makes its sockets here, then the folder is closed to it (below)
+            os.chown(ipc, *user)
 
         class Manager(KernelManager):  # the kernel's command, inside the sandbox
             def format_kernel_cmd(self, extra_arguments=None):
                 return wrapper + super().format_kernel_cmd(extra_arguments)
 
+            def write_connection_file(self, **kwargs):
+                super().write_connection_file(**kwargs)
+                if user is not None:  # 0600: the kernel's user alone reads it
+                    os.chown(self.connection_file, *user)
+
         self.manager = Manager(kernel_name=kernel_name, transport="ipc", ip=str(ipc / f"k{number}"),
                                connection_file=str(ipc / f"k{number}.json"))
-        env = {**os.environ, MARKER_VARIABLE: token, "HOME": str(home), "MPLBACKEND": "Agg",
-               "MPLCONFIGDIR": str(home / "matplotlib"), "IPYTHONDIR": str(home / "ipython"),
-               "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "PYTHONDONTWRITEBYTECODE": "1"}
-        self.manager.start_kernel(cwd=str(work), env=env)
+        read_end, write_end = os.pipe()
+        self._stderr = bytearray()
+        threading.Thread(target=self._drain, args=(read_end,), daemon=True).start()
+        try:
+            self.manager.start_kernel(cwd=str(work), env=env, stdout=subprocess.DEVNULL, stderr=write_end)
+        finally:
+            os.close(write_end)
         self.client = self.manager.client()
         self.client.start_channels()
         try:
             self.client.wait_for_ready(timeout=startup_timeout)
-        except RuntimeError:
+        except RuntimeError as error:
             self.close()
-            raise
+            time.sleep(0.1)  # the pipe's last lines
+            said = [line for line in clean(self._stderr.decode("utf-8", "replace"), 2000).splitlines() if line]
+            raise RuntimeError(f"{error}" + (f": {said[-1][:300]}" if said else "")) from None
+        if user is not None:
+            os.chown(ipc, 0, 0)  # listening: no file of the kernel's may land on the grader's disk now
+
+    def _drain(self, fd: int) -> None:
+        """Read the kernel's stderr to its end, keeping the last 4 KB."""
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                self._stderr += chunk
+                del self._stderr[:-4096]
 
     def __enter__(self) -> "Kernel":
         return self
@@ -113,7 +141,8 @@ class Kernel:
                                         "(something replaced what the kernel sends with)")
             except queue.Empty:
                 if not self.manager.is_alive():
-                    return Trouble("died", "the kernel died while running it")
+                    return Trouble("died", "the kernel died while running it" + (
+                        f" (the sandbox's limits: {self.limits.describe()})" if self.sandboxed else ""))
                 if time.monotonic() > deadline:
                     return Trouble("timeout", f"ran longer than {timeout:g} s")
                 continue
@@ -127,7 +156,8 @@ class Kernel:
             return content
         if content.get("status") == "error":
             value, name = clean(content.get("evalue", ""), 200), clean(content.get("ename", "Error"), 80)
-            return Trouble("error", f"{name}: {value}" if value else name)
+            text = f"{name}: {value}" if value else name
+            return Trouble("error", text + (limit_hint(text, self.limits) if self.sandboxed else ""))
         return None
 
     def ask(self, request: str, case_timeout: float, slack: float = 15.0) -> dict[str, Any] | Trouble:
@@ -169,3 +199,19 @@ class Kernel:
         except Exception:  # already dead
             pass
         end_processes(self.token, root=pid)
+
+
+_LIMITS_HIT = ((("MemoryError", "Cannot allocate memory", "bad_alloc", "DefaultCPUAllocator"), "memory"),
+               (("No space left on device", "File too large"), "disk"),
+               (("Resource temporarily unavailable", "BlockingIOError", "can't start new thread"), "processes"))
+
+
+def limit_hint(text: str, limits: Limits) -> str:
+    """Where an error's text shows a limit of the sandbox was hit, a few words naming it (and its flag)."""
+    for marks, name in _LIMITS_HIT:
+        if any(mark in text for mark in marks):
+            value = {"memory": f"{limits.memory / (1 << 30):g} GiB of memory a process (--memory)",
+                     "disk": f"{limits.disk / (1 << 30):g} GiB in each of its folders (--disk)",
+                     "processes": f"{limits.processes} processes (--processes)"}[name]
+            return f" (the sandbox's limit: {value})"
+    return ""
