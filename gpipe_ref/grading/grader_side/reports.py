@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import re
+import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from ..exercises.catalog import EXERCISES
 from .grader import NotebookResult
 from .signing import signed
 
-__all__ = ["by_exercise", "feedback_markdown", "feedback_name", "format_by_exercise", "format_table", "gradebook_csv",
+__all__ = ["by_exercise", "feedback_markdown", "feedback_name", "feedback_names", "format_by_exercise", "format_table", "gradebook_csv",
            "summary"]
 
 
@@ -108,14 +110,30 @@ def _cell(text: str) -> str:
 
 
 def feedback_name(result: NotebookResult, root: Path | None = None) -> str:
-    """The Markdown file name for a notebook: its path (relative to ``root``) with folders joined by ``__``."""
+    """The Markdown file name for a notebook: its path (relative to ``root``) with folders joined by ``__``, every
+    letter and digit kept in its own script (Unicode), anything else a ``_``. Two submissions can still share it
+    (``Alice/`` and ``alice/`` on a case-insensitive disk): :func:`feedback_names` tells them apart."""
     path = Path(result.path)
     try:
         path = path.resolve().relative_to(root.resolve()) if root is not None else path
     except ValueError:
         pass
     stem = "__".join(part for part in path.with_suffix("").parts if part not in ("/", "..", "."))
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) + ".md"
+    stem = re.sub(r"[^\w.-]+", "_", unicodedata.normalize("NFC", stem)).lstrip(".") or "_"
+    return stem[:150] + ".md"
+
+
+def feedback_names(results: list[NotebookResult], roots: list[Path]) -> dict[str, str]:
+    """Each result's path -> a feedback file name of its own: :func:`feedback_name`, with a short hash of the
+    submission's path added where two would share a name (ignoring case, as some disks do)."""
+    names = {}
+    for result in results:
+        root = next((r for r in roots if Path(result.path).is_relative_to(r)), None)
+        names[result.path] = feedback_name(result, root)
+    counts = Counter(name.casefold() for name in names.values())
+    return {path: name if counts[name.casefold()] == 1 else
+            f"{name[:-3]}-{hashlib.sha256(path.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}.md"
+            for path, name in names.items()}
 
 
 def feedback_markdown(result: NotebookResult) -> str:
