@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .arguments import (COST, COUNT, MAX_SIMULATED, PROG, RATE, CommandLineParser, ResultsFile, checked, folder,
                         output_file, writable_folder)
-from .checks import positive, positive_int, probability, probe_writable
+from .checks import positive_int, probability, probe_writable
 from .schedule import ScheduleError, make_schedule, resolve_stages_per_device, schedule_names, schedule_spec
 from .simulator import PAIR_PRICINGS, CostModel, bubble_formula, simulate
 
@@ -147,7 +147,7 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
 
 def _grade_parser(commands) -> argparse.ArgumentParser:
     from .grading.grader_side.grader import DEFAULT_NOTEBOOK_TIMEOUT, MAX_TIMEOUT, timeout_seconds
-    from .grading.grader_side.sandbox import DEFAULT_LIMITS, GIB
+    from .grading.commands import add_limit_arguments
 
     timeout = checked(timeout_seconds, float)
     grade = commands.add_parser(
@@ -187,20 +187,7 @@ def _grade_parser(commands) -> argparse.ArgumentParser:
                        help="run the kernels without bubblewrap's sandbox (each as this user, seeing its files: "
                             "the threat model in docs/instructors.md says what that leaves open); by default "
                             "grading refuses where the sandbox cannot run")
-    limits = grade.add_argument_group("limits of each sandboxed kernel (docs/instructors.md)")
-    limits.add_argument("--memory", metavar="GIB", type=checked(positive, float), default=DEFAULT_LIMITS.memory / GIB,
-                        help=f"GiB of address space a kernel's process may map (RLIMIT_AS; default: "
-                             f"{DEFAULT_LIMITS.memory / GIB:g})")
-    limits.add_argument("--processes", metavar="N", type=checked(positive_int, int), default=DEFAULT_LIMITS.processes,
-                        help=f"processes and threads a kernel may run at once (RLIMIT_NPROC, under a root grader's "
-                             f"per-kernel user; default: {DEFAULT_LIMITS.processes})")
-    limits.add_argument("--disk", metavar="GIB", type=checked(positive, float), default=DEFAULT_LIMITS.disk / GIB,
-                        help=f"GiB in each of a kernel's folders (working folder, HOME, /tmp, /dev/shm), and its "
-                             f"largest file (default: {DEFAULT_LIMITS.disk / GIB:g})")
-    limits.add_argument("--cpu-time", metavar="S", type=checked(positive_int, int),
-                        default=DEFAULT_LIMITS.cpu_seconds,
-                        help=f"seconds of CPU a kernel's process may use (RLIMIT_CPU; default: "
-                             f"{DEFAULT_LIMITS.cpu_seconds})")
+    add_limit_arguments(grade, checked)
     return grade
 
 

@@ -31,6 +31,7 @@ from gpipe_ref.distributed import RankError, launch
 from gpipe_ref.distributed.data_parallel import DataParallel
 from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
 from gpipe_ref.grading.grader_side.grader import grade_notebook
+from gpipe_ref.grading.grader_side.sandbox import Limits
 from gpipe_ref.models import mlp
 torch.manual_seed(0)
 x, y = torch.randn(8, 4), torch.randn(8, 4)
@@ -291,6 +292,14 @@ assert model[0].weight.grad is None and model[2].weight.grad is not None""",
      "CommandFailed", "must be a finite number > 0, got 0.0"),
     ("grade_notebook(case_timeout=0)", "grade_notebook('x.ipynb', case_timeout=0)",
      "ValueError", "case_timeout must be a finite number > 0, got 0"),
+    ("grade --memory 0 (a kernel's memory limit must be positive)", "cli('grade', 'x.ipynb', '--memory', '0')",
+     "CommandFailed", "must be a finite number > 0, got 0.0"),
+    ("grade --processes 0.5", "cli('grade', 'x.ipynb', '--processes', '0.5')", "CommandFailed", "got '0.5'"),
+    ("grade --disk -1", "cli('grade', 'x.ipynb', '--disk', '-1')", "CommandFailed", "must be a finite number > 0"),
+    ("Limits(cpu_seconds=0)", "Limits(cpu_seconds=0)", "ValueError",
+     "Limits.cpu_seconds must be a whole number >= 1, got 0"),
+    ("grade_notebook(limits=...) of memory True", "grade_notebook('x.ipynb', limits=Limits(memory=True))",
+     "ValueError", "Limits.memory must be a whole number >= 1, got True"),
     ("grade --notebook-timeout 0 (a notebook's time limit must be positive)",
      "cli('grade', 'x.ipynb', '--notebook-timeout', '0')", "CommandFailed", "must be a finite number > 0, got 0.0"),
     ("exercises build --solutions /nonexistent", "cli('exercises', 'build', '--solutions', '/nonexistent')",

@@ -20,12 +20,12 @@ from typing import Any, Protocol
 
 from .cases import CATEGORIES, THINKING
 from .exercises.catalog import NOTEBOOKS
-from ..checks import write_atomically
+from ..checks import positive, positive_int, write_atomically
 from .grader_side.classroom import PackageChanged, collect, grade_paths
 from .grader_side.grader import NotebookResult, shown
 from .grader_side.reports import (feedback_markdown, feedback_name, feedback_names, format_by_exercise,
                                   format_table, gradebook_csv, summary)
-from .grader_side.sandbox import DEFAULT_LIMITS, Limits
+from .grader_side.sandbox import DEFAULT_LIMITS, GIB, Limits
 from .grader_side.signing import verified
 from .notebooks import AnswersWouldBeLost, answers_in, build, listing, read, start
 
@@ -175,12 +175,28 @@ def earlier_results(json_file: str) -> dict[str, dict]:
     return notebooks
 
 
+def add_limit_arguments(grade: argparse.ArgumentParser, checked) -> None:
+    """``grade``'s flags for the sandbox's limits (:class:`.grader_side.sandbox.Limits`); ``checked`` makes an
+    argparse type from a :mod:`gpipe_ref.checks` rule."""
+    limits, default = grade.add_argument_group("limits of each sandboxed kernel (docs/instructors.md)"), DEFAULT_LIMITS
+    limits.add_argument("--memory", metavar="GIB", type=checked(positive, float), default=default.memory / GIB,
+                        help=f"GiB of address space a kernel's process may map (RLIMIT_AS; default: "
+                             f"{default.memory / GIB:g})")
+    limits.add_argument("--processes", metavar="N", type=checked(positive_int, int), default=default.processes,
+                        help=f"processes and threads a kernel may run at once (RLIMIT_NPROC, under a root grader's "
+                             f"per-kernel user; default: {default.processes})")
+    limits.add_argument("--disk", metavar="GIB", type=checked(positive, float), default=default.disk / GIB,
+                        help=f"GiB in each of a kernel's folders (working folder, HOME, /tmp, /dev/shm), and its "
+                             f"largest file (default: {default.disk / GIB:g})")
+    limits.add_argument("--cpu-time", metavar="S", type=checked(positive_int, int), default=default.cpu_seconds,
+                        help=f"seconds of CPU a kernel's process may use (RLIMIT_CPU; default: {default.cpu_seconds})")
+
+
 def limits_of(args: argparse.Namespace) -> Limits:
     """The sandbox's limits from ``grade``'s flags (GiB and seconds), the defaults where a flag is absent."""
-    gib = 1 << 30
-    return Limits(memory=max(1, round(getattr(args, "memory", DEFAULT_LIMITS.memory / gib) * gib)),
+    return Limits(memory=max(1, round(getattr(args, "memory", DEFAULT_LIMITS.memory / GIB) * GIB)),
                   processes=getattr(args, "processes", DEFAULT_LIMITS.processes),
-                  disk=max(1, round(getattr(args, "disk", DEFAULT_LIMITS.disk / gib) * gib)),
+                  disk=max(1, round(getattr(args, "disk", DEFAULT_LIMITS.disk / GIB) * GIB)),
                   cpu_seconds=getattr(args, "cpu_time", DEFAULT_LIMITS.cpu_seconds))
 
 

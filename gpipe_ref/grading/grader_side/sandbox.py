@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["DEFAULT_LIMITS", "ETC", "HIDDEN", "KERNEL_MODULES", "Limits", "SANDBOXES", "kernel_environment",
+from .signing import key_file
+
+__all__ = ["DEFAULT_LIMITS", "ETC", "GIB", "HIDDEN", "KERNEL_MODULES", "Limits", "SANDBOXES", "kernel_environment",
            "kernel_user", "python_folders", "sandbox_command", "sandbox_problem"]
 
 SANDBOXES = ("bwrap", "none")  # "none": the kernel runs as the grader's user, with the grader's view of the files
@@ -116,9 +118,7 @@ def python_folders() -> list[Path]:
 
 
 def _key_folder() -> Path:
-    from .signing import _key_file
-
-    return _key_file().resolve().parent
+    return key_file().resolve().parent
 
 
 def _etc(root: Path, user: tuple[int, int] | None) -> list[str]:

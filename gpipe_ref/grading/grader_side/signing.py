@@ -17,17 +17,18 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["draw_seed", "sign", "signed", "verified"]
+__all__ = ["draw_seed", "key_file", "sign", "signed", "verified"]
 
 FIELD = "signature"
 
 
-def _key_file() -> Path:
+def key_file() -> Path:
+    """Where the grader's key lives: ``GPIPE_GRADER_KEY``, else ``~/.config/gpipe_ref/grader.key``."""
     return Path(os.environ.get("GPIPE_GRADER_KEY") or Path.home() / ".config" / "gpipe_ref" / "grader.key")
 
 
 def _key() -> bytes:
-    path = _key_file()
+    path = key_file()
     try:
         return bytes.fromhex(path.read_text().strip())
     except (OSError, ValueError):

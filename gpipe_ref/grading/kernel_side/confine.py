@@ -13,6 +13,8 @@ import os
 import resource
 import sys
 
+__all__ = ["confine", "main"]
+
 PR_SET_NO_NEW_PRIVS = 38
 
 
