@@ -321,8 +321,18 @@ def test_grading_works_with_the_dependencies_on_pythonpath(tmp_path):
     assert "cannot import ipykernel" in done.stdout and str(links / "ipykernel") in done.stdout, done.stdout + done.stderr
 
 
-def test_every_import_folder_is_shown_but_never_the_one_holding_the_solutions():
+def test_every_import_folder_is_shown_but_never_the_one_holding_the_solutions(tmp_path, monkeypatch):
+    """python_folders(): what the grader's Python imports from, less the folders that hold the package (a checkout:
+    its solutions/), the grader's working folder (PYTHONPATH=. beside the submissions) or HOME."""
+    extra = tmp_path / "deps"
+    extra.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(extra), ".", "/", str(ROOT)]))
     folders = python_folders()
-    assert ROOT / "gpipe_ref" in folders and ROOT not in folders
-    assert all(Path(p).resolve() in folders or any(Path(p).resolve().is_relative_to(f) for f in folders)
-               for p in sys.path[1:] if p and Path(p).is_dir() and not (ROOT / "gpipe_ref").is_relative_to(p))
+    assert ROOT / "gpipe_ref" in folders and extra in folders
+    assert not any(folder in (ROOT, tmp_path, Path("/"), Path.home().resolve()) for folder in folders), folders
+    private = (ROOT / "gpipe_ref", tmp_path, Path.home().resolve())
+    for entry in sys.path[1:]:
+        path = Path(entry).resolve() if entry else None
+        if path and path.is_dir() and not any(p.is_relative_to(path) for p in private):
+            assert any(path.is_relative_to(folder) for folder in folders), path

@@ -100,18 +100,20 @@ def kernel_user() -> tuple[int, int] | None:
 
 def python_folders() -> list[Path]:
     """Every folder the kernel's Python imports from, as the grader's: its prefixes, site-packages (the user's
-    too), ``PYTHONPATH`` and ``.pth`` entries. A folder holding the package is left out (it may hold the
-    solutions): the package itself is bound instead."""
+    too), ``PYTHONPATH`` and ``.pth`` entries. Left out: a folder holding the package (it may hold the solutions:
+    the package itself is bound instead), and one holding the grader's working folder or HOME (``PYTHONPATH=.``
+    run beside the submissions and reports, or ``/``)."""
     entries = [sys.base_prefix, sys.prefix, *site.getsitepackages(), *sys.path[1:],
                *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     if site.ENABLE_USER_SITE:
         entries.append(site.getusersitepackages())
     package, found = _package_root(), set()
+    private = [package, Path.cwd().resolve(), Path.home().resolve()]
     for entry in entries:
         if not entry:
             continue
         path = Path(entry).resolve()
-        if path.is_dir() and not package.is_relative_to(path):
+        if path.is_dir() and not any(place.is_relative_to(path) for place in private):
             found.add(path)
     return sorted({path for path in found if not any(path != other and path.is_relative_to(other)
                                                      for other in found)} | {package})
