@@ -111,6 +111,25 @@ ATTACKS = {  # folder: (the 04.1 cell's extra code, the expression 04.2 reports)
         else:
             stopped = "none"
         """, "repr((children, stopped))"),
+    "namespace_maker": ("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        found = {"userns": libc.unshare(0x10000000 | 0x00020000) == 0}  # inside one: every capability
+        try:
+            os.memfd_create("hidden")
+            found["memfd"] = True
+        except OSError:
+            found["memfd"] = False
+        found["shm"] = libc.shmget(0, 1 << 26, 0o1000 | 0o600) >= 0
+        files = 0
+        try:
+            while files < 200_000:  # a tmpfs's inodes: kernel memory its size= does not count
+                open(f"/tmp/f{files}", "w").close()
+                files += 1
+        except OSError:
+            pass
+        found["files"] = files
+        """, "repr(found)"),
     "memory_hog": ("""
         hog = bytearray(64 << 30)  # 64 GiB: the cell raises, 04.1 scores 0 with the limit named
         """, "'none'"),
@@ -230,6 +249,17 @@ def test_a_fork_bomb_costs_only_itself(graded):
     children, stopped = eval(_evidence(runs, "fork_bomb"))
     assert children < 512 and stopped == "Resource temporarily unavailable", (children, stopped)
     assert _notebook(runs, "fork_bomb")["points"] == 2
+    _honest_keep_their_points(runs)
+
+
+def test_no_namespace_memfd_shared_memory_or_endless_files(graded):
+    """The review of the first fix: a user namespace of its own gave the kernel every capability inside it and a
+    tmpfs past --disk; memfd and SysV shared memory held memory no limit counted; a tmpfs held 3 million inodes."""
+    _, _, runs = graded
+    found = eval(_evidence(runs, "namespace_maker"))
+    assert found == {"userns": False, "memfd": False, "shm": False, "files": found["files"]} and \
+        found["files"] <= 65_536, found
+    assert _notebook(runs, "namespace_maker")["points"] == 2
     _honest_keep_their_points(runs)
 
 

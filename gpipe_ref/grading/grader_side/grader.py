@@ -150,9 +150,10 @@ def _not_attempted_error(text: str | None) -> bool:
 def shown(path: os.PathLike | str) -> str:
     """A path as text that prints and encodes anywhere, and cannot drive a terminal: bytes that are not UTF-8 (a
     Windows archive unzipped) are shown as ``\\xNN`` escapes, and so are control and format characters (terminal
-    escapes, newlines that would forge report lines, bidirectional overrides) instead of reaching the reports."""
+    escapes, newlines that would forge report lines, line and paragraph separators, bidirectional overrides)
+    instead of reaching the reports."""
     text = os.fsencode(path).decode("utf-8", "backslashreplace")
-    return "".join(ch if not unicodedata.category(ch).startswith("C") else
+    return "".join(ch if not unicodedata.category(ch).startswith(("C", "Zl", "Zp")) else
                    (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}") for ch in text)
 
 

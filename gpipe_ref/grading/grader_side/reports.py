@@ -131,9 +131,18 @@ def feedback_names(results: list[NotebookResult], roots: list[Path]) -> dict[str
         root = next((r for r in roots if Path(result.path).is_relative_to(r)), None)
         names[result.path] = feedback_name(result, root)
     counts = Counter(name.casefold() for name in names.values())
-    return {path: name if counts[name.casefold()] == 1 else
-            f"{name[:-3]}-{hashlib.sha256(path.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}.md"
-            for path, name in names.items()}
+    taken = {name.casefold() for name in names.values()}
+    out = {}
+    for path, name in names.items():
+        if counts[name.casefold()] > 1:  # a hash long enough to be new among every name given out
+            digest = hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()
+            width = 8
+            while f"{name[:-3]}-{digest[:width]}.md".casefold() in taken and width < len(digest):
+                width += 4
+            name = f"{name[:-3]}-{digest[:width]}.md"
+            taken.add(name.casefold())
+        out[path] = name
+    return out
 
 
 def feedback_markdown(result: NotebookResult) -> str:

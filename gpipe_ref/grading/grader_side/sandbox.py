@@ -56,6 +56,7 @@ KERNEL_UIDS = (2_000_000_000, 2_100_000_000)  # a root grader's kernels: a uid a
 PASSED_ON = ("LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC", "TZ", "OMP_NUM_THREADS",
              "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")  # from the grader's environment
 GIB = 1 << 30
+OPEN_FILES = 4096  # descriptors a kernel's process may hold (RLIMIT_NOFILE)
 
 
 @dataclass(frozen=True)
@@ -168,19 +169,23 @@ def _view(bwrap: str, user: tuple[int, int] | None, limits: Limits) -> list[str]
         if key.is_relative_to(path):  # a PYTHONPATH entry or a prefix holding the grader's key: covered
             command += ["--tmpfs", str(key), "--remount-ro", str(key)]
             break
-    for folder in HIDDEN:  # an empty read-only folder over each
-        hidden = str(_package_root() / folder)
-        command += ["--tmpfs", hidden, "--remount-ro", hidden]
+    copies = [_package_root(), *(Path(p) / "gpipe_ref" for p in folders if (Path(p) / "gpipe_ref").is_dir())]
+    for copy in dict.fromkeys(copies):  # this package, and another copy a bound folder holds (`pip install .`)
+        for folder in HIDDEN:  # an empty read-only folder over each
+            if (copy / folder).is_dir():
+                hidden = str(copy / folder)
+                command += ["--tmpfs", hidden, "--remount-ro", hidden]
     return command
 
 
-def _confine(user: tuple[int, int] | None, limits: Limits) -> list[str]:
-    """The command that limits, drops to ``user`` and executes what follows (:mod:`..kernel_side.confine`)."""
+def _confine(user: tuple[int, int] | None, limits: Limits, tmpfs: list[str]) -> list[str]:
+    """The command that limits, drops to ``user``, filters system calls and executes what follows
+    (:mod:`..kernel_side.confine`)."""
     uid, gid = user or (os.getuid(), os.getgid())
     processes = limits.processes if user is not None else 0  # a normal user's count holds every process of theirs
     script = _package_root() / "grading" / "kernel_side" / "confine.py"
-    return [sys.executable, "-I", str(script), str(uid), str(gid), str(limits.memory), str(processes),
-            str(limits.disk), str(limits.cpu_seconds), "--"]
+    return [sys.executable, "-I", "-S", str(script), str(uid), str(gid), str(limits.memory), str(processes),
+            str(limits.disk), str(limits.cpu_seconds), str(OPEN_FILES), ":".join(tmpfs), "--"]
 
 
 def kernel_environment(root: Path, token_variable: str, token: str, sandboxed: bool = True) -> dict[str, str]:
@@ -222,7 +227,8 @@ def sandbox_command(root: Path, limits: Limits = DEFAULT_LIMITS, user: tuple[int
     command += ["--bind", ipc, ipc, "--chdir", str((root / "work").resolve()), "--clearenv"]
     for name, value in (env if env is not None else kernel_environment(root, "GPIPE_GRADE_RUN", "")).items():
         command += ["--setenv", name, value]
-    return command + ["--", *_confine(user, limits)]
+    tmpfs = ["/tmp", "/dev/shm", *(str((root / name).resolve()) for name in ("work", "home"))]
+    return command + ["--", *_confine(user, limits, tmpfs)]
 
 
 @lru_cache(maxsize=1)
