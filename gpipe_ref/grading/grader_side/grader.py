@@ -37,7 +37,7 @@ from ..cases import Exercise, Verdict
 from ..exercises.catalog import NOTEBOOKS
 from ..judge import run_cases
 from ..notebooks import NotebookError, check_of, exercise_of, read
-from .kernel import Kernel, Trouble, request_text
+from .kernel import Kernel, Trouble, kernel_problem, request_text
 from .sandbox import DEFAULT_LIMITS, SANDBOXES, Limits, sandbox_problem
 from .signing import draw_seed
 
@@ -348,7 +348,7 @@ class _KernelLost(Exception):
 def check_sandbox(sandbox: str) -> None:
     """``sandbox`` is one of :data:`.sandbox.SANDBOXES`, and "bwrap" can run here; else one line saying why."""
     one_of("sandbox", sandbox, SANDBOXES)
-    problem = sandbox_problem() if sandbox == "bwrap" else None
+    problem = (sandbox_problem() or kernel_problem()) if sandbox == "bwrap" else None
     if problem:
         raise RuntimeError(f"grading runs each notebook's kernel in a sandbox, which cannot run here: {problem}; "
                            f"grade without it only knowingly (sandbox='none', the grade command's --no-sandbox; "

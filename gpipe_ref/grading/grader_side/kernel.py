@@ -18,10 +18,13 @@ import base64
 import os
 import queue
 import re
+import secrets
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from ..kernel_side.wire import MAX_CHARS, Malformed, loads
 from .processes import end_processes
 from .sandbox import DEFAULT_LIMITS, Limits, kernel_environment, kernel_user, sandbox_command
 
-__all__ = ["Kernel", "Trouble", "limit_hint", "request_text"]
+__all__ = ["Kernel", "Trouble", "kernel_problem", "limit_hint", "request_text"]
 
 RUNNER = "gpipe_ref.grading.kernel_side.runner"  # the module the kernel runs each case with
 # the reply's text: the repr of one base64 string, checked before anything parses it
@@ -215,3 +218,15 @@ def limit_hint(text: str, limits: Limits) -> str:
                      "processes": f"{limits.processes} processes (--processes)"}[name]
             return f" (the sandbox's limit: {value})"
     return ""
+
+
+@lru_cache(maxsize=1)
+def kernel_problem() -> str | None:
+    """Why a real kernel started in the sandbox, as grading starts one, does not answer (None: it does); its
+    stderr's last line says why (a module it cannot import, say)."""
+    with tempfile.TemporaryDirectory(prefix="gpipe-sandbox-check-") as folder:
+        try:
+            with Kernel(Path(folder), secrets.token_hex(16)):
+                return None
+        except Exception as error:  # RuntimeError (it died), a missing kernelspec, an OSError
+            return f"a kernel started in the sandbox did not answer: {str(error)[:300]}"
