@@ -1,0 +1,50 @@
+"""gpipe_ref.workers: the simulated executor's one-at-a-time order."""
+
+import pytest
+
+from gpipe_ref.schedule import dependencies, make_schedule, schedule_names, schedule_spec
+from gpipe_ref.workers import one_at_a_time_order
+
+
+def _schedule(name: str, p: int, m: int):
+    return make_schedule(name, p, m, 2 if schedule_spec(name).multi_stage else None)
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_order_keeps_each_device_order_and_every_dependency(name):
+    schedule = _schedule(name, 4, 8)
+    order = one_at_a_time_order(schedule)
+    assert sorted(map(repr, order)) == sorted(repr(a) for _, a in schedule.actions())
+    position = {action: i for i, action in enumerate(order)}
+    for actions in schedule.per_device:
+        assert [position[a] for a in actions] == sorted(position[a] for a in actions)
+    for action in order:
+        assert all(position[dep] < position[action] for dep in dependencies(action, schedule.num_stages))
+
+
+def test_gpipe_runs_stage_by_stage():
+    """Same stage first: fill-drain's forwards go stage by stage over every micro-batch, its backwards back up."""
+    order = one_at_a_time_order(_schedule("gpipe", 4, 8))
+    assert [(a.op, a.stage) for a in order] == [("F", s) for s in range(4) for _ in range(8)] + \
+        [("B", s) for s in reversed(range(4)) for _ in range(8)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble_h1", "interleaved_1f1b"])
+def test_next_action_stays_on_the_stage_while_it_can(name):
+    """Same stage first (its weights are still in cache), then the stage the data flows to."""
+    schedule = _schedule(name, 4, 8)
+    order = one_at_a_time_order(schedule)
+    heads, done = [0] * schedule.num_devices, set()
+    device_of = {a: d for d, actions in enumerate(schedule.per_device) for a in actions}
+    for last, action in zip(order, order[1:]):
+        done.add(last)
+        heads[device_of[last]] += 1
+        ready = [schedule.per_device[d][heads[d]] for d in range(schedule.num_devices)
+                 if heads[d] < len(schedule.per_device[d])
+                 and all(dep in done for dep in dependencies(schedule.per_device[d][heads[d]], schedule.num_stages))]
+        assert action in ready
+        downstream = last.stage + (1 if last.op == "F" else -1)
+        if any(a.stage == last.stage for a in ready):
+            assert action.stage == last.stage
+        elif any(a.stage == downstream for a in ready):
+            assert action.stage == downstream
