@@ -158,9 +158,9 @@ def dualpipe_v(num_devices: int, num_microbatches: int) -> Schedule:
     backward ``B``, our B for its ``I``), and like torch it needs ``m >= 2p`` (at least one micro-batch a stage).
     With a thin stage's F = B = W and each pair priced as the sum of its halves (the executors run them one after
     the other), every device idles ``p - 1`` of those units: ZB-V's bubble ``(p-1)/(6m+p-1)``. DeepSeek's table
-    gives ``(PP/2-1)(F&B+B-3W)`` with ``PP = 2p`` stages and ``B`` the whole backward: ``2(p-1)`` units here, an
-    upper bound at these costs (notebook 07 compares the two). At its peak every device holds ``2p + 1`` thin
-    stages' activations, DeepSeek's ``PP + 1``.
+    gives DualPipe, the bidirectional original, ``(PP/2-1)(F&B+B-3W)`` with ``PP = 2p`` stages and ``B`` the whole
+    backward: ``2(p-1)`` units here, an upper bound at these costs (notebook 09, section 4 compares the two). At
+    its peak every device holds ``2p + 1`` thin stages' activations, DeepSeek's ``PP + 1``.
     """
     p = positive_int("num_devices", num_devices)
     m = positive_int("num_microbatches", num_microbatches)
