@@ -281,7 +281,9 @@ def _check_exercises_arguments(args: argparse.Namespace) -> None:
     if args.force and args.action != "build":
         raise ValueError(f"--force: only `exercises build` takes it, not {args.action}")
     if args.action == "start":
-        _check_start_arguments(args, exercises)
+        from .grading.commands import course_exercises
+
+        _check_start_arguments(args, course_exercises(args.exercises))
         return
     if args.action == "build":
         try:
@@ -297,7 +299,8 @@ def _check_start_arguments(args: argparse.Namespace, exercises: Path) -> None:
     given = args.work if args.work is not None else "work"
     work = Path(given)
     if not any(exercises.glob("[0-9][0-9]_*.ipynb")):
-        raise ValueError(f"--exercises: no exercise notebooks (NN_topic.ipynb) in {args.exercises!r}")
+        raise ValueError(f"--exercises: no exercise notebooks (NN_topic.ipynb) in {args.exercises!r}, nor in the "
+                         f"course's own folder: pass --exercises with the course's exercises/ folder")
     if work.exists() and not work.is_dir():
         raise ValueError(f"DIR: {given!r} is not a folder")
     if work.exists() and work.resolve() == exercises.resolve():
@@ -476,7 +479,12 @@ RUN: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parsers()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "exercises" and args.work is None and len(extra) == 1 \
+            and not extra[0].startswith("-"):  # `exercises start --exercises DIR work`: argparse took the
+        args.work = extra[0]  # positionals before the option, so DIR comes back unparsed
+    elif extra:
+        (commands.get(getattr(args, "command", None)) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return RUN[args.command](args)
     except (ValueError, ScheduleError) as exc:

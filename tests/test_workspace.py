@@ -192,3 +192,21 @@ def test_the_build_compares_notebooks_only(exercises_copy):
     assert "README.md" not in [path.name for path in build(SOLUTIONS, exercises_copy)]
     result = exercises_cli("check", "--exercises", exercises_copy)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_start_works_from_any_folder_and_takes_the_option_after_the_action(tmp_path):
+    """The review's friction: `exercises start work` outside the course folder, and `--exercises DIR work`."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "gpipe_ref", "exercises", "start", "mine"], cwd=elsewhere,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted(path.name for path in (elsewhere / "mine").iterdir()) == NAMES
+    done = subprocess.run([sys.executable, "-m", "gpipe_ref", "exercises", "start", "--exercises", str(EXERCISES),
+                           "second"], cwd=elsewhere, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted(path.name for path in (elsewhere / "second").iterdir()) == NAMES
+    done = subprocess.run([sys.executable, "-m", "gpipe_ref", "exercises", "start", "a", "b"], cwd=elsewhere,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "unrecognized arguments: b" in done.stderr

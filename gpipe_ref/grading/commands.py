@@ -138,9 +138,20 @@ def keep_answers(args: argparse.Namespace, at_risk: dict[Path, str], prog: str) 
     return f"To keep the answers, copy them to work/ with `{begin}` (it never overwrites), then run {rebuild}"
 
 
+def course_exercises(given: str) -> Path:
+    """The folder ``exercises start`` copies from: ``given``; or, for the default ``exercises`` where the current
+    folder holds no exercise notebooks, the course's own (beside the package in a checkout), so that start works from any folder."""
+    folder = Path(given)
+    if given == "exercises" and not any(folder.glob("[0-9][0-9]_*.ipynb")):
+        beside = Path(__file__).resolve().parents[2] / "exercises"
+        if beside.is_dir():
+            return beside
+    return folder
+
+
 def _start(args: argparse.Namespace, prog: str) -> int:
     given = args.work if args.work is not None else "work"
-    exercise_folder, work = Path(args.exercises), Path(given)
+    exercise_folder, work = course_exercises(args.exercises), Path(given)
     try:
         copied, kept = start(exercise_folder, work)
     except OSError as exc:
