@@ -35,6 +35,9 @@ def test_solutions_score_full_marks_and_untouched_exercises_zero(tmp_path):
     report = tmp_path / "grades.json"
     result = _grade_cli(SOLUTIONS, EXERCISE_DIR, "--json", report)
     assert result.returncode == 0, result.stdout + result.stderr
+    noise = ("Ctrl-C will not work", "--existing", "IPKernelApp", "c10d", "socket cannot be retrieved")
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if any(n in line for n in noise)], \
+        "grading prints only the course's own messages: no kernel banner, no gloo warnings"
     data = json.loads(report.read_text())
     solutions = [nb for nb in data["notebooks"] if nb["path"].startswith(str(SOLUTIONS))]
     exercises = [nb for nb in data["notebooks"] if nb["path"].startswith(str(EXERCISE_DIR))]
