@@ -17,6 +17,12 @@ Linear) and the two dropout masks after the blocks, 10 s b h: s b h (10 + 24 / t
 terms (sec. 5); full recomputation keeps only the layer's input, 2 s b h (Table 2; with sequence
 parallelism each rank keeps its own s / t tokens of it).
 
+A fused attention kernel (FlashAttention, Dao et al. 2022, sec. 3.1) never writes the a s^2 b scores to memory:
+it keeps Q, K and V, its output (the projection's input, counted already) and, per row and head, the softmax's
+log-sum-exp in fp32 (4 a s b bytes), and recomputes the scores block by block in the backward; its dropout mask
+comes back from the random state. So ``attention="fused"`` replaces the 5 a s^2 b terms by 4 a s b: the memory of
+selective recomputation, recomputed inside the kernel.
+
 :data:`TERMS` writes each term down with the :class:`gpipe_ref.models.TransformerLayer` step that saves it;
 :func:`measure_layer` counts what each step of a real layer saves, with :class:`gpipe_ref.meter.ActivationMeter`.
 """
@@ -28,30 +34,32 @@ from typing import TYPE_CHECKING
 
 from .checks import one_of, positive_int
 
-__all__ = ["CORE_INPUT", "LABELS", "LAYER_INPUT", "RECOMPUTE", "TERMS", "Term", "layer_activation_bytes", "layer_terms",
-           "measure_layer", "paper_formula", "pytorch_extra_bytes"]
+__all__ = ["ATTENTION", "CORE_INPUT", "FUSED_CORE", "LABELS", "LAYER_INPUT", "RECOMPUTE", "TERMS", "Term",
+           "layer_activation_bytes", "layer_terms", "measure_layer", "paper_formula", "pytorch_extra_bytes"]
 
 if TYPE_CHECKING:  # the formulas need no torch (the planner uses them); measure_layer imports it
     import torch
     from torch import nn
 
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("materialized", "fused")  # the scores written to memory, or a fused kernel's (FlashAttention)
 
 
 @dataclass(frozen=True)
 class Term:
-    """One tensor (or pair) a layer saves: ``sbh`` s b h + ``as2b`` a s^2 b bytes, saved by the layer's
-    ``module``; ``split_by_tp``: inside the tensor-parallel region, so each of t ranks saves 1/t of it."""
+    """One tensor (or pair) a layer saves: ``sbh`` s b h + ``as2b`` a s^2 b (+ ``asb`` a s b) bytes, saved by
+    the layer's ``module``; ``split_by_tp``: inside the tensor-parallel region, so each of t ranks saves 1/t of it."""
 
     module: str
     saves: str
     sbh: int
     as2b: int
     split_by_tp: bool
+    asb: int = 0
 
     def bytes(self, s: int, b: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False) -> float:
         share = tp if self.split_by_tp or sequence_parallel else 1
-        return (self.sbh * s * b * h + self.as2b * a * s * s * b) / share
+        return (self.sbh * s * b * h + self.as2b * a * s * s * b + self.asb * a * s * b) / share
 
 
 # In the order the forward saves them; module names are TransformerLayer's.
@@ -74,51 +82,59 @@ TERMS = (
 # and recomputes the softmax, the mask and the dropout's output.
 CORE_INPUT = Term("core", "core attention's input Q, K, V (the rest recomputed)", 6, 0, True)
 LAYER_INPUT = Term("input", "the layer's input (the rest recomputed)", 2, 0, False)
+FUSED_CORE = Term("core", "fused attention's Q, K, V and fp32 log-sum-exp", 6, 0, True, asb=4)
 
 
-def _check(s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool, recompute: str) -> None:
+def _check(s: int, b: int, h: int, a: int, tp: int, sequence_parallel: bool, recompute: str,
+           attention: str = "materialized") -> None:
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("tp", tp)):
         positive_int(name, value)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     one_of("recompute", recompute, RECOMPUTE)
+    one_of("attention", attention, ATTENTION)
 
 
 def layer_terms(s: int, b: int, h: int, a: int, *, tp: int = 1, sequence_parallel: bool = False,
-                recompute: str = "none") -> dict[str, float]:
+                recompute: str = "none", attention: str = "materialized") -> dict[str, float]:
     """Bytes each step of one layer saves on one rank, by the paper's count, keyed by module name."""
-    _check(s, b, h, a, tp, sequence_parallel, recompute)
+    _check(s, b, h, a, tp, sequence_parallel, recompute, attention)
     if recompute == "full":
         terms = [LAYER_INPUT]
-    elif recompute == "selective":
+    elif recompute == "selective" or attention == "fused":
         terms = [t for t in TERMS if not t.module.startswith("core.")]
-        terms.insert(2, CORE_INPUT)
+        terms.insert(2, FUSED_CORE if attention == "fused" else CORE_INPUT)
     else:
         terms = list(TERMS)
     return {t.module: t.bytes(s, b, h, a, tp, sequence_parallel) for t in terms}
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sequence_parallel: bool = False,
-                           recompute: str = "none") -> float:
+                           recompute: str = "none", attention: str = "materialized") -> float:
     """Bytes of activations one transformer layer keeps for its backward, per rank: the sum of its terms."""
-    return sum(layer_terms(s, b, h, a, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute).values())
+    return sum(layer_terms(s, b, h, a, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
+                           attention=attention).values())
 
 
 def paper_formula(s: int, b: int, h: int, a: int, *, tp: int = 1, sequence_parallel: bool = False,
-                  recompute: str = "none") -> float:
-    """The same bytes as the closed forms the paper prints (sec. 4-5, Table 2), to check the terms against."""
-    _check(s, b, h, a, tp, sequence_parallel, recompute)
+                  recompute: str = "none", attention: str = "materialized") -> float:
+    """The same bytes as the closed forms the paper prints (sec. 4-5, Table 2), to check the terms against; with
+    fused attention, 4 a s b bytes of row statistics in place of the 5 a s^2 b (Dao et al. 2022, sec. 3.1)."""
+    _check(s, b, h, a, tp, sequence_parallel, recompute, attention)
     t, sbh = tp, s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
-    attention_scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    if attention == "fused":
+        attention_scores = 4 * a / (h * t)
+    else:
+        attention_scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
     if sequence_parallel:
         return sbh * (34 / t + attention_scores)
     return sbh * (10 + 24 / t + attention_scores)
 
 
 # What each module saves, in the paper's words, keyed like layer_terms.
-LABELS = {t.module: t.saves for t in (*TERMS, CORE_INPUT, LAYER_INPUT)}
+LABELS = {t.module: t.saves for t in (*TERMS, CORE_INPUT, LAYER_INPUT)}  # FUSED_CORE shares CORE_INPUT's key
 
 
 def pytorch_extra_bytes(s: int, b: int, element_size: int = 2) -> dict[str, int]:

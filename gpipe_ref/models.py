@@ -111,11 +111,13 @@ class AttendValues(nn.Module):
 class CoreAttention(nn.Module):
     """Softmax attention from packed [Q | K | V] (batch, tokens, 3 x width) to (batch, tokens, width):
     scores, softmax, dropout, weighted values. With ``recompute`` it saves only its input and recomputes the
-    rest in the backward: the paper's *selective activation recomputation* (sec. 5)."""
+    rest in the backward: the paper's *selective activation recomputation* (sec. 5). With ``fused``, one fused
+    kernel (``scaled_dot_product_attention``; FlashAttention on a GPU, Dao et al. 2022) that saves Q, K, V, its
+    output and the softmax's log-sum-exp, never the scores; it runs without dropout (torch's CPU kernel has none)."""
 
-    def __init__(self, heads: int, dropout: float, recompute: bool = False) -> None:
+    def __init__(self, heads: int, dropout: float, recompute: bool = False, fused: bool = False) -> None:
         super().__init__()
-        self.heads, self.recompute = heads, recompute
+        self.heads, self.recompute, self.fused = heads, recompute, fused
         self.scores, self.softmax = AttentionScores(), nn.Softmax(dim=-1)
         self.dropout, self.values = MaskDropout(dropout), AttendValues()
 
@@ -129,6 +131,8 @@ class CoreAttention(nn.Module):
         b, s, three_width = qkv.shape
         width = three_width // 3
         q, k, v = (z.reshape(b, s, self.heads, width // self.heads).transpose(1, 2) for z in qkv.split(width, -1))
+        if self.fused:  # its output is laid out (b, s, heads, d): the reshape below is a view, not a copy
+            return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, width)
         weights = self.dropout(self.softmax(self.scores(q, k)))
         return self.values(weights, v).transpose(1, 2).reshape(b, s, width)
 
@@ -141,11 +145,12 @@ class TransformerLayer(nn.Module):
     ``tp`` > 1 builds the layer that one of ``tp`` tensor-parallel ranks runs (Megatron's split, notebook 02):
     ``heads / tp`` heads and ``4 h / tp`` MLP columns, the LayerNorms and dropouts whole. The all-reduces that
     would sum the ranks' outputs save no activations and are left out, so with ``tp`` > 1 the layer is for
-    counting memory, not for training. ``recompute_attention`` checkpoints the core attention (sec. 5).
+    counting memory, not for training. ``recompute_attention`` checkpoints the core attention (sec. 5);
+    ``fused_attention`` runs it as one fused kernel (:class:`CoreAttention`).
     """
 
     def __init__(self, hidden: int, heads: int, *, dropout: float = 0.1, tp: int = 1,
-                 recompute_attention: bool = False, seed: int = 0) -> None:
+                 recompute_attention: bool = False, fused_attention: bool = False, seed: int = 0) -> None:
         super().__init__()
         for name, value in (("hidden", hidden), ("heads", heads), ("tp", tp)):
             positive_int(name, value)
@@ -157,7 +162,7 @@ class TransformerLayer(nn.Module):
         width = hidden // tp  # this rank's share of the attention width and (x 4) of the MLP's
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * width)
-        self.core = CoreAttention(heads // tp, dropout, recompute_attention)
+        self.core = CoreAttention(heads // tp, dropout, recompute_attention, fused_attention)
         self.proj = nn.Linear(width, hidden)
         self.proj_dropout = MaskDropout(dropout)
         self.ln2 = nn.LayerNorm(hidden)

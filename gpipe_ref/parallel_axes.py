@@ -32,8 +32,8 @@ from typing import NamedTuple
 from .checks import positive_int
 from .planner import ClusterConfig, ModelConfig
 
-__all__ = ["AXES", "AXIS_ORDER", "AxisTraffic", "Layout", "axis_groups", "axis_traffic", "coordinates",
-           "expert_parallel_moe", "ring_attention"]
+__all__ = ["AXES", "AXIS_ORDER", "AxisTraffic", "Layout", "RING_SPLITS", "RingAttention", "axis_groups", "axis_traffic",
+           "coordinates", "expert_parallel_moe", "ring_attention"]
 
 AXIS_ORDER = ("tp", "cp", "ep", "dp", "pp")  # innermost first: Megatron-LM's "tp-cp-ep-dp-pp"
 AXES = {  # axis: (name, what it shards, what it sends)
@@ -155,49 +155,77 @@ def axis_traffic(model: ModelConfig, cluster: ClusterConfig, layout: Layout, *, 
     return rows
 
 
-def ring_attention(q, k, v, cp: int, causal: bool = False):
-    """Attention with the sequence split over ``cp`` simulated ranks (Liu et al. 2023): rank ``i`` keeps
-    its queries, and the key and value blocks go round the ring, each rank merging one block per hop by the
-    online softmax (running maximum and sum). Returns the output and the elements each rank received.
+class RingAttention(NamedTuple):
+    """What :func:`ring_attention` returns: the output, and per rank the elements it received and the query-key
+    scores it computed (per batch element and head: its attention work)."""
 
-    ``q, k, v``: ``(batch, heads, seq, head_dim)``, ``seq`` a multiple of ``cp``. With ``causal``, a rank skips the
-    blocks after its own (their keys are in its queries' future) and masks the diagonal one."""
+    output: object
+    received: list[int]
+    scores: list[int]
+
+
+RING_SPLITS = ("contiguous", "zigzag")
+
+
+def ring_attention(q, k, v, cp: int, causal: bool = False, split: str = "contiguous") -> RingAttention:
+    """Attention with the sequence split over ``cp`` simulated ranks (Liu et al. 2023): each rank keeps its
+    queries, and the key and value blocks go round the ring, each rank merging one block per hop by the online
+    softmax (running maximum and sum).
+
+    ``split``: ``"contiguous"`` gives rank ``i`` the ``i``-th of ``cp`` equal pieces of the sequence;
+    ``"zigzag"`` cuts it into ``2 cp`` chunks and gives rank ``i`` chunks ``i`` and ``2cp - 1 - i``, an early
+    one and a late one (Megatron-Core's context parallelism; Brandon et al. 2023, "Striped Attention", use a
+    finer stripe). With ``causal``, a query chunk skips the key chunks after it (their keys are in its future)
+    and masks the diagonal one: contiguous, the last rank then does ``cp`` times the first rank's work;
+    zig-zag, every rank the same. ``q, k, v``: ``(batch, heads, seq, head_dim)``, ``seq`` a multiple of ``cp``
+    (of ``2 cp`` for zig-zag)."""
     import torch
 
     positive_int("cp", cp)
-    if q.shape[-2] % cp or k.shape[-2] % cp:
+    if split not in RING_SPLITS:
+        raise ValueError(f"split must be one of {list(RING_SPLITS)}, got {split!r}")
+    chunks = cp if split == "contiguous" else 2 * cp
+    if q.shape[-2] % chunks or k.shape[-2] % chunks:
         raise ValueError(f"cp must divide the sequence lengths of the queries ({q.shape[-2]}) and the keys "
-                         f"({k.shape[-2]}), got {cp}")
+                         f"({k.shape[-2]}){' in 2 cp chunks (zigzag)' if chunks != cp else ''}, got {cp}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have one sequence length, got {k.shape[-2]} and {v.shape[-2]}")
     if causal and k.shape[-2] != q.shape[-2]:
         raise ValueError(f"causal attention here needs as many keys as queries (block i of the keys is block i of "
                          f"the queries' positions), got {k.shape[-2]} keys for {q.shape[-2]} queries")
+    owned = [[i] if chunks == cp else [i, chunks - 1 - i] for i in range(cp)]  # each rank's chunks, in order
     scale = q.shape[-1] ** -0.5
-    qs, ks, vs = (t.chunk(cp, dim=-2) for t in (q, k, v))
-    outputs, received = [], [0] * cp
+    qs, ks, vs = (t.chunk(chunks, dim=-2) for t in (q, k, v))
+    outputs: list = [None] * chunks
+    received, scores_done = [0] * cp, [0] * cp
     for i in range(cp):
-        top = torch.full(qs[i].shape[:-1] + (1,), -math.inf, dtype=q.dtype, device=q.device)  # running maximum
-        total = torch.zeros_like(top)  # running sum of exp(score - top)
-        acc = torch.zeros_like(qs[i])
+        state = {}  # query chunk -> (running maximum, running sum of exp(score - maximum), weighted values)
+        for a in owned[i]:
+            top = torch.full(qs[a].shape[:-1] + (1,), -math.inf, dtype=q.dtype, device=q.device)
+            state[a] = (top, torch.zeros_like(top), torch.zeros_like(qs[a]))
         for hop in range(cp):
-            j = (i - hop) % cp  # the block that reaches rank i after `hop` hops
+            j = (i - hop) % cp  # the rank whose key and value chunks reach rank i after `hop` hops
             if hop:
-                received[i] += ks[j].numel() + vs[j].numel()
-            if causal and j > i:
-                continue
-            scores = qs[i] @ ks[j].transpose(-2, -1) * scale
-            if causal and j == i:
-                n = scores.shape[-1]
-                scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-            new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
-            weights = torch.exp(scores - new_top)
-            shrink = torch.exp(top - new_top)
-            total = total * shrink + weights.sum(dim=-1, keepdim=True)
-            acc = acc * shrink + weights @ vs[j]
-            top = new_top
-        outputs.append(acc / total)
-    return torch.cat(outputs, dim=-2), received
+                received[i] += sum(ks[c].numel() + vs[c].numel() for c in owned[j])
+            for a in owned[i]:
+                for c in owned[j]:
+                    if causal and c > a:
+                        continue
+                    scores = qs[a] @ ks[c].transpose(-2, -1) * scale
+                    scores_done[i] += scores.shape[-2] * scores.shape[-1]
+                    if causal and c == a:
+                        n = scores.shape[-1]
+                        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1),
+                                                    -math.inf)
+                    top, total, acc = state[a]
+                    new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+                    weights = torch.exp(scores - new_top)
+                    shrink = torch.exp(top - new_top)
+                    state[a] = (new_top, total * shrink + weights.sum(dim=-1, keepdim=True),
+                                acc * shrink + weights @ vs[c])
+        for a, (_, total, acc) in state.items():
+            outputs[a] = acc / total
+    return RingAttention(torch.cat(outputs, dim=-2), received, scores_done)
 
 
 def expert_parallel_moe(tokens, router, experts, ep: int, top_k: int = 1):

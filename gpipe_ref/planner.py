@@ -144,6 +144,7 @@ class Plan:
     flops_per_gpu: float = 0.0  # achieved FLOP/s per GPU, the recomputed forward included (the paper's count)
     utilisation: float = 0.0  # flops_per_gpu / peak: hardware FLOPs utilisation (HFU)
     model_flops_utilisation: float = 0.0  # MFU: the same without recomputation (Chowdhery et al. 2022, app. B)
+    fused_attention: bool = False  # a fused attention kernel: no s x s scores held (activation_memory)
 
     @property
     def bubble_fraction(self) -> float:
@@ -152,7 +153,7 @@ class Plan:
     def label(self) -> str:
         sched = self.schedule + (f" v={self.stages_per_device}" if self.stages_per_device > 1 else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.microbatch_size} m={self.num_microbatches} "
-                f"{sched}{' recompute' if self.recompute else ''}")
+                f"{sched}{' recompute' if self.recompute else ''}{' fused-attention' if self.fused_attention else ''}")
 
 
 def _all_reduce_time(nbytes: float, ranks: int, bandwidth: float) -> float:
@@ -193,9 +194,14 @@ def _check_estimate(model: ModelConfig, cluster: ClusterConfig, dp: int, tp: int
 
 
 def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
-             schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False) -> Plan:
-    """The cost model's step time, bubble and memory per GPU for one configuration."""
+             schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False,
+             fused_attention: bool = False) -> Plan:
+    """The cost model's step time, bubble and memory per GPU for one configuration. ``fused_attention``: the
+    attention runs as one fused kernel (FlashAttention, Dao et al. 2022), which holds no s x s scores
+    (:mod:`gpipe_ref.activation_memory`); the scores it recomputes in the backward, s / (18 h + 3 s) of a step's
+    layer FLOPs (notebook 05), are left out of the time, as the model leaves out every kernel's other costs."""
     v, m = _check_estimate(model, cluster, dp, tp, pp, microbatch_size, schedule, stages_per_device, recompute)
+    _boolean("fused_attention", fused_attention)
     b, s, h, a, l = microbatch_size, model.seq_len, model.hidden, model.heads, model.layers
     node, activation_bytes = cluster.gpus_per_node, PRECISIONS[PRECISION].activation
 
@@ -225,7 +231,8 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
 
     step_time = compute_time + tp_comm_time + bubble_time + pp_comm_time + dp_comm_time
 
-    per_layer = layer_activation_bytes(s, b, h, a, tp=tp, recompute="full" if recompute else "none")
+    per_layer = layer_activation_bytes(s, b, h, a, tp=tp, recompute="full" if recompute else "none",
+                                       attention="fused" if fused_attention else "materialized")
     activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
     states = params_per_gpu * sum(state_bytes_per_parameter(PRECISION).values())
     memory = {STATE_MEMORY: states, ACTIVATION_MEMORY: activations, TOTAL_MEMORY: states + activations}
@@ -233,7 +240,7 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     model_flops = model.flops_per_step(recompute=False) / (step_time * cluster.gpus)  # recomputation excluded
     return Plan(dp, tp, pp, b, m, schedule, v, recompute, step_time, compute_time, bubble_time, tp_comm_time,
                 pp_comm_time, dp_comm_time, memory, memory[TOTAL_MEMORY] <= cluster.usable_bytes,
-                achieved, achieved / cluster.peak_flops, model_flops / cluster.peak_flops)
+                achieved, achieved / cluster.peak_flops, model_flops / cluster.peak_flops, fused_attention)
 
 
 def _divisors(n: int) -> list[int]:
@@ -276,7 +283,8 @@ def _layouts(model: ModelConfig, cluster: ClusterConfig) -> list[tuple[int, int,
 
 def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: Iterable[int] = (1, 2, 4, 8),
                schedules: Iterable[str] | None = None,
-               stages_per_device: Iterable[int] = (2, 4), recompute: Iterable[bool] = (False, True)) -> list[Plan]:
+               stages_per_device: Iterable[int] = (2, 4), recompute: Iterable[bool] = (False, True),
+               fused_attention: Iterable[bool] = (False,)) -> list[Plan]:
     """Every valid configuration's estimate (fitting or not); ``schedules`` defaults to every
     registered flush schedule the cost model times."""
     _check_configs(model, cluster)
@@ -286,6 +294,7 @@ def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: 
     microbatch_sizes = _options("microbatch_sizes", microbatch_sizes, positive_int)
     stages_per_device = _options("stages_per_device", stages_per_device, positive_int)
     recompute = _options("recompute", recompute, _boolean)
+    fused_attention = _options("fused_attention", fused_attention, _boolean)
     plans = []
     for dp, tp, pp in _layouts(model, cluster):
         for b in microbatch_sizes:
@@ -298,9 +307,9 @@ def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: 
                         continue
                     if schedule != "1f1b" and pp == 1:
                         continue  # one stage: every schedule is the same
-                    for rc in recompute:
-                        plans.append(estimate(model, cluster, dp=dp, tp=tp, pp=pp, microbatch_size=b,
-                                              schedule=schedule, stages_per_device=v, recompute=rc))
+                    plans += [estimate(model, cluster, dp=dp, tp=tp, pp=pp, microbatch_size=b, schedule=schedule,
+                                       stages_per_device=v, recompute=rc, fused_attention=fused)
+                              for rc in recompute for fused in fused_attention]
     return plans
 
 

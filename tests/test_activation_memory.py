@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.activation_memory import (LABELS, RECOMPUTE, TERMS, layer_activation_bytes, layer_terms,
+from gpipe_ref.activation_memory import (ATTENTION, LABELS, RECOMPUTE, TERMS, layer_activation_bytes, layer_terms,
                                          measure_layer, paper_formula, pytorch_extra_bytes)
 from gpipe_ref.models import MaskDropout, TransformerLayer
 
@@ -33,13 +33,38 @@ def test_the_terms_add_up_to_the_papers_blocks():
     assert replicated == 10 and sum(t.sbh for t in TERMS if t.split_by_tp) == 24  # sec. 4.2.1's 10 and 24 / t
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,recompute",
-                         list(itertools.product([1, 2, 4, 8], [False, True], RECOMPUTE)))
-def test_the_terms_give_the_papers_closed_forms(tp, sequence_parallel, recompute):
+@pytest.mark.parametrize("tp,sequence_parallel,recompute,attention",
+                         list(itertools.product([1, 2, 4, 8], [False, True], RECOMPUTE, ATTENTION)))
+def test_the_terms_give_the_papers_closed_forms(tp, sequence_parallel, recompute, attention):
     s, b, h, a = 2048, 1, 4096, 32
-    got = layer_activation_bytes(s, b, h, a, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute)
+    got = layer_activation_bytes(s, b, h, a, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
+                                 attention=attention)
     assert got == pytest.approx(paper_formula(s, b, h, a, tp=tp, sequence_parallel=sequence_parallel,
-                                              recompute=recompute), rel=1e-12)
+                                              recompute=recompute, attention=attention), rel=1e-12)
+
+
+def test_fused_attention_keeps_qkv_and_row_statistics_in_place_of_the_scores():
+    """FlashAttention (Dao et al. 2022, sec. 3.1): 4 a s b bytes of log-sum-exp where the scores took 5 a s^2 b."""
+    s, b, h, a = 2048, 1, 12288, 96
+    for tp in (1, 8):
+        plain = paper_formula(s, b, h, a, tp=tp)
+        fused = paper_formula(s, b, h, a, tp=tp, attention="fused")
+        assert plain - fused == pytest.approx((5 * a * s * s * b - 4 * a * s * b) / tp)
+        assert fused == paper_formula(s, b, h, a, tp=tp, recompute="selective") + 4 * a * s * b / tp
+        assert paper_formula(s, b, h, a, tp=tp, recompute="selective", attention="fused") == fused
+    assert paper_formula(s, b, h, a, recompute="full", attention="fused") == paper_formula(s, b, h, a, recompute="full")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_fused_attention_layer_saves_the_formulas_bytes(shape, tp):
+    """torch's fused CPU kernel saves Q, K, V, its output and fp32 log-sum-exp, nothing else."""
+    s, b, h, a = shape
+    layer = TransformerLayer(h, a, tp=tp, fused_attention=True).to(torch.bfloat16)
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    saved = sum(measure_layer(layer, x).values()) - sum(pytorch_extra_bytes(s, b).values())
+    assert saved == paper_formula(s, b, h, a, tp=tp, attention="fused")
+    assert layer(x).shape == x.shape
 
 
 def test_the_closed_forms_by_hand():
@@ -118,6 +143,7 @@ def test_measurement_frees_what_it_saved():
     ({"tp": 0}, "tp must be an integer >= 1, got 0"),
     ({"recompute": "some"}, "recompute must be one of ('none', 'selective', 'full'), got 'some'"),
     ({"sequence_parallel": 1}, "sequence_parallel must be True or False, got 1"),
+    ({"attention": "flash"}, "attention must be one of ('materialized', 'fused'), got 'flash'"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -127,3 +153,10 @@ def test_bad_arguments(kwargs, message):
         paper_formula(0, 2, 64, 4)
     with pytest.raises(TypeError, match="layer must be an nn.Module, got str"):
         measure_layer("layer", torch.zeros(1))
+
+
+def test_fused_attention_computes_the_unfused_layer():
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    fused, plain = (TransformerLayer(32, 4, dropout=0.0, fused_attention=f, seed=1) for f in (True, False))
+    torch.testing.assert_close(fused(x), plain(x))

@@ -36,24 +36,37 @@ def _one_device_moe(tokens, router, experts, top_k):
     return (weight[..., None] * every[torch.arange(len(flat))[:, None], chosen]).sum(dim=1).reshape(tokens.shape)
 
 
-def test_ring_attention_equals_one_device_attention_over_random_cases():
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_ring_attention_equals_one_device_attention_over_random_cases(split):
     rng = random.Random(0)
     for case in range(20):
         cp, b, heads, d = rng.randrange(1, 6), rng.randrange(1, 3), rng.randrange(1, 4), rng.choice([4, 8])
-        s = cp * rng.randrange(1, 5)
+        s = 2 * cp * rng.randrange(1, 4)
         causal = bool(case % 2)
         torch.manual_seed(case)
         q, k, v = (torch.randn(b, heads, s, d, dtype=torch.float64) for _ in range(3))
-        out, received = ring_attention(q, k, v, cp, causal=causal)
+        out, received, _ = ring_attention(q, k, v, cp, causal=causal, split=split)
         dense = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.testing.assert_close(out, dense)
-        assert received == [2 * (cp - 1) * (s // cp) * b * heads * d] * cp
+        assert received == [2 * (cp - 1) * (s // cp) * b * heads * d] * cp  # the same bytes either split
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_causal_work_per_rank_contiguous_grows_zigzag_is_even(cp):
+    """Causal, contiguous: rank i computes i + 1 of the cp blocks; zig-zag: every rank (2cp + 1)/2 blocks'
+    worth, in chunks of half a block."""
+    s = 4 * cp
+    q = k = v = torch.randn(1, 1, s, 4)
+    block = (s // cp) ** 2
+    assert ring_attention(q, k, v, cp, causal=True).scores == [(i + 1) * block for i in range(cp)]
+    assert ring_attention(q, k, v, cp, causal=True, split="zigzag").scores == [(2 * cp + 1) * block // 4] * cp
+    assert ring_attention(q, k, v, cp).scores == [cp * block] * cp
 
 
 def test_cp_bytes_are_three_passes_of_what_the_ring_forward_passes():
     b, heads, s, d, cp = 2, 4, 32, 8, 4
     q, k, v = (torch.randn(b, heads, s, d) for _ in range(3))
-    _, received = ring_attention(q, k, v, cp)
+    _, received, _ = ring_attention(q, k, v, cp)
     model = ModelConfig(layers=1, hidden=heads * d, heads=heads, batch=b, seq_len=s)
     rows = {r.axis: r for r in axis_traffic(model, ClusterConfig(gpus=cp), Layout(cp=cp, microbatch_size=b))}
     assert rows["cp"].bytes_per_step == 3 * received[0] * 2  # forward + backward (keys, values and their grads)
@@ -118,6 +131,8 @@ def test_links_follow_the_grid():
     (lambda: axis_traffic(ModelConfig(layers=4, hidden=64, heads=4, batch=8), ClusterConfig(gpus=2),
                           Layout(pp=4)), "the cluster has 2"),
     (lambda: ring_attention(*(torch.zeros(1, 1, 6, 2) for _ in range(3)), cp=4), "cp must divide"),
+    (lambda: ring_attention(*(torch.zeros(1, 1, 6, 2) for _ in range(3)), cp=2, split="zigzag"), "in 2 cp chunks"),
+    (lambda: ring_attention(*(torch.zeros(1, 1, 8, 2) for _ in range(3)), cp=2, split="striped"), "split must be"),
 ])
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ValueError, match=message):

@@ -35,6 +35,21 @@ def test_recompute_costs_a_forward_and_saves_activations():
     assert again.memory["activations"] < plain.memory["activations"]
 
 
+def test_fused_attention_drops_the_scores_and_keeps_the_time():
+    """A fused attention kernel holds 4 a s b bytes of row statistics where the scores took 5 a s^2 b."""
+    cluster = ClusterConfig(gpus=1)
+    plain = estimate(SMALL, cluster, dp=1, tp=1, pp=1, microbatch_size=2)
+    fused = estimate(SMALL, cluster, dp=1, tp=1, pp=1, microbatch_size=2, fused_attention=True)
+    b, s, a, l = 2, 16, 4, 4
+    assert plain.memory["activations"] - fused.memory["activations"] == pytest.approx(
+        l * (5 * a * s * s * b - 4 * a * s * b))
+    assert fused.step_time == plain.step_time and fused.fused_attention and "fused-attention" in fused.label()
+    both = candidates(SMALL, cluster, fused_attention=(False, True))
+    assert len(both) == 2 * len(candidates(SMALL, cluster)) and {p.fused_attention for p in both} == {False, True}
+    with pytest.raises(ValueError, match="fused_attention must be True or False, got 1"):
+        estimate(SMALL, cluster, dp=1, tp=1, pp=1, fused_attention=1)
+
+
 def test_hardware_and_model_flops_utilisation():
     """HFU counts the recomputed forward as work, MFU does not (Chowdhery et al. 2022, app. B): with
     recomputation MFU is 3/4 of HFU, without it they are equal."""
