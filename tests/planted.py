@@ -19,7 +19,7 @@ def assert_caught(exercise_id: str, namespace: dict, phrase: str, capsys) -> Non
     FAILED_CHECKS.pop(exercise_id, None)  # a first failure: check() names the mistake, its hint comes later
     check(exercise_id, namespace[EXERCISES[exercise_id].answer])  # the shown cases alone catch it
     out = capsys.readouterr().out
-    assert out.startswith(f"❌ Exercise {exercise_id}"), out
+    assert out.startswith(f"✗ Exercise {exercise_id}"), out
     assert phrase in out, out
 
 
@@ -46,7 +46,7 @@ def passes_check_and_grade(exercise_id: str, namespace: dict, capsys, grade_limi
     start = time.perf_counter()
     check(exercise_id, namespace[EXERCISES[exercise_id].answer])
     checked = time.perf_counter() - start
-    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+    assert capsys.readouterr().out.startswith(f"✓ Exercise {exercise_id}")
     start = time.perf_counter()
     verdict = grade(exercise_id, namespace)
     graded = time.perf_counter() - start
@@ -97,7 +97,7 @@ def solutions_pass_every_case(name: str, capsys) -> None:
         assert verdict.passed and verdict.points == ex.points, verdict
         began = time.perf_counter()
         check(ex.id, namespace[ex.answer])
-        assert time.perf_counter() - began < CHECK_LIMIT_S and capsys.readouterr().out.startswith("✅"), ex.id
+        assert time.perf_counter() - began < CHECK_LIMIT_S and capsys.readouterr().out.startswith("✓"), ex.id
 
 
 def wrong_answer_loses_the_points(exercise_id: str, namespace: dict) -> None:
@@ -116,4 +116,4 @@ def scores_zero_and_the_shown_check_catches_it(exercise_id: str, namespace: dict
         return
     check(exercise_id, namespace[EXERCISES[exercise_id].answer])
     out = capsys.readouterr().out
-    assert out.startswith(f"❌ Exercise {exercise_id}") and shown in out, out
+    assert out.startswith(f"✗ Exercise {exercise_id}") and shown in out, out

@@ -64,10 +64,10 @@ def test_check_prints_a_short_verdict(capsys):
                        "    return 1 - 3 * m * work / (p * step)\n")["bubble_fraction"]
     equal_stages = lambda stage_times, m, comm: (len(stage_times) - 1) / (m + len(stage_times) - 1)  # noqa: E731
     check("04.2", right)
-    assert capsys.readouterr().out.startswith("✅ Exercise 04.2") and FAILED_CHECKS["04.2"] == 0
+    assert capsys.readouterr().out.startswith("✓ Exercise 04.2") and FAILED_CHECKS["04.2"] == 0
     check("04.2", equal_stages)  # a first failure says what is wrong, no hint yet
     out = capsys.readouterr().out
-    assert out.startswith("❌ Exercise 04.2") and "expected" in out and "got" in out and "hint:" not in out
+    assert out.startswith("✗ Exercise 04.2") and "expected" in out and "got" in out and "hint:" not in out
     assert "Traceback" not in out and len(out) < 600 and "the next failed check adds a hint" in out
     check("04.2", equal_stages)  # the second failure in a row adds the hint
     assert "hint: draw the forwards" in capsys.readouterr().out
@@ -380,3 +380,15 @@ def test_the_solutions_pass_every_draw(name):
         for seed in range(5):
             verdict = judge_in_process(ex, ex.drawn(random.Random(seed)), namespace, None)
             assert verdict.passed, (exercise_id, seed, verdict.feedback)
+
+
+def test_verdict_marks_need_no_emoji_font():
+    """The review's screenshots showed the emoji marks as boxes where no emoji font is installed."""
+    import unicodedata
+
+    from gpipe_ref.grading.cases import STATUSES, Verdict
+
+    marks = {status: Verdict("04.2", "t", status, 1, 1, "").mark for status in STATUSES}
+    assert marks["passed"] == "✓" and marks["not attempted"] == "○"
+    assert {marks[s] for s in ("failed", "error", "timeout")} == {"✗"}
+    assert {unicodedata.name(m) for m in marks.values()} == {"CHECK MARK", "BALLOT X", "WHITE CIRCLE"}

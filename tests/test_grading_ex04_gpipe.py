@@ -422,7 +422,7 @@ def test_check_answers_in_under_10_seconds(exercise_id, capsys):
     start = time.perf_counter()
     check(exercise_id, namespace[EXERCISES[exercise_id].answer])
     assert time.perf_counter() - start < 10
-    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+    assert capsys.readouterr().out.startswith(f"✓ Exercise {exercise_id}")
 
 
 # -- 04.1: no stored output prints the answer (after a second blind learner) ----------------------------------------

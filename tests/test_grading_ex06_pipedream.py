@@ -337,7 +337,7 @@ def test_check_answers_in_under_10_seconds(exercise_id, capsys):
     start = time.perf_counter()
     check(exercise_id, namespace[EXERCISES[exercise_id].answer])
     assert time.perf_counter() - start < 10
-    assert capsys.readouterr().out.startswith(f"✅ Exercise {exercise_id}")
+    assert capsys.readouterr().out.startswith(f"✓ Exercise {exercise_id}")
 
 
 def test_predictions_are_judged_against_a_run_and_a_wrong_shape_is_named(capsys):

@@ -116,6 +116,12 @@ class Verdict:
     def passed(self) -> bool:
         return self.status == "passed"
 
+    @property
+    def mark(self) -> str:
+        """A glyph for the verdict that every font with the basic symbol blocks draws (the emoji ones need an emoji
+        font, and show as boxes without one): a check mark, a ballot x, a circle for not attempted."""
+        return "✓" if self.passed else ("○" if self.status == "not attempted" else "✗")
+
     def to_dict(self) -> dict[str, Any]:
         return {"exercise": self.exercise, "title": self.title, "status": self.status, "points": self.points,
                 "max_points": self.max_points, "feedback": self.feedback, "cases_run": self.cases_run,

@@ -35,16 +35,16 @@ def check(exercise_id: str, answer: Any, hint: bool | None = None) -> None:
     failures = FAILED_CHECKS[ex.id] = 0 if verdict.status in ("passed", "not attempted") else \
         FAILED_CHECKS.get(ex.id, 0) + 1
     if verdict.passed:
-        print(f"✅ {name}: {verdict.feedback}. The grader also runs hidden cases.")
+        print(f"{verdict.mark} {name}: {verdict.feedback}. The grader also runs hidden cases.")
     elif verdict.status == "not attempted":
-        print(f"⏳ {name}: not attempted yet. Replace `raise NotImplementedError(...)` with your code.")
+        print(f"{verdict.mark} {name}: not attempted yet. Replace `raise NotImplementedError(...)` with your code.")
     else:
         feedback, case_hint = verdict.feedback, cases[verdict.cases_run - 1].hint if verdict.cases_run else ""
         held_back = case_hint and feedback.endswith(f"; hint: {case_hint}") and not (hint or failures > 1 and
                                                                                       hint is None)
         if held_back:
             feedback = feedback[:-len(f"; hint: {case_hint}")] + "\n   (stuck? the next failed check adds a hint)"
-        print(f"❌ {name}: not yet.\n   {feedback}")
+        print(f"{verdict.mark} {name}: not yet.\n   {feedback}")
 
 
 def grade(exercise_id: str, namespace: dict[str, Any], timeout: float | None = None, draw: int | None = 0) -> Verdict:

@@ -152,8 +152,7 @@ def feedback_markdown(result: NotebookResult) -> str:
         return f"# {Path(result.path).name}\n\nThis notebook could not be graded: {result.error}\n"
     lines = [f"# {Path(result.path).name}: {result.points}/{result.max_points} points", ""]
     for verdict in result.verdicts:
-        mark = "✅" if verdict.passed else ("⏳" if verdict.status == "not attempted" else "❌")
-        lines += [f"## {mark} Exercise {verdict.exercise} · {verdict.title}: {verdict.points}/{verdict.max_points}",
+        lines += [f"## {verdict.mark} Exercise {verdict.exercise} · {verdict.title}: {verdict.points}/{verdict.max_points}",
                   "", (verdict.public or verdict.feedback), ""]
     lines += [f"Note: {warning}" for warning in result.warnings]
     return "\n".join(lines).rstrip() + "\n"
