@@ -130,9 +130,11 @@ def _bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[Bar], 
         stages = sorted({e.stage for e in timeline.events})
         colors = stage_colors(max(stages, default=0) + 1)
         bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, colors[e.stage],
-                     (f"{e.op}{e.microbatch}", f"{e.microbatch}"), f"{e.label} (stage {e.stage})")
+                     (f"{e.op}{e.microbatch}", e.op), f"{e.label} (stage {e.stage})")  # a narrow bar keeps its op
                 for e in timeline.events]
-        legend = [(colors[s], f"stage {s}") for s in stages]
+        ops = [k for k in _KINDS if any(e.op == k for e in timeline.events)]
+        names = {"F": "F forward", "B": "B backward" + (" (input grad)" if "W" in ops else ""), "W": "W weight grad"}
+        legend = [(colors[s], f"stage {s}") for s in stages] + [("white", "letters: " + ", ".join(map(names.get, ops)))]
     elif color_by == "microbatch":  # the weight version only where versions differ (asynchronous schedules, 06)
         versioned = any(e.weight_version for e in timeline.events)
         bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, KIND_COLORS[e.op],

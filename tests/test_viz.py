@@ -326,15 +326,19 @@ def test_a_measured_step_under_a_second_reads_in_milliseconds():
 # -- several stages a device: colour by stage; DualPipeV's F&B pairs framed -----------------------------------
 def test_colour_by_stage_tells_a_devices_chunks_apart(artifacts_dir):
     from gpipe_ref.schedule import zero_bubble_v
-    from gpipe_ref.viz import stage_colors
+    from gpipe_ref.viz import bar_labels, stage_colors
 
     timeline = simulate(zero_bubble_v(3, 6))
     ax = plot_timeline(timeline, color_by="stage")
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert legend == [f"stage {s}" for s in range(6)] + ["idle (bubble)"]
+    letters = "letters: F forward, B backward (input grad), W weight grad"
+    assert legend == [f"stage {s}" for s in range(6)] + [letters, "idle (bubble)"]
     assert len(set(stage_colors(6))) == 6 and len(set(stage_colors(20))) == 20
     svg = timeline_svg(timeline, color_by="stage")
-    assert all(f">stage {s}</text>" in svg for s in range(6)) and "<title>5B0 (stage 5)" in svg
+    assert all(f">stage {s}</text>" in svg for s in range(6)) and "<title>5B0 (stage 5)" in svg and letters in svg
+    ax.figure.canvas.draw()  # a bar too narrow for "B3" still says which action it is: its op, not its micro-batch
+    shown = {t.shown for t in bar_labels(ax)}
+    assert {"F", "B", "W"} <= {text[0] for text in shown if text} and not any(text and text.isdigit() for text in shown)
     ax.figure.savefig(artifacts_dir / "timeline_zbv_by_stage.png")
 
 
