@@ -60,7 +60,8 @@ test: $(STAMP) browser sandbox
 # lacks, so running it every time is safe.
 lab: $(STAMP) sandbox
 	$(PY) -m gpipe_ref exercises start work
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb \
+	$(VENV)/bin/jupyter lab --config=tools/jupyter_lab_config.py --ServerApp.root_dir=. \
+	  --LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb \
 	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 # The course website: every lesson, the glossary and the exercise notebooks as pages, rendered from the stored

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import signal
@@ -60,6 +62,14 @@ def lab_server(tmp_path_factory):
     base = tmp_path_factory.mktemp("lab")
     root = base / "course"
     shutil.copytree(ROOT / "notebooks", root)
+    with running_lab(root, base) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_lab(root: Path, base: Path, *options: str):
+    """JupyterLab serving ``root`` on a free loopback port, with no token, a HOME under ``base`` and ``options``;
+    yields its URL and stops it (and its kernels) afterwards."""
     home = base / "home"
     env = dict(os.environ, HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "jc"), JUPYTER_DATA_DIR=str(home / "jd"),
                JUPYTER_RUNTIME_DIR=str(home / "jr"), IPYTHONDIR=str(home / "ipython"),
@@ -67,7 +77,7 @@ def lab_server(tmp_path_factory):
     port = _free_port()
     log = open(base / "lab.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", *options,
          "--IdentityProvider.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
          f"--ServerApp.root_dir={root}", *(["--allow-root"] if os.geteuid() == 0 else [])],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

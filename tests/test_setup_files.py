@@ -95,5 +95,5 @@ def test_the_exercises_readme_lists_every_exercise_notebook_and_the_conda_path_m
     assert f"`{LEARNER_GRADE}NN_topic.ipynb`" in listing
     readme, conda_comment = (ROOT / "README.md").read_text(), (ROOT / "environment.yml").read_text().splitlines()[1]
     conda = " ".join(readme.split("### conda", 1)[1].split("##", 1)[0].split())
-    assert "python -m gpipe_ref exercises start && jupyter lab`" in conda
+    assert "python -m gpipe_ref exercises start && jupyter lab --config=tools/jupyter_lab_config.py`" in conda
     assert "python -m gpipe_ref exercises start && jupyter lab" in conda_comment
