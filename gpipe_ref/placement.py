@@ -58,21 +58,21 @@ def placement_svg(schedule: Schedule, width: int = 900) -> str:
     """:func:`plot_placement` as SVG, for widgets (hovering a dot names its stage and device)."""
     instance("schedule", schedule, Schedule)
     placed, colors = schedule.stage_to_device, stage_colors(schedule.num_stages)
-    left, top, row = 72, 24, 20
-    step = min(40.0, (width - left - 16) / max(1, schedule.num_stages - 1))
+    left, top, row = 80, 26, 24
+    step = min(40.0, (width - left - 20) / max(1, schedule.num_stages - 1))
     x = [left + 8 + s * step for s in range(schedule.num_stages)]
     y = [top + d * row + row / 2 for d in placed]
     height = top + schedule.num_devices * row + 8
-    out = [svg_root(width, height, 'font-family="sans-serif" font-size="11" class="gpipe-placement"'),
+    out = [svg_root(width, height, 'font-family="sans-serif" font-size="12" class="gpipe-placement"'),
            f'<text x="{left}" y="14">{html.escape(placement_title(schedule))}</text>']
     for d in range(schedule.num_devices):
         out.append(f'<text x="{left - 6}" y="{top + d * row + row / 2 + 4}" text-anchor="end">device {d}</text>')
     points = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(x, y))
     out.append(f'<polyline points="{points}" fill="none" stroke="#999999" stroke-width="1.2"/>')
     for stage, device in enumerate(placed):
-        out.append(f'<circle cx="{x[stage]:.1f}" cy="{y[stage]:.1f}" r="7" fill="{colors[stage]}" stroke="white">'
+        out.append(f'<circle cx="{x[stage]:.1f}" cy="{y[stage]:.1f}" r="9" fill="{colors[stage]}" stroke="white">'
                    f'<title>stage {stage} on device {device}</title></circle>'
-                   f'<text x="{x[stage]:.1f}" y="{y[stage] + 3:.1f}" text-anchor="middle" font-size="8" fill="white" '
+                   f'<text x="{x[stage]:.1f}" y="{y[stage] + 4:.1f}" text-anchor="middle" font-size="12" fill="white" '
                    f'pointer-events="none">{stage}</text>')
     out.append("</svg>")
     return "".join(out)

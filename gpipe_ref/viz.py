@@ -328,7 +328,7 @@ def bar_labels(ax: "Axes") -> list:
 
 _svg_ids = itertools.count()
 _SVG_MIN_WIDTH = 200  # room for the row names and the bars
-_SVG_FONT_PX = 9  # bar labels
+_SVG_FONT_PX = 12  # every text of a timeline: at least 10 px where a 900-unit picture fills a 764 px column
 
 
 def _nice_step(span: float, max_ticks: int = 10) -> float:
@@ -360,7 +360,7 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     integer("width", width, _SVG_MIN_WIDTH)
     bars, legend = _bars(timeline, color_by)
     names = _row_names(timeline)
-    left = max(72, 8 + round(6.5 * max(len(n) for n in names)))  # room for "device 0 comm"
+    left = max(80, 8 + round(7.2 * max(len(n) for n in names)))  # room for "device 0 comm"
     top, row = 26, 22
     span = timeline.makespan or 1.0
     scale = (width - left - 12) / span
@@ -371,11 +371,11 @@ def timeline_svg(timeline: Timeline, title: str | None = None, width: int = 900,
     legend_svg, legend_height = _svg_legend(legend, left, width, axis_y + 42, idle)
     unit, factor = timeline.display_unit()
     out = [
-        svg_root(width, axis_y + 42 + legend_height, 'font-family="sans-serif" font-size="11"'),
+        svg_root(width, axis_y + 42 + legend_height, f'font-family="sans-serif" font-size="{_SVG_FONT_PX}"'),
         f'<defs><pattern id="{idle}" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{_IDLE_FILL}"/>'
         f'<line x1="0" y1="0" x2="0" y2="6" stroke="{_IDLE_EDGE}" stroke-width="1.5"/></pattern></defs>',
-        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
+        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="14">'
         f'{(title + " - ") if title else ""}bubble {timeline.bubble_fraction:.1%}</text>',
     ]
     for r, name in enumerate(names):
@@ -409,7 +409,7 @@ def _svg_bars(bars: list[Bar], left: int, top: int, row: int, origin: float, sca
                    f'<title>{b.tooltip}: {b.start - origin:.4g} to {b.end - origin:.4g}</title></rect>')
         text = _svg_label(b, w) if labelled else None
         if text is not None:
-            out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 3}" text-anchor="middle" '
+            out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 4}" text-anchor="middle" '
                        f'font-size="{_SVG_FONT_PX}" fill="{_text_color(b.fill)}" pointer-events="none">{text}</text>')
     return out
 
@@ -430,7 +430,7 @@ def _svg_legend(legend: list[tuple[str, str]], left: int, width: int, y: int, id
     as many lines as the width needs. Returns the SVG pieces and the height they take."""
     out, x, line = [], left, 0
     for fill, name in [*legend, (f"url(#{idle})", "idle (bubble)")]:
-        step = 22 + svg_text_width(name, 11)
+        step = 22 + svg_text_width(name)
         if x > left and x + step > width:
             x, line = left, line + 1
         top = y + 16 * line

@@ -37,10 +37,17 @@ PAGE_FACTS = """() => {
     const texts = [...document.querySelectorAll('.cell_output pre')];
     const clipped = texts.filter(t => t.scrollWidth > t.clientWidth + 1)
         .map(t => `a text output of ${t.scrollWidth} px in ${t.clientWidth}: ${t.textContent.slice(0, 60)}`);
+    const code = [...document.querySelectorAll('.cell_input pre')].filter(t => t.scrollWidth > t.clientWidth + 1)
+        .map(t => `a code block of ${t.scrollWidth} px in ${t.clientWidth}: ${t.textContent.slice(0, 60)}`);
+    const small = [...document.querySelectorAll('.cell_output svg text')]
+        .filter(t => t.getBoundingClientRect().width > 0)
+        .map(t => [t, parseFloat(getComputedStyle(t).fontSize) * Math.hypot(t.getScreenCTM().a, t.getScreenCTM().b)])
+        .filter(([t, px]) => px < 10).map(([t, px]) => `a ${px.toFixed(1)} px label in a picture: "${t.textContent}"`);
     const tables = [...document.querySelectorAll('.cell_output pre.text-table')];
     const wrapped = tables.filter(t => getComputedStyle(t).whiteSpace !== 'pre').length;
     const links = [...document.querySelectorAll('nav a[href], article a[href]')].map(a => a.href);
-    return {views: views.length, blank, notes, cut: cut.concat(controls, clipped), wrapped, tables: tables.length, links,
+    return {views: views.length, blank, notes, cut: cut.concat(controls, clipped, code, small.slice(0, 3)), wrapped,
+            tables: tables.length, links,
             width: document.documentElement.scrollWidth};
 }"""
 
@@ -143,6 +150,10 @@ def test_the_table_of_contents_lists_the_lessons_in_course_order(site, browser_p
     lessons = [href for href in hrefs if href.startswith("notebooks/0")]
     assert lessons == [f"notebooks/{lesson}.html" for lesson in LESSONS], hrefs
     assert "notebooks/GLOSSARY.html" in hrefs and sum(href.startswith("exercises/") for href in hrefs) >= 9, hrefs
+    listed = browser_page.eval_on_selector_all(".toctree-wrapper a.reference.internal",
+                                               "links => links.map(a => a.getAttribute('href'))")
+    assert [h for h in listed if h.startswith("notebooks/0")] == [f"notebooks/{lesson}.html" for lesson in LESSONS], \
+        "one entry per lesson on the index (lesson 04's second part is no lesson of its own)"
 
 
 def test_a_glossary_link_from_a_lesson_lands_on_its_term(site, browser_page, artifacts_dir):

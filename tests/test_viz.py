@@ -207,12 +207,12 @@ def test_svg_legend_and_bars_share_colours_and_labels_fit():
     from gpipe_ref.viz import KIND_COLORS, svg_text_width
 
     timeline = simulate(zero_bubble_h1(4, 24))
-    svg = timeline_svg(timeline, width=900)  # 11 px per cost unit: room for "7", not "F7" or "17"
+    svg = timeline_svg(timeline, width=1200)  # 15 px per cost unit: room for "7", not "F7" or "17"
     fills = {r["fill"] for r in _svg_rects(svg) if "width" in r and r.get("stroke") == "white"}  # the bars
     swatches = {r["fill"] for r in _svg_rects(svg) if r.get("width") == "12" and not r["fill"].startswith("url")}
     assert fills == swatches == {KIND_COLORS[k] for k in "FBW"}
     bars = [(float(r["x"]), float(r["width"])) for r in _svg_rects(svg) if r.get("stroke") == "white"]
-    labels = re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="middle" font-size="9"[^>]*>([^<]+)</text>', svg)
+    labels = re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="middle" font-size="12"[^>]*>([^<]+)</text>', svg)
     assert 0 < len(labels) < len(timeline.events)
     for x, text in labels:  # each label is centred on a bar wide enough to hold it
         width = next(w for left, w in bars if abs(left + w / 2 - float(x)) < 0.01)

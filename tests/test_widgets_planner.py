@@ -12,7 +12,7 @@ from gpipe_ref.widgets.planner import PlannerExplorer
 
 
 def svg_title(svg: str) -> str:
-    return re.search(r'font-size="13">([^<]*)</text>', svg).group(1)
+    return re.search(r'font-size="14">([^<]*)</text>', svg).group(1)
 
 
 def test_planner_explorer_ranks_and_reports_what_does_not_fit():

@@ -61,7 +61,7 @@ class StalenessExplorer(Dashboard):
         for control in controls:
             control.observe(lambda _change: self.redraw(), names="value")
         self.widget = w.VBox([w.HBox([w.VBox(controls[:3]), w.VBox(controls[3:])]), self.readout, self.picture,
-                              w.HBox([self.heat, self.curves])])
+                              self.heat, self.curves])  # the chart below the table: its full width
         self.redraw()
 
     def precompute(self, stages: int | None = None) -> None:
@@ -235,10 +235,10 @@ def loss_chart_svg(curves: dict[str, list[float]], width: int = 600, height: int
     """Named loss curves (log scale) against micro-batches seen, as SVG: labelled y ticks, each
     curve its own colour and dash pattern, the legend to the right of the plot, off the data.
     A curve that reaches inf or nan is drawn up to its last finite value and named so."""
-    legend_w, left, top, bottom = 235, 48, 10, 36
+    legend_w, left, top, bottom = 270, 48, 10, 36
     plot_w, plot_h = width - left - legend_w - 10, height - top - bottom
     finite = [v for c in curves.values() for v in c if math.isfinite(v) and v > 0]
-    out = [svg_root(width, height, 'font-family="sans-serif" font-size="10"')
+    out = [svg_root(width, height, 'font-family="sans-serif" font-size="12"')
            + f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
     if finite:
         starts = [c[0] for c in curves.values() if c and math.isfinite(c[0]) and c[0] > 0]
