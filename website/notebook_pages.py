@@ -7,7 +7,9 @@ Reads each notebook's stored JSON before myst-nb renders it (nothing is executed
 - a text output laid out in columns (a table, a text timeline) keeps its lines whole: JupyterLab and this site
   wrap long output lines, so such an output is written to fit TABLE_WIDTH characters (a test checks the stored
   notebooks), and here it is marked so that it never wraps;
-- the test-only ``# NBVAL_...`` marker lines are dropped from the code shown.
+- the test-only ``# NBVAL_...`` marker lines are dropped from the code shown;
+- a link to a lesson's section carries JupyterLab's anchor (the heading with its spaces made hyphens, as the
+  lessons are written to work in JupyterLab); here it becomes MyST's anchor for the same heading.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import html
 import json
 import re
 
+from myst_parser.mdit_to_docutils.base import default_slugify
 from sphinx.util import logging
 
 logger = logging.getLogger(__name__)
@@ -24,6 +27,7 @@ STATE = "application/vnd.jupyter.widget-state+json"
 MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
 TABLE_WIDTH = 100  # characters: what a lesson's column holds at 1280 px, in JupyterLab and on this site
 ALIGNED = re.compile(r"\S {2,}\S|^ +\S")  # padding inside a line, or a line indented to line up
+SECTION_LINK = re.compile(r"\]\(((?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")  # ](04_gpipe.ipynb#3.-The-bubble) or ](#...)
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 
 
@@ -55,6 +59,12 @@ def as_table(text: str) -> dict:
             "data": {"text/html": f'<pre class="text-table">{html.escape(text)}</pre>', "text/plain": text}}
 
 
+def myst_anchors(markdown: str) -> str:
+    """Section links with JupyterLab's anchors (``#3.-The-bubble-formula``) rewritten to MyST's
+    (``#3-the-bubble-formula``): hyphens back to spaces, then MyST's own slug of the heading."""
+    return SECTION_LINK.sub(lambda m: f"]({m.group(1)}#{default_slugify(m.group(2).replace('-', ' '))})", markdown)
+
+
 def prepare(app, docname: str, source: list[str]) -> None:
     """Check, annotate and clean one notebook's JSON in place of its source."""
     if app.env.doc2path(docname).suffix != ".ipynb":
@@ -62,6 +72,8 @@ def prepare(app, docname: str, source: list[str]) -> None:
     notebook = json.loads(source[0])
     saved = notebook.get("metadata", {}).get("widgets", {}).get(STATE, {}).get("state", {})
     for index, cell in enumerate(notebook.get("cells", [])):
+        if cell.get("cell_type") == "markdown":
+            cell["source"] = myst_anchors("".join(cell.get("source", [])))
         if cell.get("cell_type") != "code":
             continue
         cell["source"] = MARKER.sub("", "".join(cell.get("source", [])))
