@@ -5,6 +5,7 @@ scripts are the ones fetched."""
 from __future__ import annotations
 
 import html
+import html.parser
 import json
 import os
 import re
@@ -89,6 +90,45 @@ def test_every_lesson_the_glossary_and_every_exercise_notebook_is_a_page(built_s
               *(f"exercises/{name}.html" for name in NOTEBOOKS)}
     assert wanted <= pages, sorted(wanted - pages)
     assert not any("solution" in page.lower() for page in pages), pages
+
+
+class _Mentions(html.parser.HTMLParser):
+    """Text in a page's article, outside links, code, headings and cell outputs, that names a lesson, a section of
+    one or an exercise: a cross-reference that is not a link."""
+
+    MENTION = re.compile(r"\b(?:[Nn]otebooks? \d\d|[Ee]xercises? \d\d\.\d+|[Ss]ections? \d+(?![.\d]\d))")
+    SKIP = {"a", "code", "pre", "h1", "h2", "h3", "script", "style", "nav", "title", "svg"}
+    VOID = {"br", "img", "hr", "meta", "link", "input", "source", "wbr"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[tuple[str, str]] = []
+        self.found: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.open.append((tag, dict(attrs).get("class") or ""))
+
+    def handle_endtag(self, tag):
+        while self.open and self.open.pop()[0] != tag:
+            pass
+
+    def handle_data(self, data):
+        classes = " ".join(c for _, c in self.open)
+        if "bd-article" not in classes or "cell_output" in classes or any(t in self.SKIP for t, _ in self.open):
+            return
+        self.found += [data[max(0, m.start() - 30):m.end() + 10].strip() for m in self.MENTION.finditer(data)]
+
+
+def test_every_cross_reference_on_a_lesson_or_exercise_page_is_a_link(built_site):
+    """Issue 46: "notebook NN", "section K" and "exercise NN.K" link their page or heading (the links themselves
+    resolve: the -W build and tests/test_browser_site.py check every link and anchor)."""
+    unlinked = []
+    for page in sorted([*built_site.glob("notebooks/0*.html"), *built_site.glob("exercises/0*.html")]):
+        finder = _Mentions()
+        finder.feed(page.read_text())
+        unlinked += [f"{page.relative_to(built_site)}: ...{text}..." for text in finder.found]
+    assert not unlinked, "\n".join(unlinked)
 
 
 def test_no_solution_code_and_no_hidden_case_is_in_the_built_folder(built_site):

@@ -27,7 +27,7 @@ STATE = "application/vnd.jupyter.widget-state+json"
 MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
 TABLE_WIDTH = 100  # characters: what a lesson's column holds at 1280 px, in JupyterLab and on this site
 ALIGNED = re.compile(r"\S {2,}\S|^ +\S")  # padding inside a line, or a line indented to line up
-SECTION_LINK = re.compile(r"\]\(((?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")  # ](04_gpipe.ipynb#3.-The-bubble) or ](#...)
+SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")  # ](04_gpipe.ipynb#3.-The-bubble)
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 
 
