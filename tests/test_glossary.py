@@ -13,7 +13,7 @@ from website.glossary_anchors import slug
 
 GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
 TERM = re.compile(r"^\*\*(?P<name>[^*]+)\*\*(?: \((?P<spellings>[^)]+)\))?$")
-PLACE = re.compile(r"^(?P<notebook>\d\d_[a-z_]+) \((?P<heading>.+)\)$")
+PLACE = re.compile(r"^\[(?P<notebook>\d\d_[a-z_]+) \((?P<heading>.+)\)\]\((?P<target>[^)]+)\)$")
 
 
 def parse_glossary() -> list[dict]:
@@ -31,8 +31,11 @@ def parse_glossary() -> list[dict]:
         places = []
         for place in taught_in.split("; "):
             found = PLACE.match(place)
-            assert found, f"{match['name']}: 'taught in' must read NN_topic (section heading), got {place!r}"
-            places.append((found["notebook"], found["heading"]))
+            assert found, f"{match['name']}: 'taught in' must read [NN_topic (section heading)](link), got {place!r}"
+            heading = found["heading"]  # JupyterLab's anchor: the heading, spaces made hyphens (none where it has
+            anchor = "" if "$" in heading or "`" in heading else "#" + heading.replace(" ", "-")  # math or code)
+            assert found["target"] == f"{found['notebook']}.ipynb{anchor}", f"{match['name']}: {place!r} links elsewhere"
+            places.append((found["notebook"], heading))
         rows.append({"name": match["name"], "spellings": spellings, "meaning": meaning, "places": places,
                      "source": source})
     return rows

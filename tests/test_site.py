@@ -186,7 +186,8 @@ def _build(folder: Path, markdown: str, *code_cells: dict) -> subprocess.Complet
 
     src = folder / "src"
     (src / "notebooks").mkdir(parents=True)
-    shutil.copy(ROOT / "notebooks" / "GLOSSARY.md", src / "notebooks")
+    glossary = (ROOT / "notebooks" / "GLOSSARY.md").read_text()  # its links to the lessons, which are not built here,
+    (src / "notebooks" / "GLOSSARY.md").write_text(re.sub(r"\[(\d\d_[a-z_]+ \([^]]*\))\]\([^)]*\)", r"\1", glossary))  # unlinked
     matplotlib.image.imsave(src / "notebooks" / "picture.png", [[0.0, 1.0]])
     notebook = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {"name": "python3"}},
                 "cells": [{"cell_type": "markdown", "id": "a", "metadata": {}, "source": markdown}, *code_cells]}

@@ -68,6 +68,7 @@ def myst_anchors(markdown: str) -> str:
 def prepare(app, docname: str, source: list[str]) -> None:
     """Check, annotate and clean one notebook's JSON in place of its source."""
     if app.env.doc2path(docname).suffix != ".ipynb":
+        source[0] = myst_anchors(source[0])  # the glossary's "Taught in" links
         return
     notebook = json.loads(source[0])
     saved = notebook.get("metadata", {}).get("widgets", {}).get(STATE, {}).get("state", {})
