@@ -131,6 +131,16 @@ def test_every_cross_reference_on_a_lesson_or_exercise_page_is_a_link(built_site
     assert not unlinked, "\n".join(unlinked)
 
 
+def test_every_saved_widget_view_says_the_settings_it_shows(built_site):
+    """Prose asks the reader to move a control; on the site the view is frozen, so the note under it names the value
+    of every control as saved (the ring stepper, for one, mid-way through its first phase)."""
+    notes = [note for page in sorted(built_site.glob("notebooks/0*.html"))
+             for note in re.findall(r'<p class="widget-note">(.*?)</p>', page.read_text())]
+    assert len(notes) >= 10 and all("Saved at: " in note for note in notes), notes
+    ring = next(note for note in notes if "ring step k" in note)
+    assert "ring step k = 2" in ring and "world size n = 4" in ring
+
+
 def test_no_solution_code_and_no_hidden_case_is_in_the_built_folder(built_site):
     lines, labels = solution_lines(), hidden_labels()
     assert len(lines) >= 100 and len(labels) >= 100, (len(lines), len(labels))  # the check has something to find

@@ -3,7 +3,8 @@
 Reads each notebook's stored JSON before myst-nb renders it (nothing is executed):
 - a stored error output, or a widget view whose model is not in the saved widget state (it would show as a
   blank box), is a warning, so the -W build fails on it;
-- under every widget view goes one line: the view is frozen, interactive in JupyterLab with ``make lab``;
+- under every widget view goes one line: the view is frozen, interactive in JupyterLab with ``make lab``, and
+  the settings of its controls it was saved at, so that prose asking to move a control can be read against it;
 - a text output laid out in columns (a table, a text timeline) keeps its lines whole: JupyterLab and this site
   wrap long output lines, so such an output is written to fit TABLE_WIDTH characters (a test checks the stored
   notebooks), and here it is marked so that it never wraps;
@@ -31,11 +32,37 @@ SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#(
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 
 
-def widget_note() -> dict:
-    """The output placed under a widget view: one line of HTML, with a plain-text twin."""
+def saved_settings(model_id: str, saved: dict) -> list[str]:
+    """The controls of the widget tree under ``model_id`` as saved, in display order: ``description = value``
+    for every slider, menu, toggle and box with a description (what the saved picture was drawn at)."""
+    settings: list[str] = []
+
+    def visit(mid: str) -> None:
+        state = saved.get(mid, {}).get("state", {})
+        for child in state.get("children", []):
+            visit(child.removeprefix("IPY_MODEL_"))
+        description = str(state.get("description") or "").strip()
+        if not description or "value" not in state and "index" not in state:
+            return
+        if state.get("_options_labels") is not None and state.get("index") is not None:
+            value = state["_options_labels"][state["index"]]
+        elif isinstance(state.get("value"), (bool, int, float, str)):
+            value = state["value"]
+        else:
+            return
+        settings.append(f"{html.escape(description)} = {html.escape(str(value))}")
+
+    visit(model_id)
+    return settings
+
+
+def widget_note(settings: list[str] = ()) -> dict:
+    """The output placed under a widget view: one line of HTML (with the settings it was saved at), with a
+    plain-text twin."""
+    note = WIDGET_NOTE + (f". Saved at: {'; '.join(settings)}" if settings else "")
     return {"output_type": "display_data", "metadata": {},
-            "data": {"text/html": f'<p class="widget-note">{WIDGET_NOTE}</p>',
-                     "text/plain": re.sub(r"</?code>", "`", WIDGET_NOTE)}}
+            "data": {"text/html": f'<p class="widget-note">{note}</p>',
+                     "text/plain": re.sub(r"</?code>", "`", html.unescape(note))}}
 
 
 def is_table(text: str) -> bool:
@@ -92,7 +119,7 @@ def prepare(app, docname: str, source: list[str]) -> None:
                 logger.warning("cell %d shows widget %s, which is not in the saved widget state (re-execute the "
                                "notebook: tools/execute_notebooks.py)", index, view.get("model_id"),
                                location=docname, type="course", subtype="widget_state")
-            outputs.append(widget_note())
+            outputs.append(widget_note(saved_settings(view.get("model_id", ""), saved)))
         cell["outputs"] = outputs
     source[0] = json.dumps(notebook)
 
