@@ -23,7 +23,7 @@ def test_planner_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-planner-ranking",
                           "configurations fit")
         ranking = page.locator(".gpipe-planner-ranking")
-        titles = page.locator("svg text[font-size='13']", has_text="table: m = ")
+        titles = page.locator("svg text[font-size='14']", has_text="table: m = ")
 
         def shows(memory_gb: int):
             said = ranking.inner_text()
