@@ -74,9 +74,8 @@ def _readout(page):
     return p, m, simulated, formula
 
 
-def open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str, marker: str) -> None:
-    """Open a notebook in Lab, keep its kernel, Run All, and wait for a widget readout and for
-    the last cell to finish (so that the widget answers the test at once, not after the cells)."""
+def open_and_start_run_all(page, url: str, notebook: str) -> None:
+    """Open a notebook in Lab, keep its kernel, wait until it is idle, and start Run All."""
     page.set_default_timeout(WAIT_MS)
     page.set_default_navigation_timeout(WAIT_MS)
     page.goto(f"{url}/lab/tree/{notebook}?reset")  # ?reset: no tabs left open by an earlier test
@@ -94,6 +93,12 @@ def open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=NOTEBOOK_MS)
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
+
+
+def open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str, marker: str) -> None:
+    """Open a notebook in Lab, keep its kernel, Run All, and wait for a widget readout and for
+    the last cell to finish (so that the widget answers the test at once, not after the cells)."""
+    open_and_start_run_all(page, url, notebook)
     # JupyterLab only paints cells near the viewport: wait for the widget to exist, then scroll to it.
     # A cell that raises stops Run All, and the widget never comes: say so at once, with the traceback.
     readout = page.locator(f".{readout_class}")

@@ -4,7 +4,6 @@ leaves the checkout as git has it, and work/ stays writable (issue 46: lessons n
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import urllib.error
@@ -13,7 +12,7 @@ import urllib.request
 import pytest
 
 from conftest import ROOT, running_lab
-from test_browser import NOTEBOOK_MS, WAIT_MS, lab_page
+from test_browser import NOTEBOOK_MS, lab_page, open_and_start_run_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
 LESSON = "notebooks/00_welcome.ipynb"
@@ -58,18 +57,7 @@ def test_running_and_saving_a_lesson_leaves_git_status_clean(course_lab, artifac
     url, course, git = course_lab
     before = (course / LESSON).read_bytes()
     with lab_page(artifacts_dir, "lessons_read_only") as (sync_api, page):
-        page.set_default_timeout(WAIT_MS)
-        page.goto(f"{url}/lab/tree/{LESSON}?reset")
-        page.locator(".jp-Notebook").wait_for()
-        select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
-        kernel_idle = page.locator("#jp-main-statusbar .jp-StatusBar-TextItem",
-                                   has_text=re.compile(r"^(?!No Kernel).+ \| Idle$"))
-        select.or_(kernel_idle).first.wait_for(timeout=NOTEBOOK_MS)
-        if select.is_visible():
-            select.click()
-        kernel_idle.wait_for(timeout=NOTEBOOK_MS)
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
+        open_and_start_run_all(page, url, LESSON)
         page.locator(".jp-Notebook-ExecutionIndicator[data-status='busy']").or_(
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).first.wait_for()
         page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=NOTEBOOK_MS)
