@@ -15,6 +15,7 @@ from torch import nn
 
 from .meter import ActivationMeter
 from .microbatch import batch_size
+from .lean_stage import lean_backward, lean_forward, lean_layers, lean_ready
 from .rematerialization import Snapshot, captured, rematerializes, replayed
 from .schedule import Action
 from .split_backward import ForwardMarks, WeightPass, backward_input, backward_weight, plain_stage
@@ -35,6 +36,7 @@ class _MicroState:
     snapshot: Snapshot | None = None  # re-materialization: the random state and buffers to replay
     marks: ForwardMarks | None = None  # what the forward recorded for B and W (split_backward)
     weight_pass: WeightPass | None = None  # what B leaves for W
+    lean: object = None  # a lean stage's LeanForward (lean_stage), or True until a re-materialized one reruns
 
 
 class StepRun:
@@ -67,6 +69,9 @@ class StepRun:
         # plain stages (Linears and built-in layers without weights) form the weight gradients as products, in W
         # or right after B's autograd call (split_backward); the rest through autograd
         self.plain = [plain_stage(layers) for layers in self.layers]
+        # stages of Linears and ReLUs skip autograd's graph altogether (lean_stage), where the guards hold
+        tied = _parameters_held_twice(self.layers)
+        self.lean = [lean_layers(layers, plan, tied) for layers, plan in zip(self.layers, self.plain)]
         self.shared = _stages_sharing_parameters(pipe.stages, schedule.stage_to_device)
         self.threaded = getattr(pipe, "executor", None) == "threads"  # device threads may add into one .grad
         self.copy_input = _changes_its_input(self.layers[0])  # the first stage copies the caller's micro-batch
@@ -130,7 +135,14 @@ class StepRun:
         if stage == 0:
             x = to_device(self.inputs[microbatch], device)
         else:
-            x = received(self.receive_activation(stage, microbatch), device)
+            x = self.receive_activation(stage, microbatch)
+        lean = self.lean[stage]  # a re-materialized last stage replays its loss's random state: autograd's path
+        if lean is not None and (stage != self.last_stage or not self.checkpointed[microbatch]):
+            given = x.to(device) if stage > 0 and type(x) is torch.Tensor else x
+            if lean_ready(lean, given):
+                return self._forward_lean(stage, microbatch, lean, given)
+        if stage > 0:
+            x = received(x, device)
         st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
         versions = None
         if stage == 0:
@@ -163,9 +175,61 @@ class StepRun:
         if checkpointed:
             st.chain = []  # re-materialization: keep only the input
 
+    def _forward_lean(self, stage: int, microbatch: int, ops: list, x: torch.Tensor) -> None:
+        """F of a lean stage (:mod:`~gpipe_ref.lean_stage`): the layers with no graph; the last stage's loss through
+        autograd from its output, a fresh leaf. The meter counts what autograd would save."""
+        meter = self.meters[self.schedule.stage_to_device[stage]] if self.tracked else None
+        st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
+        if meter is not None:
+            st.token = meter.hold(x)
+        keep = not self.checkpointed[microbatch]
+        out, st.lean = lean_forward(ops, x, keep, meter.hold if meter is not None and keep else None)
+        if st.lean is None:
+            st.lean = True  # re-materialized: B reruns the layers
+        if stage == self.last_stage:
+            self._lean_loss(stage, microbatch, st, out, meter)
+            self.losses[microbatch] = st.chain[-1].detach()
+        else:
+            self.send_activation(stage, microbatch, out)
+
+    def _lean_loss(self, stage: int, microbatch: int, st: _MicroState, out: torch.Tensor, meter) -> None:
+        """The last lean stage's loss, from its output made a leaf: B's one autograd call gives that leaf's gradient
+        and, as ``loss.backward()`` would, any gradient the loss adds of its own."""
+        leaf = out.detach().requires_grad_()
+        with self._recording(meter) if meter is not None else contextlib.nullcontext():
+            loss = self.loss_fn(leaf, to_device(self.targets[microbatch], self.stage_devices[stage]))
+        check_loss(loss, leaf, stage)
+        st.chain = [leaf, loss * self.weights[microbatch]]
+
+    def _backward_lean(self, stage: int, microbatch: int, st: _MicroState) -> None:
+        """B of a lean stage: the products of :func:`~gpipe_ref.lean_stage.lean_backward`; W, or at once in a full
+        backward, forms the weight gradients from what it keeps."""
+        ops, meter = self.lean[stage], self.meters[self.schedule.stage_to_device[stage]] if self.tracked else None
+        if st.lean is True:  # re-materialization: the layers again, keeping what B reads
+            _, st.lean = lean_forward(ops, st.inputs, True, meter.hold if meter is not None else None)
+        if stage == self.last_stage:
+            leaf, root = st.chain
+            backward_into(root, None, keep_graph=self.split_backward)  # the loss's saved tensors live until W, as
+            # a split backward keeps the stage's graph (and the memory model counts it)
+            grad = leaf.grad
+        else:
+            grad = self.receive_gradient(stage, microbatch)
+        if grad is None:
+            return self._no_gradient(stage, microbatch, st)
+        if grad.device != st.inputs.device:
+            grad = grad.to(st.inputs.device)
+        input_gradient, products = lean_backward(ops, st.lean, grad, want_input=stage > 0)
+        if stage > 0:
+            self.send_gradient(stage, microbatch, input_gradient)
+        st.weight_pass = WeightPass(products=products)
+        if not self.split_backward:
+            self.weight(stage, microbatch)
+
     def backward(self, stage: int, microbatch: int) -> None:
         """B: the full backward, or only the input gradients when W actions follow."""
         st = self.state[(stage, microbatch)]
+        if st.lean is not None:
+            return self._backward_lean(stage, microbatch, st)
         last = stage == self.last_stage
         if self.checkpointed[microbatch]:  # recompute the stage with autograd on, from the forward's state
             meter = self.meters[self.schedule.stage_to_device[stage]]
@@ -285,6 +349,17 @@ def _stages_sharing_parameters(stages, stage_to_device) -> set[int]:
     shared = {i for i, on in devices.items() if len(on) > 1}
     return {s for s, stage in enumerate(stages) if stage is not None
             and any(id(p) in shared for p in stage.parameters())}
+
+
+def _parameters_held_twice(layers: list[tuple]) -> set[int]:
+    """The ids of parameters that two layers hold, in one stage or two (a tied weight)."""
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for stage in layers:
+        for layer in stage:
+            for p in layer.parameters():
+                (twice if id(p) in seen else seen).add(id(p))
+    return twice
 
 
 def _changes_its_input(layers) -> bool:

@@ -91,16 +91,16 @@ def check_activation(x: object, stage: int) -> None:
 # without their argument checks (about 5 us a call, a few percent of a small model's step). The checks
 # cannot fail here: ``grad`` is the gradient of the next stage's input, a tensor of ``root``'s shape and
 # dtype, or None for the loss, checked to be a scalar (check_loss).
-def backward_into(root: Batch, grad: Batch | None) -> None:
-    """``torch.autograd.backward(root, grad)``: accumulate into the leaves' ``.grad``.
+def backward_into(root: Batch, grad: Batch | None, keep_graph: bool = False) -> None:
+    """``torch.autograd.backward(root, grad, retain_graph=keep_graph)``: accumulate into the leaves' ``.grad``.
     A tuple ``root`` starts from each of its tensors that has a gradient in the tuple ``grad``."""
     if isinstance(root, tuple):
         roots, grads = differentiable(root, grad)
         if roots:
-            torch.autograd.Variable._execution_engine.run_backward(roots, grads, False, False, (), True, True)
+            torch.autograd.Variable._execution_engine.run_backward(roots, grads, keep_graph, False, (), True, True)
         return
     torch.autograd.Variable._execution_engine.run_backward(
-        (root,), (torch.ones_like(root) if grad is None else grad,), False, False, (), True, True)
+        (root,), (torch.ones_like(root) if grad is None else grad,), keep_graph, False, (), True, True)
 
 
 def requires_grad(batch: Batch) -> bool:

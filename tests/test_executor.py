@@ -59,12 +59,25 @@ def counting_autograd_calls(monkeypatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_one_autograd_call_per_stage_and_micro_batch(monkeypatch, schedule):
-    """4 stages of Linear + ReLU x 4 micro-batches: one call each, for the input and the Linears' output
+@pytest.mark.parametrize("track_memory", [False, True])
+def test_lean_stages_make_one_autograd_call_per_micro_batch(monkeypatch, schedule, track_memory):
+    """4 stages of Linear + ReLU x 4 micro-batches run lean (gpipe_ref.lean_stage): the one autograd call per
+    micro-batch is the loss's, as the plain model's loss.backward(); the layers' B and W are products."""
+    counted = counting_autograd_calls(monkeypatch)
+    pipe, x, y = pipe_and_data(schedule, track_memory=track_memory)
+    pipe.step(x, y, nn.MSELoss())
+    assert counted == {"backward": 4, "grad": 0}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_plain_stage_that_is_not_lean_makes_one_autograd_call_per_stage(monkeypatch, schedule):
+    """Tanh is not a lean layer: one call per stage and micro-batch, for the input and the Linears' output
     gradients; the weight gradients are then one matrix product each (zero bubble's W, and a full B on a
     stage whose trainable layers are all Linears), with no autograd call."""
+    x, y = regression_data(samples=8, width=6, seed=0)
+    pipe = GPipe(mlp(width=6, depth=4, seed=0, activation=nn.Tanh), [2, 2, 2, 2], chunks=4, checkpoint="never",
+                 schedule=schedule, executor="simulated", track_memory=False)
     counted = counting_autograd_calls(monkeypatch)
-    pipe, x, y = pipe_and_data(schedule, track_memory=False)
     pipe.step(x, y, nn.MSELoss())
     assert counted == {"backward": 0, "grad": 16}
 

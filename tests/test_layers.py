@@ -22,7 +22,7 @@ LAYERS = [
                      "model_states"]),
     ("schedules", ["schedule", "schedule.*"]),
     ("timelines", ["timeline", "chrome_trace", "simulator"]),
-    ("stages", ["partition", "batchnorm", "split_backward", "stage_ops", "rematerialization", "activation_memory"]),
+    ("stages", ["partition", "batchnorm", "split_backward", "lean_stage", "stage_ops", "rematerialization", "activation_memory"]),
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size", "parallel_axes"]),
