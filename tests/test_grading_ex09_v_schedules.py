@@ -1,6 +1,6 @@
 """Exercises of notebook 09 (gpipe_ref/grading/exercises/ex09_v_schedules.py, V-shaped schedules): the solution
-notebook passes; every planted wrong answer (a warm-up off by one, the up stage numbered p + d, parameters "1x",
-DeepSeek's bubble with B the input half only, ...) fails the shown check() with its mistake named and scores 0;
+notebook passes; every planted wrong answer (a warm-up off by one, the up stage numbered p + d, DeepSeek's bubble
+with B the input half only, ZB-V idling like DualPipeV when W costs twice F, ...) fails the shown check() with its mistake named and scores 0;
 right answers written another way pass; a generator or the V placement called from an answer is refused; the
 expected values are the simulator's and meet the facts the notebook states."""
 
@@ -44,13 +44,12 @@ def v_warmup(p, d):
 """
 
 
-def predict(table: str = "(p - 1) * (3 + 2 - 3)", fraction: str = "(p - 1) / (6 * m + p - 1)", params: str = "2",
-            activations: str = "2 * p + 1") -> str:
+def predict(table: str = "(p - 1) * (4 + 3 - 6)", dualpipe: str = "(p - 1) / (8 * m + p - 1)",
+            zbv: str = "(2 * p - 3) / (8 * m + 2 * p - 3)") -> str:
     """09.2's answer with one prediction changed."""
     return f"""
 def predict_dualpipe_v(p, m):
-    return {{"table_bubble": {table}, "bubble_fraction": {fraction}, "params_vs_1f1b": {params},
-            "peak_activations": {activations}}}
+    return {{"table_bubble": {table}, "dualpipe_v_fraction": {dualpipe}, "zero_bubble_v_fraction": {zbv}}}
 """
 
 
@@ -98,17 +97,24 @@ def v_warmup(p, d):
         order += [Action("F", up, k), Action("F", d, first + k)]
     return order + [Action("F", up, d)]
 """),
-    ("09.2", "DeepSeek's bubble with B the input half only: (p - 1)(F&B + B - 3W) = p - 1", "table_bubble",
-     predict(table="(p - 1) * (3 + 1 - 3)")),
-    ("09.2", "B and F&B both without W: (p - 1)(2 + 1 - 3) = 0", "table_bubble", predict(table="0")),
-    ("09.2", "PP read as the number of devices p, not of stages", "table_bubble", predict(table="(p / 2 - 1) * 2")),
-    ("09.2", "parameters 1x: the same devices' share, not the same stages'", "params_vs_1f1b", predict(params="1")),
-    ("09.2", "activations PP = 2p, ZB-V's and 1F1B's, not PP + 1", "peak_activations",
-     predict(activations="2 * p")),
-    ("09.2", "the table's idle 2(p - 1) put into the fraction", "bubble_fraction",
-     predict(fraction="2 * (p - 1) / (6 * m + 2 * (p - 1))")),
-    ("09.2", "1F1B's bubble fraction (p - 1)/(m + p - 1)", "bubble_fraction",
-     predict(fraction="(p - 1) / (m + p - 1)")),
+    ("09.2", "DeepSeek's bubble with B the input half only: (p - 1)(F&B + B - 3W) = -3(p - 1)", "table_bubble",
+     predict(table="(p - 1) * (2 + 1 - 6)")),
+    ("09.2", "the table at F = B = W = 1, the lesson's 2(p - 1)", "table_bubble", predict(table="2 * (p - 1)")),
+    ("09.2", "PP read as the number of devices p, not of stages", "table_bubble", predict(table="(p / 2 - 1) * 1")),
+    ("09.2", "F&B priced without the pair's W: F + B = 2", "table_bubble", predict(table="(p - 1) * (2 + 3 - 6)")),
+    ("09.2", "DualPipeV's busy time at F = B = W, 6m", "dualpipe_v_fraction",
+     predict(dualpipe="(p - 1) / (6 * m + p - 1)")),
+    ("09.2", "one stage a device: busy 4m", "dualpipe_v_fraction", predict(dualpipe="(p - 1) / (4 * m + p - 1)")),
+    ("09.2", "the table's bubble taken as DualPipeV's idle, and W = 2 doubling it: 2(p - 1)", "dualpipe_v_fraction",
+     predict(dualpipe="2 * (p - 1) / (8 * m + 2 * (p - 1))")),
+    ("09.2", "ZB-V idles like DualPipeV, as at F = B = W", "zero_bubble_v_fraction",
+     predict(zbv="(p - 1) / (8 * m + p - 1)")),
+    ("09.2", "ZB-V's idle doubled with W: 2(p - 1)", "zero_bubble_v_fraction",
+     predict(zbv="2 * (p - 1) / (8 * m + 2 * (p - 1))")),
+    ("09.2", "the two schedules swapped", "dualpipe_v_fraction",
+     predict(dualpipe="(2 * p - 3) / (8 * m + 2 * p - 3)", zbv="(p - 1) / (8 * m + p - 1)")),
+    ("09.2", "ZB-H1's bubble (p - 1)/(3m + p - 1) for ZB-V", "zero_bubble_v_fraction",
+     predict(zbv="(p - 1) / (3 * m + p - 1)")),
     ("09.3", "DualPipeV's idle placed like ZB-V's", "dualpipe_v, device 0", idle(dualpipe="(d, 0, p - 1 - d)")),
     ("09.3", "ZB-V's idle mirrored: p - 1 - d before, d after", "zero_bubble_v, device 0",
      idle(zbv="(p - 1 - d, 0, d)")),
@@ -132,12 +138,13 @@ def v_warmup(p, d):  # from the end: the last 2d + 1 actions alternate, up first
 """,
     "09.2": """
 def predict_dualpipe_v(p, m):  # floats, and the pieces of the table named
-    F, B_input, W = 1.0, 1.0, 1.0
+    F, B_input, W = 1.0, 1.0, 2.0
     B = B_input + W
     PP = 2 * p
-    work, idle = 2 * (F + B_input + W) * m, float(p - 1)
-    return {"table_bubble": (PP / 2 - 1) * ((F + B) + B - 3 * W), "bubble_fraction": idle / (work + idle),
-            "params_vs_1f1b": 2.0, "peak_activations": float(PP + 1)}
+    work = 2 * (F + B_input + W) * m
+    return {"table_bubble": (PP / 2 - 1) * ((F + B) + B - 3 * W),
+            "dualpipe_v_fraction": (p - 1) / (work + p - 1),
+            "zero_bubble_v_fraction": (2 * p - 3) / (work + 2 * p - 3)}
 """,
     "09.3": """
 def idle_where(p, m):  # lists, not tuples, and floats
@@ -182,14 +189,14 @@ def test_the_warmup_that_passes_is_zero_bubble_vs_on_every_device():
             assert [solution(p, d) for d in range(p)] == [warmup_of(schedule, d) for d in range(p)], (p, m)
 
 
-def test_dualpipe_v_measured_meets_the_facts_the_notebook_states():
-    """DeepSeek's table at F = B = W = 1 gives 2(p - 1), the simulator (p - 1)/(6m + p - 1); DualPipeV holds two
-    stages a device against 1F1B's one at the same PP, and 2p + 1 thin stages' activations at its peak."""
-    for p in range(1, 8):
+def test_dualpipe_v_measured_meets_the_facts_the_exercise_builds_on():
+    """At F = B = 1, W = 2 DeepSeek's table gives p - 1, which DualPipeV now idles exactly; ZB-V idles 2p - 3 (5 at
+    p = 4, as notebook 09 section 6 prints), the busy time 8m a device."""
+    for p in range(2, 9):
         for m in (2 * p, 2 * p + 1, 4 * p + 3):
             assert dualpipe_v_measured(p, m) == pytest.approx(
-                {"table_bubble": 2 * (p - 1), "bubble_fraction": (p - 1) / (6 * m + p - 1), "params_vs_1f1b": 2,
-                 "peak_activations": 2 * p + 1}, abs=1e-12), (p, m)
+                {"table_bubble": p - 1, "dualpipe_v_fraction": (p - 1) / (8 * m + p - 1),
+                 "zero_bubble_v_fraction": (2 * p - 3) / (8 * m + 2 * p - 3)}, abs=1e-12), (p, m)
 
 
 def test_idle_where_measured_puts_zero_bubble_vs_idle_at_the_ends_and_dualpipe_vs_in_the_middle():

@@ -28,6 +28,8 @@ EQUIVALENT = {
                           "own B, long done",
     "07.3 5:47 1 -> 2": "tp = gpus_per_node + 1 never divides the node, so the longer loop adds nothing",
     "07.3 6:11 or -> and": "every cluster is whole nodes, so a tp dividing the node divides the GPUs too",
+    "09.2 10:28 * -> /": "at the exercise's fixed costs the table's second factor, F&B + B - 3W = 4 + 3 - 6, is 1: "
+                         "multiplying or dividing by it gives the same bubble",
     "07.3 8:48 1 -> 2": "pp = gpus // tp + 1 never divides gpus // tp",
     "07.3 9:16 // -> /": "tp divides the GPUs (checked above), so / and // give the same whole number",
     "07.3 16:47 < -> <=": "ties: the exercise accepts any fitting layout as fast as the fastest",

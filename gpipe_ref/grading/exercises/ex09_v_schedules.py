@@ -1,5 +1,5 @@
-"""Exercises for notebook 09: ZB-V's warm-up in a V (Qi et al. 2024, sec. 6), DualPipeV against DeepSeek-V3's
-table (DeepSeek-AI 2024, sec. 3.2.1), where the V schedules' bubble sits."""
+"""Exercises for notebook 09: ZB-V's warm-up in a V (Qi et al. 2024, sec. 6), the V schedules against DeepSeek-V3's
+table when W costs twice F (DeepSeek-AI 2024, sec. 3.2.1), where the V schedules' bubble sits."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import math
 import random
 from collections import Counter
 
-from ...schedule import Action, Schedule, ScheduleError, dualpipe_v, make_schedule, v_placement, validate, zero_bubble_v
+from ...schedule import Action, Schedule, ScheduleError, dualpipe_v, v_placement, validate, zero_bubble_v
 from ...simulator import CostModel, simulate
 from ..cases import Case, Exercise
 from ..judge import short_repr
 from .common import dict_or_type, schedule_generators
 
-__all__ = ["EXERCISES", "IDLE_WHERE", "PREDICT_DUALPIPE_V", "V_COST", "V_WARMUP", "dualpipe_v_measured",
-           "idle_where_measured", "spliced_zero_bubble_v", "warmup_of"]
+__all__ = ["EXERCISES", "IDLE_WHERE", "PREDICT_DUALPIPE_V", "V_COST", "V_WARMUP", "W_HEAVY_COST",
+           "dualpipe_v_measured", "idle_where_measured", "spliced_zero_bubble_v", "warmup_of"]
 
 V_COST = CostModel(forward=1.0, backward_input=1.0, backward_weight=1.0)  # a thin stage's F = B = W, pairs summed
 
@@ -157,33 +157,27 @@ V_WARMUP = Exercise(
                                              (8, 15), (8, 24))],
     forbidden=_warmup_forbidden, category="design", drawn=_warmup_drawn)
 
-# -- 09.2 predict: DualPipeV against DeepSeek-V3's table --------------------------------------------------------
+# -- 09.2 predict: DualPipeV and ZB-V against DeepSeek-V3's table when W costs twice F ----------------------------
 
-PREDICTED = ("table_bubble", "bubble_fraction", "params_vs_1f1b", "peak_activations")
+W_HEAVY_COST = CostModel(forward=1.0, backward_input=1.0, backward_weight=2.0)  # W twice F and B, pairs summed
+PREDICTED = ("table_bubble", "dualpipe_v_fraction", "zero_bubble_v_fraction")
 _SOURCES = {"table_bubble": "DeepSeek's table, (PP/2-1)(F&B+B-3W), at this exercise's costs gives",
-            "bubble_fraction": "the simulator measures",
-            "params_vs_1f1b": "the two schedules' placements give",
-            "peak_activations": "the simulator measures"}
-
-
-def _stages_per_device(schedule: Schedule) -> int:
-    return max(Counter(schedule.stage_to_device).values())
+            "dualpipe_v_fraction": "the simulator measures",
+            "zero_bubble_v_fraction": "the simulator measures"}
 
 
 def dualpipe_v_measured(p: int, m: int) -> dict[str, float]:
-    """What 09.2 asks, measured: DeepSeek's table bubble (F, B the whole backward, W, F&B a pair summed, from
-    V_COST; PP the stages of the schedule), the simulated bubble fraction, the stages a device holds under
-    DualPipeV over 1F1B's with the same number of stages, and the most thin-stage activations a device holds."""
+    """What 09.2 asks, at F = B = 1 and W = 2 (``W_HEAVY_COST``): DeepSeek's table bubble for DualPipe (its B the
+    whole backward, F&B a pair summed, PP the stages of the schedule) and the bubble fractions the simulator
+    measures for DualPipeV and ZB-V."""
     schedule = dualpipe_v(p, m)
-    timeline = simulate(schedule, V_COST)
     pp = schedule.num_stages
-    forward, weight = V_COST.forward, V_COST.backward_weight
-    backward = V_COST.backward_input + V_COST.backward_weight  # DeepSeek's B: the whole backward
+    forward, weight = W_HEAVY_COST.forward, W_HEAVY_COST.backward_weight
+    backward = W_HEAVY_COST.backward_input + W_HEAVY_COST.backward_weight  # DeepSeek's B: the whole backward
     pair = forward + backward  # F&B priced as the sum of its halves (pair_pricing="sum")
     return {"table_bubble": (pp / 2 - 1) * (pair + backward - 3 * weight),
-            "bubble_fraction": timeline.bubble_fraction,
-            "params_vs_1f1b": _stages_per_device(schedule) / _stages_per_device(make_schedule("1f1b", pp, m)),
-            "peak_activations": max(timeline.peak_in_flight(d) for d in range(p))}
+            "dualpipe_v_fraction": simulate(schedule, W_HEAVY_COST).bubble_fraction,
+            "zero_bubble_v_fraction": simulate(zero_bubble_v(p, m), W_HEAVY_COST).bubble_fraction}
 
 
 def _dualpipe_case(p: int, m: int) -> Case:
@@ -201,9 +195,9 @@ def _dualpipe_case(p: int, m: int) -> Case:
     return Case(f"p={p} devices, m={m}", lambda answer: answer(p, m), lambda: dualpipe_v_measured(p, m),
                 compare=compare,
                 hint="PP in DeepSeek's table counts stages, not devices; its B is the whole backward, our B and W "
-                     "together. For the bubble fraction: how long does a device compute in the step, and how long "
-                     "does it idle (draw p = 2)? Activations: ZB-V's peak is 1F1B's, 2p thin stages; in each of "
-                     "DualPipeV's pairs the forward runs before the backward beside it frees anything")
+                     "together, and F&B the pair of a forward and a whole backward. For each fraction: how long "
+                     "does a device compute in the step, and how long does it idle? Draw p = 2 and p = 3 at these "
+                     "costs in a scratch cell and count each device's idle units")
 
 
 def _dualpipe_drawn(rng: random.Random) -> list[Case]:
@@ -212,9 +206,9 @@ def _dualpipe_drawn(rng: random.Random) -> list[Case]:
 
 
 PREDICT_DUALPIPE_V = Exercise(
-    "09.2", "Predict DualPipeV against DeepSeek's table", "predict_dualpipe_v", 3,
+    "09.2", "Predict the V schedules against DeepSeek's table when W costs twice F", "predict_dualpipe_v", 3,
     lambda: [_dualpipe_case(2, 4), _dualpipe_case(4, 10)],
-    lambda: [_dualpipe_case(p, m) for p, m in ((1, 2), (1, 5), (3, 6), (3, 11), (5, 10), (6, 20), (8, 16), (8, 33))],
+    lambda: [_dualpipe_case(p, m) for p, m in ((3, 6), (3, 11), (5, 10), (6, 20), (7, 15), (8, 16), (8, 33))],
     forbidden=lambda: ("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place",
                        "gpipe_ref.simulator.bubble_formula", "gpipe_ref.schedule.schedule_spec",
                        "gpipe_ref.grading.exercises.ex09_v_schedules.dualpipe_v_measured") + schedule_generators(),
