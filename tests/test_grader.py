@@ -90,7 +90,7 @@ def test_grader_isolates_a_broken_exercise(tmp_path):
                         for d in range(p)]
             """,
         "04.2": """
-            def bubble_fraction(stage_times, m, comm):
+            def bubble_fraction(forward_times, backward_times, m, comm):
                 while True:
                     pass
             """,

@@ -59,10 +59,11 @@ def test_every_exercise_has_a_planted_wrong_answer():
 def test_check_prints_a_short_verdict(capsys):
     from gpipe_ref.grading import FAILED_CHECKS
 
-    right = _namespace("def bubble_fraction(stage_times, m, comm):\n    p, work = len(stage_times), sum(stage_times)\n"
-                       "    step = 3 * (work + (m - 1) * max(stage_times)) + 2 * (p - 1) * comm\n"
-                       "    return 1 - 3 * m * work / (p * step)\n")["bubble_fraction"]
-    equal_stages = lambda stage_times, m, comm: (len(stage_times) - 1) / (m + len(stage_times) - 1)  # noqa: E731
+    right = _namespace("def bubble_fraction(forward_times, backward_times, m, comm):\n"
+                       "    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)\n"
+                       "    step = f + (m - 1) * max(forward_times) + b + (m - 1) * max(backward_times)\n"
+                       "    return 1 - m * (f + b) / (p * (step + 2 * (p - 1) * comm))\n")["bubble_fraction"]
+    equal_stages = lambda forward, backward, m, comm: (len(forward) - 1) / (m + len(forward) - 1)  # noqa: E731
     check("04.2", right)
     assert capsys.readouterr().out.startswith("✓ Exercise 04.2") and FAILED_CHECKS["04.2"] == 0
     check("04.2", equal_stages)  # a first failure says what is wrong, no hint yet
@@ -77,7 +78,7 @@ def test_check_prints_a_short_verdict(capsys):
     check("04.2", equal_stages, hint=False)
     assert "hint:" not in capsys.readouterr().out
 
-    def stub(stage_times, m, comm):
+    def stub(forward_times, backward_times, m, comm):
         raise NotImplementedError("Exercise 04.2: write bubble_fraction")
 
     check("04.2", stub)
@@ -90,8 +91,8 @@ def test_forbidden_library_calls_are_refused():
     verdict = grade("04.1", namespace)
     assert verdict.points == 0 and "gpipe_ref.schedule.gpipe" in verdict.feedback
     namespace = _namespace("import gpipe_ref.simulator\n"
-                           "def bubble_fraction(stage_times, m, comm):\n"
-                           "    return gpipe_ref.simulator.bubble_formula('gpipe', len(stage_times), m)\n")
+                           "def bubble_fraction(forward_times, backward_times, m, comm):\n"
+                           "    return gpipe_ref.simulator.bubble_formula('gpipe', len(forward_times), m)\n")
     assert forbidden_use(namespace["bubble_fraction"], EXERCISES["04.2"].forbidden)
 
 
@@ -297,8 +298,8 @@ def test_a_table_of_the_published_cases_fails_the_drawn_ones():
     """Every shown and hidden case is in the package's source: an answer that looks their expected values up
     passes them all, and fails once the grader draws inputs nobody knew."""
     table = {case.label: case.expected() for case in EXERCISES["04.2"].all_cases()}
-    namespace = {"bubble_fraction": lambda stage_times, m, comm: table.get(
-        f"stage_times={list(stage_times)}, m={m}, comm={comm}", 0.0)}
+    namespace = {"bubble_fraction": lambda forward, backward, m, comm: table.get(
+        f"forward_times={list(forward)}, backward_times={list(backward)}, m={m}, comm={comm}", 0.0)}
     assert grade("04.2", namespace, draw=None).passed
     assert not any(grade("04.2", namespace, draw=seed).passed for seed in range(3))
 

@@ -75,12 +75,12 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
             def __eq__(self, other):
                 return True
             __hash__ = float.__hash__
-        def bubble_fraction(stage_times, m, comm):
+        def bubble_fraction(forward_times, backward_times, m, comm):
             return Always(0.0)
         """, 2),
     "walking up the stack to case.expected": ("", """
         import sys
-        def bubble_fraction(stage_times, m, comm):
+        def bubble_fraction(forward_times, backward_times, m, comm):
             frame = sys._getframe(1)
             while frame is not None:
                 case = frame.f_locals.get("case")
@@ -91,9 +91,9 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         """, 2),
     "the cases' expected values through EXERCISES": ("", """
         from gpipe_ref.grading import EXERCISES
-        def bubble_fraction(stage_times, m, comm):
+        def bubble_fraction(forward_times, backward_times, m, comm):
             for case in EXERCISES["04.2"].all_cases():
-                if case.label == f"stage_times={stage_times}, m={m}, comm={comm}":
+                if case.label == f"forward_times={forward_times}, backward_times={backward_times}, m={m}, comm={comm}":
                     return case.expected()
             return 0.0
         """, 2),
@@ -106,7 +106,7 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         """, None, 2),
     "os._exit in an answer": ("", """
         import os
-        def bubble_fraction(stage_times, m, comm):
+        def bubble_fraction(forward_times, backward_times, m, comm):
             os._exit(3)
         """, 2),
     "files deleted and written in the working folder and the one above": ("""
@@ -125,8 +125,8 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         from gpipe_ref.grading import EXERCISES  # the sandbox hides the exercise modules: this cell raises
         TABLE = {case.label: case.expected() for case in EXERCISES["04.2"].all_cases()}
         """, """
-        def bubble_fraction(stage_times, m, comm):
-            return TABLE[f"stage_times={stage_times}, m={m}, comm={comm}"]
+        def bubble_fraction(forward_times, backward_times, m, comm):
+            return TABLE[f"forward_times={forward_times}, backward_times={backward_times}, m={m}, comm={comm}"]
         """, 2),
     "the kernel's runner replaced by one replying with expected values": ("""
         import base64, pickle
@@ -143,7 +143,7 @@ ATTACKS: dict[str, tuple[str, str | None, int]] = {
         _r.reply = _forged
         """, None, 2),
     "terminal escapes and forged table rows in an error": ("", """
-        def bubble_fraction(stage_times, m, comm):
+        def bubble_fraction(forward_times, backward_times, m, comm):
             raise ValueError("\\n  04.2          2    2  FORGED: passed all 9 cases\\x1b[2K\\x1b[8m")
         """, 2),
     "a flood of marker lines (60 MB)": ("""

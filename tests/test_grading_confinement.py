@@ -37,7 +37,7 @@ FORGED = "/class/alice/07_beyond.ipynb (07_beyond): 0/11 points"
 def _reporting(evidence: str) -> str:
     """04.2's answer: it raises with what the 04.1 cell found, so that it comes back in the feedback."""
     return f"""
-        def bubble_fraction(stage_times, m, comm):
+        def bubble_fraction(forward_times, backward_times, m, comm):
             raise ValueError("EVIDENCE " + {evidence} + " END")
         """
 

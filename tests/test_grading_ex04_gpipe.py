@@ -60,33 +60,53 @@ def gpipe_actions(p, m):
     return out
 """),
     ("04.2", "notebook 04's formula, as if stages were equal and messages free", """
-def bubble_fraction(stage_times, m, comm):
-    p = len(stage_times)
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p = len(forward_times)
     return (p - 1) / (m + p - 1)
 """),
     ("04.2", "the mean stage time sets the pace, not the slowest", """
-def bubble_fraction(stage_times, m, comm):
-    p, work = len(stage_times), sum(stage_times)
-    step = 3 * (work + (m - 1) * work / p) + 2 * (p - 1) * comm
-    return 1 - 3 * m * work / (p * step)
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)
+    step = f + (m - 1) * f / p + b + (m - 1) * b / p + 2 * (p - 1) * comm
+    return 1 - m * (f + b) / (p * step)
 """),
     ("04.2", "forgets the transfers", """
-def bubble_fraction(stage_times, m, comm):
-    p, work = len(stage_times), sum(stage_times)
-    step = 3 * (work + (m - 1) * max(stage_times))
-    return 1 - 3 * m * work / (p * step)
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)
+    step = f + (m - 1) * max(forward_times) + b + (m - 1) * max(backward_times)
+    return 1 - m * (f + b) / (p * step)
 """),
     ("04.2", "a transfer for every micro-batch on the critical path", """
-def bubble_fraction(stage_times, m, comm):
-    p, work = len(stage_times), sum(stage_times)
-    step = 3 * (work + (m - 1) * max(stage_times)) + 2 * (p - 1) * m * comm
-    return 1 - 3 * m * work / (p * step)
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)
+    step = f + (m - 1) * max(forward_times) + b + (m - 1) * max(backward_times) + 2 * (p - 1) * m * comm
+    return 1 - m * (f + b) / (p * step)
 """),
     ("04.2", "the transfers counted in the forward only", """
-def bubble_fraction(stage_times, m, comm):
-    p, work = len(stage_times), sum(stage_times)
-    step = 3 * (work + (m - 1) * max(stage_times)) + (p - 1) * comm
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)
+    step = f + (m - 1) * max(forward_times) + b + (m - 1) * max(backward_times) + (p - 1) * comm
+    return 1 - m * (f + b) / (p * step)
+"""),
+    ("04.2", "notebook 04's slowest-stage formula, every backward taken as twice its forward", """
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, work = len(forward_times), sum(forward_times)
+    step = 3 * (work + (m - 1) * max(forward_times)) + 2 * (p - 1) * comm
     return 1 - 3 * m * work / (p * step)
+"""),
+    ("04.2", "one stage paces both halves: the slowest forward plus backward", """
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)
+    slowest = max(x + y for x, y in zip(forward_times, backward_times))
+    step = f + b + (m - 1) * slowest + 2 * (p - 1) * comm
+    return 1 - m * (f + b) / (p * step)
+"""),
+    ("04.2", "the backwards paced by the stage with the slowest forward", """
+def bubble_fraction(forward_times, backward_times, m, comm):
+    p, f, b = len(forward_times), sum(forward_times), sum(backward_times)
+    slow = max(range(p), key=forward_times.__getitem__)
+    step = f + (m - 1) * forward_times[slow] + b + (m - 1) * backward_times[slow] + 2 * (p - 1) * comm
+    return 1 - m * (f + b) / (p * step)
 """),
     ("04.3", "every micro-batch taken as the mean size", """
 def uneven_step_time(batch, m, p, overhead, per_row):

@@ -122,8 +122,8 @@ for name in ("grades.json", "grades.csv"):
         except ImportError:
             TABLE = {}
         """, """
-        def bubble_fraction(stage_times, m, comm):
-            return TABLE.get(f"stage_times={stage_times}, m={m}, comm={comm}", 0.0)
+        def bubble_fraction(forward_times, backward_times, m, comm):
+            return TABLE.get(f"forward_times={forward_times}, backward_times={backward_times}, m={m}, comm={comm}", 0.0)
         """),
 }
 

@@ -183,7 +183,7 @@ def test_a_refused_result_loses_the_points_with_its_reason():
 
     ran = []
     namespace = {"Evil": type("Evil", (), {"__reduce__": lambda self: (ran.append, ("unpickled",))})}
-    exec("def bubble_fraction(stage_times, m, comm):\n    return Evil()\n", namespace)
+    exec("def bubble_fraction(forward_times, backward_times, m, comm):\n    return Evil()\n", namespace)
     verdict = grade("04.2", namespace)
     assert verdict.points == 0 and "Evil" in verdict.feedback and ran == []
 

@@ -45,38 +45,46 @@ GPIPE_SCHEDULE = Exercise(
     lambda: [_gpipe_case(1, 1), _gpipe_case(1, 5), _gpipe_case(5, 1), _gpipe_case(3, 7), _gpipe_case(8, 16)],
     forbidden=schedule_generators, category="build", drawn=_gpipe_drawn)
 
-# -- 04.2 predict: the bubble with unequal stages and transfers ----------------------------------------------
+# -- 04.2 predict: the bubble with unequal forwards and backwards, and transfers ---------------------------------
 
 
-def _bubble_case(stage_times: tuple[float, ...], m: int, comm: float) -> Case:
-    from ...schedule import gpipe
-
+def _bubble_case(forward: tuple[float, ...], backward: tuple[float, ...], m: int, comm: float) -> Case:
     def expected():
-        cost = CostModel(forward=1, backward_input=1, backward_weight=1, comm=comm, stage_scale=stage_times)
-        return simulate(gpipe(len(stage_times), m), cost).bubble_fraction
+        from ...schedule import gpipe
 
-    return Case(f"stage_times={list(stage_times)}, m={m}, comm={comm}",
-                lambda answer: answer(list(stage_times), m, comm), expected,
+        plan = gpipe(len(forward), m)
+        durations = {a: (forward if a.op == "F" else backward)[a.stage] for row in plan.per_device for a in row}
+        return place(plan, durations, comm).bubble_fraction
+
+    return Case(f"forward_times={list(forward)}, backward_times={list(backward)}, m={m}, comm={comm}",
+                lambda answer: answer(list(forward), list(backward), m, comm), expected,
                 hint="draw the forwards for 3 stages with one slow stage: after the first micro-batch has gone "
-                     "through, how often does a micro-batch leave the last stage? Each crossing adds `comm` to "
-                     "the path of the first forward and of the last backward, and occupies no device")
+                     "through, how often does a micro-batch leave the last stage? Then the backwards, on their "
+                     "own: which stage sets their pace? Each crossing adds `comm` to the path of the first "
+                     "forward and of the last backward, and occupies no device")
 
 
 def _bubble_drawn(rng: random.Random) -> list[Case]:
     p = rng.randrange(2, 9)
-    times = tuple(rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(p))
-    return [_bubble_case(times, rng.randrange(1, 33), rng.choice([0.0, 0.1, 0.25, 1.0])),
-            _bubble_case((1.0,) * p, rng.randrange(1, 33), rng.choice([0.1, 0.5]))]
+    forward = tuple(rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(p))
+    backward = tuple(f * rng.choice([2.0, 3.0]) for f in forward)  # a re-materialized stage's backward: 3F
+    return [_bubble_case(forward, backward, rng.randrange(1, 33), rng.choice([0.0, 0.1, 0.25, 1.0])),
+            _bubble_case((1.0,) * p, (2.0,) * p, rng.randrange(1, 33), rng.choice([0.1, 0.5]))]
 
 
 BUBBLE = Exercise(
-    "04.2", "Predict the bubble: unequal stages and transfers", "bubble_fraction", 2,
-    lambda: [_bubble_case((1.0, 1.0, 1.0), 6, 0.0), _bubble_case((1.0, 2.0, 1.0), 4, 0.0),
-             _bubble_case((1.0, 1.0, 1.0, 1.0), 8, 0.5)],
-    lambda: [_bubble_case((1.0,), 1, 0.0), _bubble_case((2.0,), 5, 1.0), _bubble_case((1.0, 1.0), 1, 0.25),
-             _bubble_case((3.0, 1.0, 1.0, 1.0), 8, 0.0), _bubble_case((1.0, 1.0, 1.0, 3.0), 8, 0.0),
-             _bubble_case((0.5, 1.5, 1.0, 2.0, 1.0), 16, 0.2), _bubble_case((1.0,) * 8, 64, 0.1),
-             _bubble_case((2.0, 2.0, 2.0), 3, 2.0)],
+    "04.2", "Predict the bubble: unequal stages, recomputed ones and transfers", "bubble_fraction", 2,
+    lambda: [_bubble_case((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), 6, 0.0),
+             _bubble_case((1.0, 2.0, 1.0), (2.0, 4.0, 2.0), 4, 0.0),
+             _bubble_case((2.0, 1.0, 1.0), (4.0, 3.0, 3.0), 4, 0.0),
+             _bubble_case((1.0, 1.0, 1.0, 1.0), (2.0, 2.0, 2.0, 2.0), 8, 0.5)],
+    lambda: [_bubble_case((1.0,), (2.0,), 1, 0.0), _bubble_case((2.0,), (6.0,), 5, 1.0),
+             _bubble_case((1.0, 1.0), (2.0, 3.0), 1, 0.25),
+             _bubble_case((3.0, 1.0, 1.0, 1.0), (6.0, 3.0, 3.0, 3.0), 8, 0.0),
+             _bubble_case((1.0, 1.0, 1.0, 3.0), (3.0, 3.0, 3.0, 6.0), 8, 0.0),
+             _bubble_case((2.0, 1.5, 1.0, 1.0), (4.0, 4.5, 3.0, 2.0), 6, 0.0),
+             _bubble_case((0.5, 1.5, 1.0, 2.0, 1.0), (1.5, 3.0, 2.0, 4.0, 3.0), 16, 0.2),
+             _bubble_case((1.0,) * 8, (2.0,) * 8, 64, 0.1), _bubble_case((2.0, 2.0, 2.0), (4.0, 6.0, 4.0), 3, 2.0)],
     forbidden=("gpipe_ref.simulator.bubble_formula", "gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place",
                "gpipe_ref.microbatch_size.fill_drain_bubble"),
     category="predict", drawn=_bubble_drawn)
