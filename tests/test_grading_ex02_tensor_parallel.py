@@ -2,7 +2,9 @@
 plausible wrong answers lose the points; 02.3's in-place all-reduce fails the shown check; 02.4 (predict the
 bytes a Megatron MLP block sends): the solution passes against the measured run, planted wrong answers fail
 check() with the first wrong number named and score 0, small mutants of the solution fail the grader, and
-check() and the grader answer quickly."""
+check() and the grader answer quickly; 02.5 (a column-parallel backward that hides its all-reduce): each planted
+order (synchronous, waiting before dW, dW first, never waiting) and each wrong gradient scores 0, named by the shown
+check."""
 
 from __future__ import annotations
 
@@ -301,7 +303,98 @@ class CopyToTensorParallel(torch.autograd.Function):
         dist.all_reduce(grad)
         return grad
 """),
+    ("02.5", "the all-reduce waited for at once: nothing hides behind it", "launched with async_op=True", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    dist.all_reduce(grad_x)
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    return grad_x, rows.T @ inputs, rows.sum(0)
+"""),
+    ("02.5", "async, but waits before computing dW", "between the launch and the wait", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    work.wait()
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    return grad_x, rows.T @ inputs, rows.sum(0)
+"""),
+    ("02.5", "dW computed before the launch", "between the launch and the wait", """
+def overlapped_backward(grad_out, x, weight):
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_weight, grad_bias = rows.T @ inputs, rows.sum(0)
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    work.wait()
+    return grad_x, grad_weight, grad_bias
+"""),
+    ("02.5", "never waits: dX may be returned before its sum arrives", "waited for before returning", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_weight, grad_bias = rows.T @ inputs, rows.sum(0)
+    import time
+    time.sleep(0.5)
+    return grad_x, grad_weight, grad_bias
+"""),
+    ("02.5", "no all-reduce: this rank's term of dX only", "grad_x", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    return grad_x, rows.T @ inputs, rows.sum(0)
+"""),
+    ("02.5", "the average of the ranks' terms, not their sum", "grad_x", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_weight, grad_bias = rows.T @ inputs, rows.sum(0)
+    work.wait()
+    return grad_x / dist.get_world_size(), grad_weight, grad_bias
+"""),
+    ("02.5", "all-reduces dW too: the weight gradient is this rank's own", "grad_weight", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_weight, grad_bias = rows.T @ inputs, rows.sum(0)
+    work.wait()
+    dist.all_reduce(grad_weight)
+    return grad_x, grad_weight, grad_bias
+"""),
+    ("02.5", "dW as X^T dY, transposed", "grad_weight", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_weight, grad_bias = inputs.T @ rows, rows.sum(0)
+    work.wait()
+    return grad_x, grad_weight, grad_bias
+"""),
+    ("02.5", "scales grad_out in place for the bias", "grad_out left unchanged", """
+def overlapped_backward(grad_out, x, weight):
+    grad_x = grad_out @ weight
+    work = dist.all_reduce(grad_x, async_op=True)
+    rows, inputs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_weight = rows.T @ inputs
+    work.wait()
+    return grad_x, grad_weight, rows.mul_(1.0).add_(0.0).sum(0) + rows.zero_().sum(0)
+"""),
 ]
+
+RIGHT_02_5 = """
+def overlapped_backward(grad_out, x, weight):  # einsum over every leading dimension, the bias summed twice over
+    grad_x = torch.matmul(grad_out, weight)
+    handle = dist.all_reduce(grad_x, op=dist.ReduceOp.SUM, async_op=True)
+    grad_weight = torch.einsum("...o,...i->oi", grad_out, x)
+    grad_bias = grad_out.sum(dim=tuple(range(grad_out.dim() - 1)))
+    handle.wait()
+    return grad_x, grad_weight, grad_bias
+"""
+
+
+def test_a_right_overlapped_backward_written_another_way_passes(capsys):
+    passes_check_and_grade("02.5", run_answer(FOUND_PRELUDE, RIGHT_02_5), capsys)
 
 
 @pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])

@@ -1,4 +1,5 @@
-"""Exercises for notebook 02: attention split by heads, a tensor-parallel MLP's bug, f's backward, an MLP block's bytes."""
+"""Exercises for notebook 02: attention split by heads, a tensor-parallel MLP's bug, f's backward, an MLP block's bytes,
+a column-parallel backward that hides its all-reduce behind the weight gradient (Megatron-LM's async all-reduce)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..cases import Case, Exercise
 from ..judge import same, short_repr
 from .common import dict_or_type
 
-__all__ = ["COLUMN", "COPY", "DIRECTIONS", "DTYPES", "EXERCISES", "MODES", "PREDICT_BYTES", "ROW"]
+__all__ = ["COLUMN", "COPY", "DIRECTIONS", "DTYPES", "EXERCISES", "MODES", "OVERLAP", "PREDICT_BYTES", "ROW"]
 
 
 # -- 02.1 design: a fused QKV weight split by heads ---------------------------------------------------------------
@@ -311,4 +312,108 @@ PREDICT_BYTES = Exercise(
                "gpipe_ref.widgets.sharding.sharding_readout", "gpipe_ref.distributed.launch.launch"),
     category="predict", drawn=_prediction_drawn)
 
-EXERCISES = [COLUMN, ROW, COPY, PREDICT_BYTES]
+# -- 02.5 build: a column-parallel backward that hides its all-reduce behind dW ----------------------------------
+
+
+class _TracedWork:
+    """An all-reduce's work handle that notes when the answer waits for it."""
+
+    def __init__(self, work, events: list) -> None:
+        self.work, self.events = work, events
+
+    def wait(self, *args, **kwargs):
+        self.events.append("wait")
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _overlap_rank(rank: int, world: int, answer, seed: int, rows: tuple[int, ...], width: int, out: int) -> dict:
+    """The answer's backward on this rank's column shard, with every all-reduce, wait and weight-shaped result it
+    makes written down in order: what it returns, and whether dW was computed while the all-reduce travelled."""
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    x, weight, grad_full = _overlap_tensors(seed, rows, width, out)
+    local = out // world
+    shard = weight[rank * local:(rank + 1) * local].clone()
+    grad_out = grad_full[..., rank * local:(rank + 1) * local].clone()
+    incoming = grad_out.clone()
+    events: list = []
+    real_all_reduce = dist.all_reduce
+
+    def traced_all_reduce(tensor, *args, **kwargs):
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        events.append(("all_reduce", bool(async_op)))
+        work = real_all_reduce(tensor, *args, **kwargs)
+        return _TracedWork(work, events) if async_op else work
+
+    class WeightShaped(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and result.shape == shard.shape:
+                events.append("weight-shaped")
+            return result
+
+    dist.all_reduce = traced_all_reduce
+    try:
+        with WeightShaped():
+            grads = answer(grad_out, x, shard)
+    finally:
+        dist.all_reduce = real_all_reduce
+    launched = [i for i, e in enumerate(events) if isinstance(e, tuple)]
+    waits = [i for i, e in enumerate(events) if e == "wait"]
+    asynchronous = len(launched) == 1 and events[launched[0]][1]
+    in_flight = asynchronous and "weight-shaped" in events[launched[0] + 1:waits[0] if waits else len(events)]
+    grad_x, grad_weight, grad_bias = grads if isinstance(grads, tuple) and len(grads) == 3 else (grads, None, None)
+    return {"grad_x": grad_x, "grad_weight": grad_weight, "grad_bias": grad_bias,
+            "one all-reduce, launched with async_op=True": asynchronous,
+            "dW computed between the launch and the wait": in_flight,
+            "waited for before returning": bool(waits) or (bool(launched) and not asynchronous),
+            "grad_out left unchanged": torch.equal(grad_out, incoming)}
+
+
+def _overlap_tensors(seed: int, rows: tuple[int, ...], width: int, out: int):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*rows, width, generator=generator), torch.randn(out, width, generator=generator),
+            torch.randn(*rows, out, generator=generator))
+
+
+def _overlap_case(world: int, seed: int, rows: tuple[int, ...], width: int, out: int) -> Case:
+    from ...distributed.launch import launch
+
+    def expected():
+        x, weight, grad_full = _overlap_tensors(seed, rows, width, out)
+        local = out // world
+        flat_grad, flat_x = grad_full.reshape(-1, out), x.reshape(-1, width)
+        return [{"grad_x": grad_full @ weight,  # the dense layer's: every rank's dY_r W_r summed
+                 "grad_weight": (flat_grad.T @ flat_x)[r * local:(r + 1) * local],
+                 "grad_bias": flat_grad.sum(0)[r * local:(r + 1) * local],
+                 "one all-reduce, launched with async_op=True": True,
+                 "dW computed between the launch and the wait": True,
+                 "waited for before returning": True, "grad_out left unchanged": True} for r in range(world)]
+
+    return Case(f"{world} ranks, x of shape {(*rows, width)}, Linear {width} -> {out} split by outputs",
+                lambda answer: launch(_overlap_rank, world, answer, seed, rows, width, out, timeout=20), expected,
+                hint="dX is what the other ranks must add to: compute it first and start its all-reduce at once "
+                     "(async_op=True gives a handle); dW = dY^T X needs nothing from them, so compute it now, and "
+                     "wait for the handle only when you need dX's sum. With x of shape (batch, tokens, width), "
+                     "the rows to sum over are all but the last dimension")
+
+
+def _overlap_drawn(rng: random.Random) -> list[Case]:
+    world = rng.choice([2, 3])
+    rows = (rng.randrange(1, 5),) if rng.random() < 0.5 else (rng.randrange(1, 3), rng.randrange(1, 4))
+    return [_overlap_case(world, rng.randrange(10 ** 6), rows, rng.randrange(2, 7), world * rng.randrange(1, 4))]
+
+
+OVERLAP = Exercise(
+    "02.5", "Hide the all-reduce: a column-parallel backward beside dW", "overlapped_backward", 3,
+    lambda: [_overlap_case(2, 0, (4,), 5, 6)],
+    lambda: [_overlap_case(2, 1, (2, 3), 4, 4), _overlap_case(3, 2, (5,), 3, 9), _overlap_case(2, 3, (1, 1), 2, 2)],
+    forbidden=("gpipe_ref.distributed.tp_overlap.OverlapLinear",
+               "gpipe_ref.distributed.tp_overlap._AsyncAllReduceLinear"), timeout=40, category="build",
+    drawn=_overlap_drawn)
+
+EXERCISES = [COLUMN, ROW, COPY, PREDICT_BYTES, OVERLAP]
