@@ -37,6 +37,8 @@ and older ones stay intact for stashing at no copying cost.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -295,8 +297,6 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     ``microbatches`` micro-batches into each update (as many updates as GPipe's, each one batch
     stale), which needs ``microbatches >= stages``.
     """
-    from .models import regression_data
-
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps),
@@ -305,18 +305,30 @@ def convergence(variant: str, *, stages: int = 4, microbatches: int = 8, steps: 
     positive("lr", lr)
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel or None, got {type(cost).__name__}")
-    model = default_model(seed=seed)
-    if len(model) % stages:
-        raise ValueError(f"stages must divide the model's {len(model)} layers, got {stages}")
-    balance = [len(model) // stages] * stages
+    layers = len(default_model(seed=seed))
+    if layers % stages:
+        raise ValueError(f"stages must divide the model's {layers} layers, got {stages}")
     policy = POLICIES[variant].policy.per_batch(microbatches) if variant in POLICIES else None
     if policy is not None:  # refused before any training
         policy.check(pipedream_async(stages, microbatches))
+    # seeded and deterministic: a run asked for again (a widget after a notebook's table) is not retrained
+    return copy.deepcopy(_converged(variant, stages, microbatches, steps, microbatch_size, lr, seed,
+                                    cost or CostModel()))
+
+
+@functools.lru_cache(maxsize=256)
+def _converged(variant: str, stages: int, microbatches: int, steps: int, microbatch_size: int, lr: float, seed: int,
+               cost: CostModel) -> dict:
+    """:func:`convergence`'s run, its arguments checked."""
+    from .models import regression_data
+
+    model = default_model(seed=seed)
+    balance = [len(model) // stages] * stages
+    policy = POLICIES[variant].policy.per_batch(microbatches) if variant in POLICIES else None
     trainer = StagedTrainer(model, balance, lr, policy=policy)
     total = steps * microbatches
     x, y = regression_data(total * microbatch_size, 16, seed=seed + 1)
     xs, ys = list(x.split(microbatch_size)), list(y.split(microbatch_size))
-    cost = cost or CostModel()
     with torch_threads(1):  # a tiny model: more threads only wait on each other, worst on a busy machine
         losses, times = _train(variant, trainer, xs, ys, stages, microbatches, steps, cost)
     return {"variant": variant, "lr": lr, "samples": [(i + 1) * microbatch_size for i in range(total)],
