@@ -1,8 +1,8 @@
 """The Chrome trace format (Perfetto, chrome://tracing) of a timeline: written, and read back with every error named.
 
-``Timeline.to_chrome_trace`` and ``Timeline.from_chrome_trace`` call these; a span travels as the fields of an
-``Event`` (device, stage, op, micro-batch, start, end, weight version) or of a ``Transfer`` (device, name, start,
-end, bytes), so that this module needs no timeline.
+``Timeline.to_chrome_trace`` and ``Timeline.from_chrome_trace`` call these; a span travels as an ``Event``
+(device, stage, op, micro-batch, start, end, weight version) or a ``Transfer`` (device, name, start, end, bytes),
+both from :mod:`gpipe_ref.events`, so that this module needs no timeline.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import os
 from typing import Iterable, NamedTuple
 
 from .checks import integer, non_negative, one_of, positive_int
+from .events import Event, Transfer
 from .schedule import OPS, Action
 
-__all__ = ["US_PER_UNIT", "COMM_CATEGORY", "EventFields", "TransferFields", "ChromeTrace", "write_chrome_trace",
-           "read_chrome_trace"]
+__all__ = ["US_PER_UNIT", "COMM_CATEGORY", "ChromeTrace", "write_chrome_trace", "read_chrome_trace"]
 
 # Chrome-trace timestamps are microseconds. Measured runs are in seconds; a
 # simulated cost unit is drawn as one millisecond so Perfetto's ruler reads well.
@@ -24,33 +24,11 @@ US_PER_UNIT = {"s": 1e6, "cost": 1e3}
 COMM_CATEGORY = "comm"  # the Chrome-trace category of a Transfer
 
 
-class EventFields(NamedTuple):
-    """The fields of a ``timeline.Event``, in its order."""
-
-    device: int
-    stage: int
-    op: str
-    microbatch: int
-    start: float
-    end: float
-    weight_version: int | None
-
-
-class TransferFields(NamedTuple):
-    """The fields of a ``timeline.Transfer``, in its order."""
-
-    device: int
-    name: str
-    start: float
-    end: float
-    bytes: int | None
-
-
 class ChromeTrace(NamedTuple):
     """What a trace file holds: its compute spans, its communication spans, its devices and its time unit."""
 
-    events: list[EventFields]
-    comm: list[TransferFields]
+    events: list[Event]
+    comm: list[Transfer]
     num_devices: int
     unit: str
 
@@ -185,7 +163,7 @@ def _times(item: dict, scale: float, name: str) -> tuple[float, float]:
     return ts / scale, (ts + dur) / scale
 
 
-def _event_from_trace(item: dict, scale: float, name: str) -> EventFields:
+def _event_from_trace(item: dict, scale: float, name: str) -> Event:
     """A compute event from a complete ('X') trace event, by its args or its ``1F0`` name."""
     args = _args(item, name)
     device = integer(f"{name}.tid", _field(item, "tid", name), 0)
@@ -205,10 +183,10 @@ def _event_from_trace(item: dict, scale: float, name: str) -> EventFields:
     if version is not None:
         integer(f"{name}.args.weight_version", version, 0)
     start, end = _times(item, scale, name)
-    return EventFields(device, stage, op, microbatch, start, end, version)
+    return Event(device, stage, op, microbatch, start, end, version)
 
 
-def _transfer_from_trace(item: dict, scale: float, name: str) -> TransferFields:
+def _transfer_from_trace(item: dict, scale: float, name: str) -> Transfer:
     """A transfer from a complete ('X') trace event of the comm category."""
     args = _args(item, name)
     device = integer(f"{name}.args.device", _field(args, "device", f"{name}.args"), 0)
@@ -219,4 +197,4 @@ def _transfer_from_trace(item: dict, scale: float, name: str) -> TransferFields:
     if size is not None:
         integer(f"{name}.args.bytes", size, 0)
     start, end = _times(item, scale, name)
-    return TransferFields(device, label, start, end, size)
+    return Transfer(device, label, start, end, size)

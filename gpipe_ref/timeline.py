@@ -23,55 +23,14 @@ from typing import Iterable, Mapping, NamedTuple
 
 from .checks import integer, one_of, positive_int
 from .chrome_trace import US_PER_UNIT, read_chrome_trace, write_chrome_trace
-from .schedule import OPS, Action
+from .events import Event, Transfer
+from .schedule import OPS
 
 __all__ = ["TEXT_MAX_DEVICES", "TEXT_MAX_ACTIONS", "Event", "Transfer", "Timeline"]
 
 # Timeline.to_text refuses more than this: a grid of more rows, or more actions, is unreadable and slow to build.
 TEXT_MAX_DEVICES = 64
 TEXT_MAX_ACTIONS = 100_000
-
-
-class Event(NamedTuple):
-    """One compute action as it ran (or would run) on one device: ``op`` is F, B or W."""
-
-    device: int
-    stage: int
-    op: str
-    microbatch: int
-    start: float
-    end: float
-    weight_version: int | None = None
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def action(self) -> Action:
-        return Action(self.op, self.stage, self.microbatch)
-
-    @property
-    def label(self) -> str:
-        """``1F0`` notation (stage, op, micro-batch)."""
-        return f"{self.stage}{self.op}{self.microbatch}"
-
-
-class Transfer(NamedTuple):
-    """Communication on one device's comm track (a collective, a send or a receive), not compute.
-
-    ``name`` says what moved (``"all-reduce bucket 2"``); ``bytes`` is the payload when known.
-    """
-
-    device: int
-    name: str
-    start: float
-    end: float
-    bytes: int | None = None
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 def _is_finite(value: object) -> bool:
@@ -375,5 +334,4 @@ class Timeline:
         be a finite number, got nan"``.
         """
         trace = read_chrome_trace(path)
-        return cls([Event(*fields) for fields in trace.events], trace.num_devices, unit=trace.unit,
-                   comm=[Transfer(*fields) for fields in trace.comm])
+        return cls(trace.events, trace.num_devices, unit=trace.unit, comm=trace.comm)

@@ -21,7 +21,7 @@ LAYERS = [
     ("foundations", ["checks", "microbatch", "devices", "models", "measure", "meter", "sharding",
                      "model_states"]),
     ("schedules", ["schedule", "schedule.*"]),
-    ("timelines", ["timeline", "chrome_trace", "simulator"]),
+    ("timelines", ["events", "timeline", "chrome_trace", "simulator"]),
     ("stages", ["partition", "batchnorm", "split_backward", "lean_stage", "stage_ops", "rematerialization", "activation_memory"]),
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
