@@ -1,5 +1,5 @@
-"""The package's layers point down (DESIGN.md, "Layers"): no module imports one of a higher layer, lazy imports
-included, and no two modules import each other, directly or through others.
+"""The package's layers point down (docs/package.md, "Layers and modules"): no module imports one of a higher layer,
+lazy imports included, and no two modules import each other, directly or through others.
 
 Every ``.py`` file under ``gpipe_ref/`` is parsed (never imported); every import statement counts, wherever it
 stands: at the top, inside a function, under ``if TYPE_CHECKING``. Within one layer any order is allowed, but

@@ -1,5 +1,5 @@
-"""The package's shape (DESIGN.md, "Conventions"): small modules, each with a one-line docstring and ``__all__``,
-and short functions. Parsed, never imported."""
+"""The package's shape (docs/package.md, "Layers and modules"): small modules, each with a one-line docstring and
+``__all__``, and short functions. Parsed, never imported."""
 
 from __future__ import annotations
 
