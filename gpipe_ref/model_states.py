@@ -2,7 +2,8 @@
 
 The model states are the weights, their gradients and Adam's state. This is the one place the package counts
 them: ``memory`` (the memory anatomy), ``planner`` and ``distributed.zero`` all read :data:`PRECISIONS` and
-:func:`model_state_bytes` (or :func:`state_bytes_per_parameter`).
+:func:`model_state_bytes` (or :func:`state_bytes_per_parameter`); ZeRO's closed forms per rank, the bytes held
+(:func:`zero_state_bytes`) and sent (:func:`zero_traffic_bytes`), are here too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from .checks import one_of, positive_int
 
 __all__ = ["MODEL_STATES", "format_bytes", "ZERO_STAGES", "SHARDED_FROM_STAGE", "Precision", "PRECISIONS", "is_sharded",
-           "state_bytes_per_parameter", "model_state_bytes"]
+           "state_bytes_per_parameter", "model_state_bytes", "zero_state_bytes", "zero_traffic_bytes"]
 
 MODEL_STATES = ("weights", "gradients", "optimizer state")  # the keys of every model-state dict in the package
 ZERO_STAGES = (0, 1, 2, 3)  # which model states ZeRO shards over dp: none / optimizer / + gradients / + weights
@@ -82,3 +83,27 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def zero_state_bytes(numel: int, stage: int, world_size: int) -> dict[str, int]:
+    """ZeRO's model-state bytes per rank (sec. 5) for fp32 Adam, ``numel`` the padded parameter count Ψ:
+    weights 4Ψ, gradients 4Ψ, Adam's two moments 8Ψ, each divided by N once its stage shards it. The paper's
+    mixed precision is (2 + 2 + K)Ψ with K = 12 (fp32 master weights 4 + two moments 8): fp32 training needs no
+    master copy, so K = 8 and weights and gradients take 4 bytes each, still 16Ψ in all (``model_states``)."""
+    one_of("stage", stage, ZERO_STAGES)
+    return model_state_bytes(numel, "fp32", stage, positive_int("world_size", world_size))
+
+
+def zero_traffic_bytes(numel: int, stage: int, world_size: int, microbatches: int = 1) -> int:
+    """Bytes one rank sends per step (sec. 7): a ring's all-reduce sends 2(N-1)/N of the buffer, a
+    reduce-scatter or an all-gather (N-1)/N. DDP and stages 1-2 send 2Ψ(N-1)/N elements, stage 3 3Ψ(N-1)/N:
+    its weights are all-gathered twice, for the forward and again for the backward.
+
+    With ``microbatches`` backwards before the step (gradient accumulation; a pipeline stage's m micro-batches),
+    DDP and stage 1 still communicate once, at the step; stage 2 reduce-scatters after every backward (it keeps
+    only its shard of the gradient) and all-gathers once, (m + 1)Ψ(N-1)/N; stage 3 gathers and reduce-scatters
+    per micro-batch, 3mΨ(N-1)/N."""
+    one_of("stage", stage, ZERO_STAGES)
+    m = positive_int("microbatches", microbatches)
+    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage]
+    return passes * (world_size - 1) * 4 * numel // world_size

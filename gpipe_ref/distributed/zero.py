@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import integer, one_of, positive, positive_int
-from ..model_states import MODEL_STATES, ZERO_STAGES, model_state_bytes
+from ..checks import integer, one_of, positive
+from ..model_states import MODEL_STATES, ZERO_STAGES, zero_state_bytes, zero_traffic_bytes
 from ..pipeline import GPipe
 from .agreement import check_agreement
 from .collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
@@ -466,30 +466,6 @@ def _users(module: nn.Module, units: list[_Unit]) -> dict[nn.Module, list[_Unit]
         if needed:
             users[m] = needed
     return users
-
-
-def zero_state_bytes(numel: int, stage: int, world_size: int) -> dict[str, int]:
-    """ZeRO's model-state bytes per rank (sec. 5) for fp32 Adam, ``numel`` the padded parameter count Ψ:
-    weights 4Ψ, gradients 4Ψ, Adam's two moments 8Ψ, each divided by N once its stage shards it. The paper's
-    mixed precision is (2 + 2 + K)Ψ with K = 12 (fp32 master weights 4 + two moments 8): fp32 training needs no
-    master copy, so K = 8 and weights and gradients take 4 bytes each, still 16Ψ in all (``model_states``)."""
-    one_of("stage", stage, ZERO_STAGES)
-    return model_state_bytes(numel, "fp32", stage, positive_int("world_size", world_size))
-
-
-def zero_traffic_bytes(numel: int, stage: int, world_size: int, microbatches: int = 1) -> int:
-    """Bytes one rank sends per step (sec. 7): a ring's all-reduce sends 2(N-1)/N of the buffer, a
-    reduce-scatter or an all-gather (N-1)/N. DDP and stages 1-2 send 2Ψ(N-1)/N elements, stage 3 3Ψ(N-1)/N:
-    its weights are all-gathered twice, for the forward and again for the backward.
-
-    With ``microbatches`` backwards before the step (gradient accumulation; a pipeline stage's m micro-batches),
-    DDP and stage 1 still communicate once, at the step; stage 2 reduce-scatters after every backward (it keeps
-    only its shard of the gradient) and all-gathers once, (m + 1)Ψ(N-1)/N; stage 3 gathers and reduce-scatters
-    per micro-batch, 3mΨ(N-1)/N."""
-    one_of("stage", stage, ZERO_STAGES)
-    m = positive_int("microbatches", microbatches)
-    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage]
-    return passes * (world_size - 1) * 4 * numel // world_size
 
 
 def _output_tensors(output) -> list[torch.Tensor]:
