@@ -56,7 +56,7 @@ def _planned_schedules() -> tuple[str, ...]:
     schedule that places its own stages (a V) sends other messages and idles otherwise: it is not modelled."""
     specs = [schedule_spec(name) for name in schedule_names(flush=True, split_backward=False)]
     return tuple(spec.name for spec in specs
-                 if spec.name != "looped_bfs" and (spec.multi_stage or spec.stages_per_device == 1))
+                 if spec.planned and (spec.multi_stage or spec.stages_per_device == 1))
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def _check_estimate(model: ModelConfig, cluster: ClusterConfig, dp: int, tp: int
 
 
 def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp: int, microbatch_size: int = 1,
-             schedule: str = "1f1b", stages_per_device: int = 1, recompute: bool = False,
+             schedule: str = default_schedule(), stages_per_device: int = 1, recompute: bool = False,
              fused_attention: bool = False) -> Plan:
     """The cost model's step time, bubble and memory per GPU for one configuration. ``fused_attention``: the
     attention runs as one fused kernel (FlashAttention, Dao et al. 2022), which holds no s x s scores
@@ -305,7 +305,7 @@ def candidates(model: ModelConfig, cluster: ClusterConfig, *, microbatch_sizes: 
                 for v in (stages_per_device if multi_stage else (1,)):
                     if multi_stage and (pp == 1 or model.layers % (pp * v) or (model.batch // (dp * b)) % pp):
                         continue
-                    if schedule != "1f1b" and pp == 1:
+                    if schedule != default_schedule() and pp == 1:
                         continue  # one stage: every schedule is the same
                     plans += [estimate(model, cluster, dp=dp, tp=tp, pp=pp, microbatch_size=b, schedule=schedule,
                                        stages_per_device=v, recompute=rc, fused_attention=fused)

@@ -51,8 +51,8 @@ from .measure import torch_threads
 from .partition import check_balance, split
 from .rematerialization import captured, replayed
 from .checks import integer, positive, positive_int
-from .schedule import (POLICIES, Action, Schedule, WeightPolicy, gpipe, one_f_one_b, pipedream_async, schedule_names,
-                       weight_versions)
+from .schedule import (BASELINES, POLICIES, Action, Schedule, WeightPolicy, make_schedule, pipedream_async,
+                       schedule_names, weight_versions)
 from .simulator import CostModel, simulate, time_one_at_a_time
 from .timeline import Timeline
 
@@ -268,7 +268,7 @@ class _TrainerStep:
 
 
 # -- the comparison ------------------------------------------------------------------------------
-VARIANTS = ("gpipe", "1f1b", "sync_microbatch", *POLICIES)  # the synchronous baselines, then the named policies
+VARIANTS = (*BASELINES, *POLICIES)  # the synchronous baselines, then the named policies
 ASYNC_VARIANTS = tuple(name for name, row in POLICIES.items() if row.policy.updates_every == 1)  # PipeDream (2019)
 
 
@@ -341,9 +341,10 @@ def _train(variant: str, trainer: StagedTrainer, xs, ys, stages: int, microbatch
     total = steps * microbatches
     loss_fn = nn.MSELoss()
     losses, times = [], []
-    if variant in ("gpipe", "1f1b", "sync_microbatch"):
-        per_step = 1 if variant == "sync_microbatch" else microbatches
-        schedule = (one_f_one_b if variant == "1f1b" else gpipe)(stages, per_step)
+    if variant in BASELINES:
+        baseline = BASELINES[variant]
+        per_step = 1 if baseline.per_microbatch else microbatches
+        schedule = make_schedule(baseline.schedule, stages, per_step)
         simulated = simulate(schedule, cost)
         step_time = simulated.makespan
         last_forward_end = {e.microbatch: e.end for e in simulated.events

@@ -203,3 +203,60 @@ def test_every_registered_formula_is_the_simulators_where_exact_and_a_lower_boun
                     assert simulated >= formula - 1e-12, (name, p, m, v, r, spec.exact_note)
                 checked[name] += 1
     assert all(count >= 20 for count in checked.values()), checked
+
+
+# -- nothing bypasses the registry: no module outside gpipe_ref/schedule/ branches on a registered name ----------------
+
+def _registered_names() -> set[str]:
+    from gpipe_ref.schedule import BASELINES, POLICIES
+
+    return {*SCHEDULES, *(alias for spec in SCHEDULES.values() for alias in spec.aliases), *POLICIES, *BASELINES}
+
+
+def _string_constants(node) -> list[str]:
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [value for element in node.elts for value in _string_constants(element)]
+    return []
+
+
+def registered_names_matched(source: str, path: str, names: set[str]) -> list[str]:
+    """Each comparison (``==``, ``!=``, ``in``, ...) or subscript in ``source`` on a registered schedule, policy or
+    baseline name written out: code that would miss a schedule registered tomorrow."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+        elif isinstance(node, ast.Subscript):
+            parts = [node.slice]
+        else:
+            continue
+        hits = sorted({value for part in parts for value in _string_constants(part) if value in names})
+        if hits:
+            found.append(f"{path}:{node.lineno}: {', '.join(hits)}")
+    return found
+
+
+def test_the_scan_finds_comparisons_and_subscripts_on_names():
+    names = {"1f1b", "pipedream_2bw"}
+    source = ('if schedule != "1f1b":\n    pass\nx = schedule in ("gpipe", "1f1b")\ny = POLICIES["pipedream_2bw"]\n'
+              'z = make_schedule("1f1b", 2, 4)\n')
+    assert registered_names_matched(source, "m.py", names) == ["m.py:1: 1f1b", "m.py:3: 1f1b",
+                                                                "m.py:4: pipedream_2bw"]
+
+
+def test_no_module_outside_the_schedule_package_matches_a_registered_name():
+    """The registry's promise (adding a schedule touches the registry and its generator only) needs every other
+    module to read the registry's rows and fields, never to compare with a name."""
+    from conftest import ROOT
+
+    names = _registered_names()
+    package = ROOT / "gpipe_ref"
+    found = [hit for path in sorted(package.rglob("*.py")) if "schedule" not in path.relative_to(package).parts[:1]
+             for hit in registered_names_matched(path.read_text(), str(path.relative_to(ROOT)), names)]
+    assert not found, "registered names matched outside gpipe_ref/schedule/:\n" + "\n".join(found)

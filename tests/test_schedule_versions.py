@@ -26,15 +26,12 @@ def test_the_variants_the_menu_and_the_cli_read_the_policy_table():
 
 
 def test_no_module_but_the_policy_table_names_pipedream_2bw():
-    """2BW is one policy among them: only the table (and its docs) spells its name; elsewhere a line may only
-    look the policy up in the table by its key (exercise 06.5's grader, whose exercise is 2BW's rule)."""
+    """2BW is one policy among them: only the table (and its docs) spells its name; elsewhere code finds it by its
+    fields (exercise 06.5's grader: the named policy that updates once per mini-batch)."""
     root = Path(gpipe_ref.__file__).parent
     pattern = re.compile(r"two_bw|2bw|double_buffer")
-    found = {str(path.relative_to(root)): [line for line in path.read_text().splitlines() if pattern.search(line)]
-             for path in root.rglob("*.py") if pattern.search(path.read_text())}
-    assert sorted(found) == ["grading/exercises/ex06_pipedream.py", "schedule/versions.py"]
-    assert all(re.search(r'POLICIES\["pipedream_2bw"\]', line) and not re.search(r"\bif\b|==", line)
-               for line in found["grading/exercises/ex06_pipedream.py"]), found
+    found = sorted(str(path.relative_to(root)) for path in root.rglob("*.py") if pattern.search(path.read_text()))
+    assert found == ["schedule/versions.py"]
 
 
 @pytest.mark.parametrize("stashing,vertical_sync", [(True, False), (False, False), (True, True)])

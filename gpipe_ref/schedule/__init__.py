@@ -25,7 +25,8 @@ from .ir import OPS, Action, Schedule, ScheduleError
 from .registry import (SCHEDULES, ScheduleSpec, default_schedule, make_schedule, register, resolve_stages_per_device,
                        schedule_names, schedule_spec, unregister)
 from .v_schedules import dualpipe_v, v_placement, zero_bubble_v
-from .versions import POLICIES, VARIANT_LABELS, NamedPolicy, WeightPolicy, variant_label, weight_versions
+from .versions import (BASELINES, PER_MICROBATCH_BASELINE, PER_MINIBATCH_BASELINE, POLICIES, VARIANT_LABELS, Baseline,
+                       NamedPolicy, WeightPolicy, variant_label, weight_versions)
 
 __all__ = [
     "OPS", "Action", "Schedule", "ScheduleError",
@@ -37,5 +38,6 @@ __all__ = [
     "default_schedule", "resolve_stages_per_device",
     "dependencies", "EncodedSchedule", "encode", "validate", "DeadlockReport", "DeadlockError", "Walk", "walk",
     "execution_order",
-    "WeightPolicy", "NamedPolicy", "POLICIES", "VARIANT_LABELS", "variant_label", "weight_versions",
+    "WeightPolicy", "NamedPolicy", "POLICIES", "Baseline", "BASELINES", "PER_MINIBATCH_BASELINE",
+    "PER_MICROBATCH_BASELINE", "VARIANT_LABELS", "variant_label", "weight_versions",
 ]

@@ -47,6 +47,7 @@ class ScheduleSpec:
     exact_note: str = ""
     stages_per_device: int = 1
     check_sizes: Callable[[int, int, int], None] = lambda p, m, v: None
+    planned: bool = True  # the planner searches it (False: it wins only by what the planner does not model)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}  # name -> spec, in registration order
@@ -180,7 +181,9 @@ def _looped_bfs_bubble(p: int, m: int, v: int, r: float) -> float:
 register(ScheduleSpec(
     "looped_bfs", looped_bfs, "Looped BFS", flush=True, bubble=_looped_bfs_bubble,
     formula="(p-1+w)/(v·m+p-1+w), w=(v-1)·max(0,p-m)", peak_held=lambda p, m, v: m,
-    source="Lamy-Poirier 2023, arXiv:2211.05953", multi_stage=True))
+    source="Lamy-Poirier 2023, arXiv:2211.05953", multi_stage=True,
+    planned=False))  # its bubble is interleaved 1F1B's and it holds every micro-batch: it wins only with an
+    # overlap of data-parallel communication the planner does not model
 register(ScheduleSpec(
     "interleaved_zero_bubble", interleaved_zero_bubble, "Interleaved zero bubble", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (v * m * (1 + r) + p - 1), formula="(p-1)/((1+r)·v·m+p-1)",

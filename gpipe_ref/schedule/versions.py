@@ -9,7 +9,8 @@ from ..checks import one_of, positive_int
 from .engine import execution_order
 from .ir import Action, Schedule
 
-__all__ = ["WeightPolicy", "NamedPolicy", "POLICIES", "VARIANT_LABELS", "variant_label", "weight_versions"]
+__all__ = ["WeightPolicy", "NamedPolicy", "POLICIES", "Baseline", "BASELINES", "PER_MINIBATCH_BASELINE",
+           "PER_MICROBATCH_BASELINE", "VARIANT_LABELS", "variant_label", "weight_versions"]
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,26 @@ POLICIES: dict[str, NamedPolicy] = {  # the named weight-update policies: the va
     # PipeDream-2BW (Narayanan et al. 2021, sec. 3.1): one update per mini-batch, two versions per stage
     "pipedream_2bw": NamedPolicy("PipeDream-2BW", WeightPolicy(updates_every=None, lag=1)),
 }
+
+
+class Baseline(NamedTuple):
+    """A row of :data:`BASELINES`: a synchronous run the asynchronous policies are compared with, on a registered
+    flush schedule, updating once per mini-batch or after every micro-batch."""
+
+    label: str
+    schedule: str
+    per_microbatch: bool
+
+
+BASELINES: dict[str, Baseline] = {  # the synchronous training variants beside POLICIES (staleness.VARIANTS)
+    "gpipe": Baseline("GPipe", "gpipe", per_microbatch=False),
+    "1f1b": Baseline("1F1B", "1f1b", per_microbatch=False),  # GPipe's training in another order
+    # synchronous SGD with an update per micro-batch: as many updates as PipeDream, none stale (the fair baseline)
+    "sync_microbatch": Baseline("sync SGD, an update per micro-batch", "gpipe", per_microbatch=True),
+}
+PER_MINIBATCH_BASELINE, PER_MICROBATCH_BASELINE = "gpipe", "sync_microbatch"  # what explorers draw beside a policy
 # What legends call each training variant (``staleness.VARIANTS``): the synchronous baselines, then the policies.
-VARIANT_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "sync_microbatch": "sync SGD, an update per micro-batch",
+VARIANT_LABELS = {**{name: row.label for name, row in BASELINES.items()},
                   **{name: row.label for name, row in POLICIES.items()}}
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import time
 
-from ..schedule import POLICIES, WeightPolicy, gpipe, pipedream_async, variant_label
+from ..schedule import (PER_MICROBATCH_BASELINE, PER_MINIBATCH_BASELINE, POLICIES, WeightPolicy, gpipe, pipedream_async,
+                        variant_label)
 from ..simulator import simulate
 from ..viz import running_mean, timeline_svg
 from ..svg import svg_root
@@ -14,12 +15,14 @@ from .base import Dashboard
 
 __all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "per_batch_readout"]
 
-VARIANTS = ("gpipe", "sync_microbatch", *POLICIES)  # the two synchronous baselines, then every named policy
-# the schedule menu: PipeDream (the checkboxes pick its policy), then each policy that updates once per mini-batch
-SCHEDULES = (("PipeDream", "pipedream"),
+VARIANTS = (PER_MINIBATCH_BASELINE, PER_MICROBATCH_BASELINE, *POLICIES)  # the two baselines, then every policy
+PIPEDREAM = "pipedream"  # the menu's asynchronous entry, whose policy the two checkboxes pick
+# the schedule menu: PipeDream, then each policy that updates once per mini-batch (its name is its menu value)
+SCHEDULES = (("PipeDream", PIPEDREAM),
              *((row.label, name) for name, row in POLICIES.items() if row.policy.updates_every is None))
 BATCHES = 2  # a per-mini-batch policy's table and timeline: two mini-batches, so the second shows the steady state
-CURVE_NAMES = {"gpipe": "GPipe (update per mini-batch)", "sync_microbatch": "sync SGD (update per micro-batch)"}
+CURVE_NAMES = {PER_MINIBATCH_BASELINE: "GPipe (update per mini-batch)",
+               PER_MICROBATCH_BASELINE: "sync SGD (update per micro-batch)"}
 LONG_RUN = 10  # the readout's many-mini-batch run: PipeDream's bubble over LONG_RUN * m micro-batches
 FINAL_WINDOW = 64  # micro-batches averaged for the readout's final loss
 
@@ -39,7 +42,7 @@ class StalenessExplorer(Dashboard):
     LEARNING_RATES = (0.05, 0.2, 1.0, 2.0)
 
     def __init__(self, stages: int = 4, microbatches: int = 8, lr: float = 0.2, weight_stashing: bool = True,
-                 vertical_sync: bool = False, steps: int = 20, schedule: str = "pipedream") -> None:
+                 vertical_sync: bool = False, steps: int = 20, schedule: str = PIPEDREAM) -> None:
         import ipywidgets as w
 
         style = {"description_width": "130px"}
@@ -78,7 +81,7 @@ class StalenessExplorer(Dashboard):
 
     def _variant(self) -> str:
         """The chosen policy's name in POLICIES: the menu's, or the checkboxes' under PipeDream."""
-        if self.schedule.value != "pipedream":
+        if self.schedule.value != PIPEDREAM:
             return self.schedule.value
         vsync = self.vertical_sync.value
         chosen = WeightPolicy(stashing=self.weight_stashing.value or vsync, vertical_sync=vsync)
@@ -98,9 +101,9 @@ class StalenessExplorer(Dashboard):
         stash, vsync = self.weight_stashing.value, self.vertical_sync.value
         variant = self._variant()
         policy = POLICIES[variant].policy.per_batch(m)
-        per_batch = self.schedule.value != "pipedream"
+        per_batch = self.schedule.value != PIPEDREAM
         self.weight_stashing.disabled = self.vertical_sync.disabled = per_batch  # the menu's policy decides
-        runs = {name: self._train(name, p, lr) for name in (variant, "sync_microbatch", "gpipe")}
+        runs = {name: self._train(name, p, lr) for name in (variant, PER_MICROBATCH_BASELINE, PER_MINIBATCH_BASELINE)}
         long_bubble = self._cached(("bubble", p, m),
                                    lambda: simulate(pipedream_async(p, LONG_RUN * m)).bubble_fraction)
         finals = {name: math.inf if diverged(run, FINAL_WINDOW) else final_loss(run, FINAL_WINDOW)
@@ -113,12 +116,13 @@ class StalenessExplorer(Dashboard):
         if per_batch:
             self.readout.value = per_batch_readout(self.record, variant, p, m, lr, self.timeline.bubble_fraction,
                                                    simulate(gpipe(p, m)).bubble_fraction, long_bubble,
-                                                   finals[variant], finals["gpipe"], finals["sync_microbatch"])
+                                                   finals[variant], finals[PER_MINIBATCH_BASELINE],
+                                                   finals[PER_MICROBATCH_BASELINE])
             title = f"{variant}: {BATCHES} mini-batches of {m} micro-batches, colour = weight version"
         else:
             self.readout.value = staleness_readout(self.record, p, m, lr, stash, vsync,
                                                    self.timeline.bubble_fraction, long_bubble, finals[variant],
-                                                   finals["sync_microbatch"], finals["gpipe"])
+                                                   finals[PER_MICROBATCH_BASELINE], finals[PER_MINIBATCH_BASELINE])
             title = f"{variant}: one run of {m} micro-batches, colour = weight version"
         self.picture.value = timeline_svg(self.timeline, color_by="version", title=title)
         self.heat.value = _heat_table(self.record.versions, p, n)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ...schedule import POLICIES, Action, one_f_one_b, pipedream_async, weight_versions
+from ...schedule import POLICIES, Action, WeightPolicy, one_f_one_b, pipedream_async, weight_versions
 from ...simulator import simulate
 from ..cases import Case, Exercise
 from ..judge import same, short_repr
@@ -141,7 +141,9 @@ STASHED = Exercise(
 
 # -- 06.4 predict, then check: versions held and staleness, with stashing and with vertical sync ------------------
 
-VARIANTS = {"stashing": POLICIES["pipedream_stash"].policy, "vertical_sync": POLICIES["pipedream_vertical_sync"].policy}
+VARIANTS = {"stashing": WeightPolicy(stashing=True), "vertical_sync": WeightPolicy(vertical_sync=True)}
+# PipeDream-2BW: the named policy that updates once per mini-batch (06.5)
+PER_BATCH_POLICY = next(row.policy for row in POLICIES.values() if row.policy.updates_every is None)
 
 
 def _measured(p: int, m: int) -> dict:
@@ -211,7 +213,7 @@ def _per_batch_expected(p: int, batch: int, n: int):
     from ...staleness import version_table
 
     schedule = pipedream_async(p, n)
-    policy = POLICIES["pipedream_2bw"].policy.per_batch(batch)
+    policy = PER_BATCH_POLICY.per_batch(batch)
     try:
         policy.check(schedule)
     except ValueError:
