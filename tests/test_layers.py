@@ -22,11 +22,13 @@ LAYERS = [
                      "model_states"]),
     ("schedules", ["schedule", "schedule.*"]),
     ("timelines", ["events", "timeline", "chrome_trace", "simulator"]),
-    ("stages", ["partition", "batchnorm", "split_backward", "lean_stage", "stage_ops", "rematerialization", "activation_memory"]),
+    ("stages", ["partition", "batchnorm", "split_backward", "lean_stage", "stage_ops", "rematerialization",
+                "activation_memory"]),
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size", "parallel_axes"]),
-    ("pictures", ["svg", "viz", "figures", "loss_curves", "backward_overlap", "bucket_overlap", "placement", "widgets", "widgets.*"]),
+    ("pictures", ["svg", "viz", "figures", "loss_curves", "backward_overlap", "bucket_overlap", "placement", "widgets",
+                  "widgets.*"]),
     ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
     ("entry points", ["__main__", "arguments", ""]),  # "": the package root, gpipe_ref/__init__.py
 ]
@@ -175,3 +177,69 @@ def test_each_allowed_upward_import_exists():
     graph = import_graph()
     stale = [pair for pair in ALLOWED_UPWARD if pair[1] not in graph.get(pair[0], ())]
     assert not stale, f"no longer imported, drop from ALLOWED_UPWARD: {stale}"
+
+
+# -- every module has its tests ------------------------------------------------------------------------------------
+
+# Modules whose tests are not in a file named after them (tests/test_<name>.py, or test_<package>_<name>.py), with
+# the file that tests them and how.
+TESTED_IN: dict[str, tuple[str, str]] = {
+    "__main__": ("test_cli.py", "every subcommand run as a learner types it"),
+    "arguments": ("test_cli.py", "the parsers' choices, defaults and refusals"),
+    "backward_overlap": ("test_tp_overlap.py", "the overlapped backward's timeline picture"),
+    "bench.common": ("test_bench.py", "the suite's rows, ratios and rounds"),
+    "bench.exercises": ("test_bench.py", "the grading rows, through the suite"),
+    "bench.launch_cost": ("test_bench.py", "the launch rows, through the suite"),
+    "bench.parallelism": ("test_bench.py", "the data- and tensor-parallel rows, through the suite"),
+    "bench.pipelines": ("test_bench.py", "the executor, pipeline and simulator rows"),
+    "bench.suite": ("test_bench.py", "--only, --quick and the JSON it writes"),
+    "bucket_overlap": ("test_viz.py", "DDP's buckets on a timeline"),
+    "distributed.agreement": ("test_pipeline_parallel_fast.py", "ranks that disagree on a setting are refused"),
+    "distributed.parallel_regions": ("test_tensor_parallel.py", "f and g, sequence parallelism, the bytes moved"),
+    "distributed.thread_ring": ("test_grading_ex08_zero.py", "exercise 08.3's ring of threads runs every case"),
+    "distributed.zero_guards": ("test_zero.py", "freed weights and sharded gradients refuse reads, through ZeRO"),
+    "figures": ("test_parallel_axes.py", "the five axes' pictures"),
+    "grading.cases": ("test_grading.py", "cases, exercises and verdicts"),
+    "grading.commands": ("test_workspace.py", "exercises start, build and check"),
+    "grading.exercises.catalog": ("test_grading.py", "every exercise listed once, with its notebook"),
+    "grading.exercises.common": ("test_grading.py", "the shared judges and the refused generators"),
+    "grading.grader_side.classroom": ("test_grader.py", "a class graded end to end"),
+    "grading.grader_side.kernel": ("test_grading.py", "the kernel a submission runs in"),
+    "grading.grader_side.processes": ("test_grading_confinement.py", "no process of a submission outlives it"),
+    "grading.grader_side.reports": ("test_grader.py", "the tables, CSV and JSON of a graded class"),
+    "grading.grader_side.signing": ("test_grading.py", "the grader's key and each submission's draw"),
+    "grading.judge": ("test_grading.py", "comparisons, timeouts and forbidden names"),
+    "grading.kernel_side.confine": ("test_grading_confinement.py", "what a submission's kernel may not reach"),
+    "grading.kernel_side.guard": ("test_grading_wire.py", "forbidden calls refused while an answer runs"),
+    "grading.kernel_side.runner": ("test_grading_attacks.py", "an answer run and its reply, attacked"),
+    "grading.learner": ("test_grading.py", "check() as a learner runs it"),
+    "grading.mutants": ("test_mutations.py", "every solution's small slips"),
+    "grading.notebooks": ("test_grading.py", "exercise cells found and rewritten"),
+    "loss_curves": ("test_viz.py", "loss curves against samples and time"),
+    "meter": ("test_memory.py", "saved-activation bytes against the memory model"),
+    "rematerialization": ("test_layer_kinds.py", "Dropout and BatchNorm recomputed: the forward's draws and buffers"),
+    "schedule.engine": ("test_schedule.py", "dependencies, walk and validate"),
+    "schedule.ir": ("test_schedule.py", "Action, Schedule and the text form"),
+    "sharding": ("test_widgets_sharding.py", "where each tensor lives and the bytes each collective moves"),
+    "split_backward": ("test_lean_stage.py", "plain stages and W's products, against autograd"),
+    "stage_ops": ("test_executor.py", "F, B and W's tensors and autograd calls"),
+    "svg": ("test_viz.py", "the SVG pictures the site and widgets draw"),
+    "widgets.base": ("test_widgets.py", "the dashboards every explorer builds on"),
+}
+
+
+def own_test_file(module: str) -> Path | None:
+    """tests/test_<name>.py or tests/test_<package>_<name>.py (tests/test_grading_<exNN_topic>.py)."""
+    parts = module.split(".")
+    names = {f"test_{parts[-1]}.py", f"test_{'_'.join(parts)}.py", f"test_{parts[0]}_{parts[-1]}.py"}
+    return next((ROOT / "tests" / name for name in sorted(names) if (ROOT / "tests" / name).exists()), None)
+
+
+def test_every_module_has_a_test_file_named_after_it_or_listed_here():
+    modules = [name for name, path in package_modules().items() if name and path.name != "__init__.py"]
+    untested = [m for m in modules if own_test_file(m) is None and m not in TESTED_IN]
+    assert not untested, f"write tests/test_<name>.py or list the file that tests them in TESTED_IN: {untested}"
+    missing = {m: file for m, (file, _) in TESTED_IN.items() if not (ROOT / "tests" / file).exists()}
+    assert not missing, f"TESTED_IN names test files that do not exist: {missing}"
+    stale = [m for m in TESTED_IN if m not in modules or own_test_file(m) is not None]
+    assert not stale, f"no longer needed in TESTED_IN (gone, or a file named after them now): {stale}"
