@@ -27,8 +27,8 @@ LAYERS = [
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staleness", "planner", "memory", "playground", "microbatch_size", "parallel_axes"]),
-    ("pictures", ["svg", "viz", "figures", "loss_curves", "backward_overlap", "bucket_overlap", "placement", "widgets",
-                  "widgets.*"]),
+    ("pictures", ["svg", "timeline_bars", "timeline_svg", "viz", "figures", "loss_curves", "backward_overlap",
+                  "bucket_overlap", "placement", "widgets", "widgets.*"]),
     ("harnesses", ["bench", "bench.*", "grading", "grading.*"]),
     ("entry points", ["__main__", "arguments", ""]),  # "": the package root, gpipe_ref/__init__.py
 ]
@@ -224,6 +224,8 @@ TESTED_IN: dict[str, tuple[str, str]] = {
     "split_backward": ("test_lean_stage.py", "plain stages and W's products, against autograd"),
     "stage_ops": ("test_executor.py", "F, B and W's tensors and autograd calls"),
     "svg": ("test_viz.py", "the SVG pictures the site and widgets draw"),
+    "timeline_bars": ("test_viz.py", "the bars both renderers draw: rows, colours, labels, legend"),
+    "timeline_svg": ("test_viz.py", "SVG timelines: labels that fit, fonts, pairs, legend"),
     "widgets.base": ("test_widgets.py", "the dashboards every explorer builds on"),
 }
 
