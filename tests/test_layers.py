@@ -195,6 +195,7 @@ TESTED_IN: dict[str, tuple[str, str]] = {
     "bench.suite": ("test_bench.py", "--only, --quick and the JSON it writes"),
     "bucket_overlap": ("test_viz.py", "DDP's buckets on a timeline"),
     "distributed.agreement": ("test_pipeline_parallel_fast.py", "ranks that disagree on a setting are refused"),
+    "distributed.rank_step": ("test_pipeline_parallel_fast.py", "one rank's step: messages sized, receives ahead"),
     "distributed.parallel_regions": ("test_tensor_parallel.py", "f and g, sequence parallelism, the bytes moved"),
     "distributed.thread_ring": ("test_grading_ex08_zero.py", "exercise 08.3's ring of threads runs every case"),
     "distributed.zero_guards": ("test_zero.py", "freed weights and sharded gradients refuse reads, through ZeRO"),
