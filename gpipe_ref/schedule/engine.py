@@ -215,36 +215,13 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
     The loop is written out by hand (no helper calls, flat lists): it is the
     simulator's hot path, 64 devices x 1024 micro-batches in well under a second.
     """
-    if not isinstance(encoded, EncodedSchedule):
-        raise TypeError(f"encoded must be an EncodedSchedule (from encode(schedule)), got {type(encoded).__name__}")
-    non_negative("comm", comm)
-    if durations is not None:
-        size = 3 * encoded.schedule.num_stages * encoded.schedule.num_microbatches
-        if len(durations) != size:
-            raise ValueError(f"durations must hold one entry per action key (3 x {encoded.schedule.num_stages} "
-                             f"stages x {encoded.schedule.num_microbatches} micro-batches = {size}), "
-                             f"got {len(durations)}")
-        try:  # two C loops: a NaN or an infinity makes the sum non-finite
-            ok = min(durations, default=0.0) >= 0.0 and math.isfinite(sum(durations))
-        except TypeError:
-            ok = False
-        if not ok:  # name the first bad entry (none when only the sum overflowed)
-            for key, x in enumerate(durations):
-                non_negative(f"durations[{key}]", x)
+    _check_walk(encoded, durations, comm)
     schedule = encoded.schedule
     p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
     pm = p * m
-    owner = schedule.stage_to_device
     rows = encoded.rows
     cost = durations if durations is not None else [1.0] * (3 * pm)
-    # comm paid by F(s) receiving from stage s-1, and by B(s) receiving from stage s+1
-    recv_fwd = [comm if s > 0 and owner[s - 1] != owner[s] else 0.0 for s in range(p)]
-    recv_bwd = [comm if s < p - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(p)]
-    block_wait: dict[int, tuple[int, float]] = {}  # a paired F's key -> (its B's dependency on the next stage, comm)
-    if pairs_as_blocks:
-        for forward, backward in schedule.overlap_pairs:
-            if backward.stage < p - 1:
-                block_wait[encoded.key(forward)] = (encoded.key(backward) + m, recv_bwd[backward.stage])
+    recv_fwd, recv_bwd, block_wait = _receive_delays(encoded, comm, pairs_as_blocks)
     end = [-1.0] * (3 * pm)  # -1: not run yet
     start = [0.0] * (3 * pm)
     waiting: list[list[int] | None] = [None] * (3 * pm)  # devices blocked on each key
@@ -310,6 +287,43 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
     if len(order) != sum(len(row) for row in rows):
         raise DeadlockError(_deadlock_report(encoded, cursor, end))
     return Walk(encoded, order, start, end)
+
+
+def _check_walk(encoded: EncodedSchedule, durations: Sequence[float] | None, comm: float) -> None:
+    """:func:`walk`'s arguments: an encoded schedule, ``comm`` not negative, and one finite, non-negative duration
+    per action key."""
+    if not isinstance(encoded, EncodedSchedule):
+        raise TypeError(f"encoded must be an EncodedSchedule (from encode(schedule)), got {type(encoded).__name__}")
+    non_negative("comm", comm)
+    if durations is None:
+        return
+    size = 3 * encoded.schedule.num_stages * encoded.schedule.num_microbatches
+    if len(durations) != size:
+        raise ValueError(f"durations must hold one entry per action key (3 x {encoded.schedule.num_stages} "
+                         f"stages x {encoded.schedule.num_microbatches} micro-batches = {size}), "
+                         f"got {len(durations)}")
+    try:  # two C loops: a NaN or an infinity makes the sum non-finite
+        ok = min(durations, default=0.0) >= 0.0 and math.isfinite(sum(durations))
+    except TypeError:
+        ok = False
+    if not ok:  # name the first bad entry (none when only the sum overflowed)
+        for key, x in enumerate(durations):
+            non_negative(f"durations[{key}]", x)
+
+
+def _receive_delays(encoded: EncodedSchedule, comm: float, pairs_as_blocks: bool):
+    """Per stage, the ``comm`` an F pays receiving from stage s-1 and a B from stage s+1 (0 on one device); with
+    ``pairs_as_blocks``, each paired F's key -> (its B's dependency on the next stage, that B's comm)."""
+    schedule = encoded.schedule
+    p, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_device
+    recv_fwd = [comm if s > 0 and owner[s - 1] != owner[s] else 0.0 for s in range(p)]
+    recv_bwd = [comm if s < p - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(p)]
+    block_wait: dict[int, tuple[int, float]] = {}
+    if pairs_as_blocks:
+        for forward, backward in schedule.overlap_pairs:
+            if backward.stage < p - 1:
+                block_wait[encoded.key(forward)] = (encoded.key(backward) + m, recv_bwd[backward.stage])
+    return recv_fwd, recv_bwd, block_wait
 
 
 def _deadlock_report(encoded: EncodedSchedule, cursor: list[int], end: list[float]) -> DeadlockReport:
