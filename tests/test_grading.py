@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import types
-from pathlib import Path
 
 import nbformat
 import pytest

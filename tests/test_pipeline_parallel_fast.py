@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from dist_calls import counting
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpipe_ref.distributed import RankError, launch

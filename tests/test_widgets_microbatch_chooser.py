@@ -7,7 +7,6 @@ import math
 import re
 
 import pytest
-import torch
 
 from gpipe_ref import CostModel, gpipe, one_f_one_b, simulate
 from gpipe_ref.microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
