@@ -9,7 +9,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from website.glossary_anchors import slug
+from website.text_layout import slug
 
 GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
 TERM = re.compile(r"^\*\*(?P<name>[^*]+)\*\*(?: \((?P<spellings>[^)]+)\))?$")

@@ -10,7 +10,7 @@ import pytest
 
 import gpipe_ref
 from conftest import ROOT
-from website.notebook_pages import TABLE_WIDTH, is_table, output_text
+from website.text_layout import TABLE_WIDTH, is_table, output_text
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))

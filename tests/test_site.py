@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, needs_site_extra
 from gpipe_ref.grading.exercises.catalog import NOTEBOOKS
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -193,6 +193,8 @@ def _offline() -> list[str]:
 def _build(folder: Path, markdown: str, *code_cells: dict) -> subprocess.CompletedProcess:
     """Build a one-lesson site (the course's glossary and configuration) in ``folder``, offline where possible."""
     import matplotlib.image
+
+    needs_site_extra()
 
     src = folder / "src"
     (src / "notebooks").mkdir(parents=True)

@@ -11,15 +11,11 @@ import re
 
 from docutils import nodes
 from sphinx.util import logging
+from text_layout import slug  # website/, on Sphinx's path (conf.py)
 
 GLOSSARY = "notebooks/GLOSSARY"
 SPELLINGS = re.compile(r"^\s*\((?P<spellings>[^)]+)\)\s*$")
 logger = logging.getLogger(__name__)
-
-
-def slug(name: str) -> str:
-    """A glossary row's anchor: **3D parallelism** -> term-3d-parallelism."""
-    return "term-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def add_anchors(app, doctree) -> None:

@@ -21,13 +21,12 @@ import re
 
 from myst_parser.mdit_to_docutils.base import default_slugify
 from sphinx.util import logging
+from text_layout import is_table, output_text  # website/, on Sphinx's path (conf.py)
 
 logger = logging.getLogger(__name__)
 VIEW = "application/vnd.jupyter.widget-view+json"
 STATE = "application/vnd.jupyter.widget-state+json"
 MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
-TABLE_WIDTH = 100  # characters: what a lesson's column holds at 1280 px, in JupyterLab and on this site
-ALIGNED = re.compile(r"\S {2,}\S|^ +\S")  # padding inside a line, or a line indented to line up
 SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")  # ](04_gpipe.ipynb#3.-The-bubble)
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 
@@ -63,21 +62,6 @@ def widget_note(settings: list[str] = ()) -> dict:
     return {"output_type": "display_data", "metadata": {},
             "data": {"text/html": f'<p class="widget-note">{note}</p>',
                      "text/plain": re.sub(r"</?code>", "`", html.unescape(note))}}
-
-
-def is_table(text: str) -> bool:
-    """Whether a text output is laid out in columns: two or more of its lines are padded to line up."""
-    return sum(bool(ALIGNED.search(line)) for line in text.splitlines() if line.strip()) >= 2
-
-
-def output_text(output: dict) -> str | None:
-    """The text of a stream output, or of a result that has nothing richer than text/plain; None otherwise."""
-    if output.get("output_type") == "stream":
-        return "".join(output.get("text", ""))
-    data = output.get("data", {})
-    if output.get("output_type") in ("execute_result", "display_data") and set(data) == {"text/plain"}:
-        return "".join(data["text/plain"])
-    return None
 
 
 def as_table(text: str) -> dict:
