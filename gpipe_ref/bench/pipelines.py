@@ -156,6 +156,18 @@ def _stages_per_rank(schedule: str) -> int:
     return resolve_stages_per_device(schedule, 2 if schedule_spec(schedule).multi_stage else None)
 
 
+def _without_messages_to_itself(stage):
+    """torch 2.11's warm-up of a multi-stage schedule (``_initialize_stages``) sends a dummy tensor to each adjacent
+    stage's rank, its own included where a V puts two adjacent stages on one rank; gloo has no pair from a rank to
+    itself ("Pair is not connected ... <--> [none]"), so ZB-V and DualPipeV die on their first step there. Those
+    messages are dropped (adjacent stages on one rank hand tensors over in memory); torch 2.13 warms up otherwise."""
+    import torch.distributed as dist
+
+    own, ops = dist.get_rank(stage.group), stage._get_init_p2p_neighbors_ops
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in ops() if op.group_peer != own]
+    return stage
+
+
 def torch_pipelining_sides(rank: int, schedule: str, width: int, m: int):
     """Our PipelineParallel and torch's ``schedule`` on this of 2 ranks: (ours, torch_step, torch's parameters here)."""
     import torch.distributed.pipelining as pipelining
@@ -171,7 +183,7 @@ def torch_pipelining_sides(rank: int, schedule: str, width: int, m: int):
                             stages_per_device=v, checkpoint="never", track_memory=False)
     mine = [s for s in range(stages) if ours.schedule.stage_to_device[s] == rank]  # torch places them alike
     modules = [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in mine]
-    torch_stages = [pipelining.PipelineStage(module, s, stages, torch.device("cpu"))
+    torch_stages = [_without_messages_to_itself(pipelining.PipelineStage(module, s, stages, torch.device("cpu")))
                     for s, module in zip(mine, modules)]
     theirs = getattr(pipelining, TORCH_PIPELINING_PEERS[schedule])(
         torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=nn.MSELoss())
