@@ -70,9 +70,8 @@ class StepRun:
         # or right after B's autograd call (split_backward); the rest through autograd
         self.plain = [plain_stage(layers) for layers in self.layers]
         # stages of Linears and ReLUs skip autograd's graph altogether (lean_stage), where the guards hold
-        tied = _parameters_held_twice(self.layers)
+        tied, self.shared = _tied_parameters(self.layers, schedule.stage_to_device)
         self.lean = [lean_layers(layers, plan, tied) for layers, plan in zip(self.layers, self.plain)]
-        self.shared = _stages_sharing_parameters(pipe.stages, schedule.stage_to_device)
         self.threaded = getattr(pipe, "executor", None) == "threads"  # device threads may add into one .grad
         self.copy_input = _changes_its_input(self.layers[0])  # the first stage copies the caller's micro-batch
         mode, m = pipe.checkpoint, schedule.num_microbatches
@@ -338,28 +337,22 @@ def _wants_grad(x) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x if isinstance(x, tuple) else (x,)))
 
 
-def _stages_sharing_parameters(stages, stage_to_device) -> set[int]:
-    """The stages holding a trainable parameter that a stage on another device holds too."""
-    devices: dict[int, set[int]] = {}
-    for s, stage in enumerate(stages):
-        if stage is not None:
-            for p in stage.parameters():
-                if p.requires_grad:
-                    devices.setdefault(id(p), set()).add(stage_to_device[s])
-    shared = {i for i, on in devices.items() if len(on) > 1}
-    return {s for s, stage in enumerate(stages) if stage is not None
-            and any(id(p) in shared for p in stage.parameters())}
-
-
-def _parameters_held_twice(layers: list[tuple]) -> set[int]:
-    """The ids of parameters that two layers hold, in one stage or two (a tied weight)."""
+def _tied_parameters(layers: list[tuple], stage_to_device) -> tuple[set[int], set[int]]:
+    """One walk over the stages' layers: the ids of parameters that two layers hold, in one stage or two (a tied
+    weight); and the stages holding a trainable parameter that a stage on another device holds too."""
     seen: set[int] = set()
     twice: set[int] = set()
-    for stage in layers:
+    devices: dict[int, set[int]] = {}
+    for s, stage in enumerate(layers):
         for layer in stage:
             for p in layer.parameters():
                 (twice if id(p) in seen else seen).add(id(p))
-    return twice
+                if p.requires_grad:
+                    devices.setdefault(id(p), set()).add(stage_to_device[s])
+    across = {i for i in twice if len(devices.get(i, ())) > 1}
+    shared = {s for s, stage in enumerate(layers)
+              if across and any(id(p) in across for layer in stage for p in layer.parameters())}
+    return twice, shared
 
 
 def _changes_its_input(layers) -> bool:

@@ -23,30 +23,36 @@ from torch import nn
 __all__ = ["LeanForward", "lean_backward", "lean_forward", "lean_layers", "lean_ready"]
 
 _relu_backward = torch.ops.aten.threshold_backward.default
+_linear = nn.functional.linear
 
 
 def lean_layers(layers: Sequence[nn.Module], plan: list | None, used_elsewhere: set[int]) -> list | None:
-    """Per layer: ``(weight, bias)`` of a plain Linear, ``"relu"``, or ``None`` (an ``nn.Identity``), when the stage
-    can run lean; else None. ``plan`` is :func:`~gpipe_ref.split_backward.plain_stage`'s; ``used_elsewhere`` holds
-    the ids of parameters that another layer or stage also holds (a tied weight)."""
+    """Per layer: ``(weight, bias, weight.detach(), bias.detach())`` of a plain Linear, ``"relu"``, or ``None`` (an
+    ``nn.Identity``), when the stage can run lean; else None. ``plan`` is
+    :func:`~gpipe_ref.split_backward.plain_stage`'s; ``used_elsewhere`` holds the ids of parameters that another
+    layer or stage also holds (a tied weight). The detached views (made once a step; they share the weights' storage)
+    let F run without ``no_grad`` and B without a detach per product. Every weight shares one dtype and device."""
     if plan is None:
         return None
     ops: list = []
     seen: set[int] = set()
+    kinds: set[tuple] = set()
     for j, (layer, linear) in enumerate(zip(layers, plan)):
         if linear is not None:
             params = [p for p in linear if p is not None]
             if any(not p.requires_grad or id(p) in used_elsewhere or id(p) in seen for p in params):
                 return None
             seen.update(id(p) for p in params)
-            ops.append(linear)
+            kinds.update((p.dtype, p.device) for p in params)
+            weight, bias = linear
+            ops.append((weight, bias, weight.detach(), None if bias is None else bias.detach()))
         elif type(layer) is nn.ReLU and (not layer.inplace or (j > 0 and plan[j - 1] is not None)):
             ops.append("relu")  # in place only on a Linear's fresh output, never on the stage's input
         elif type(layer) is nn.Identity:
             ops.append(None)
         else:
             return None
-    return ops if any(op not in (None, "relu") for op in ops) else None
+    return ops if len(kinds) == 1 else None  # a Linear at least; one dtype and device
 
 
 def lean_ready(ops: list, x: object) -> bool:
@@ -54,12 +60,8 @@ def lean_ready(ops: list, x: object) -> bool:
     asks for no gradient of its own, outside autocast."""
     if type(x) is not torch.Tensor or x.requires_grad:
         return False
-    for op in ops:
-        if op is not None and op != "relu":
-            weight, bias = op
-            if weight.dtype != x.dtype or weight.device != x.device or (bias is not None and bias.dtype != x.dtype):
-                return False
-    return not torch.is_autocast_enabled(x.device.type)
+    weight = next(op[0] for op in ops if op is not None and op != "relu")  # lean_layers: one dtype and device
+    return weight.dtype == x.dtype and weight.device == x.device and not torch.is_autocast_enabled(x.device.type)
 
 
 @dataclass(slots=True)
@@ -75,24 +77,23 @@ class LeanForward:
 def lean_forward(ops: list, x: torch.Tensor, keep: bool, hold=None) -> tuple[torch.Tensor, LeanForward | None]:
     """The stage's output, and with ``keep`` what B needs (``hold``: the meter's, to count each kept tensor)."""
     kept = LeanForward() if keep else None
-    with torch.no_grad():
-        for op in ops:
-            if op is None:
-                out = x
-            elif op == "relu":
-                out = torch.relu(x)  # out of place even for ReLU(inplace=True): the same values and saved bytes
-            else:
-                out = nn.functional.linear(x, op[0], op[1])
-            if kept is not None and op is not None:
-                saved = x if op != "relu" else out
-                kept.saved.append(saved)
-                kept.versions.append(saved._version)
-                if hold is not None:
-                    kept.tokens.append(hold(saved))
-            elif kept is not None:
-                kept.saved.append(None)
-                kept.versions.append(0)
-            x = out
+    for op in ops:  # no graph: x asks for no gradient (lean_ready) and the weights are detached views
+        if op is None:
+            out = x
+        elif op == "relu":
+            out = torch.relu(x)  # out of place even for ReLU(inplace=True): the same values and saved bytes
+        else:
+            out = _linear(x, op[2], op[3])
+        if kept is not None and op is not None:
+            saved = x if op != "relu" else out
+            kept.saved.append(saved)
+            kept.versions.append(saved._version)
+            if hold is not None:
+                kept.tokens.append(hold(saved))
+        elif kept is not None:
+            kept.saved.append(None)
+            kept.versions.append(0)
+        x = out
     return x, kept
 
 
@@ -117,5 +118,5 @@ def lean_backward(ops: list, kept: LeanForward, g: torch.Tensor, want_input: boo
         elif op is not None:
             products.append((saved, kept.versions[j], op[0], op[1], g))
             if j > first_linear or want_input:
-                g = g.matmul(op[0].detach())
+                g = g.matmul(op[2])
     return (g if want_input else None), products

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+import weakref
 
 import torch
 
@@ -17,6 +18,8 @@ from .schedule import Action, Schedule, dependencies, validate
 from .timeline import Event, Timeline
 
 __all__ = ["cuda_event_seconds", "one_at_a_time_order", "run_one_at_a_time", "run_threads", "tied_weight_order"]
+
+_EVENT_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a pipeline -> its CUDA timing events
 
 
 def one_at_a_time_order(schedule: Schedule) -> list[Action]:
@@ -52,9 +55,10 @@ def one_at_a_time_order(schedule: Schedule) -> list[Action]:
 
 def run_one_at_a_time(run: StepRun, order: list[Action]) -> list[float]:
     """Simulated devices: run ``order`` (a valid global order), timing each action; return the seconds.
-    The durations are placed on the devices' clocks (:func:`~gpipe_ref.simulator.place`) by the caller."""
+    The durations are placed on the devices' clocks (:func:`~gpipe_ref.simulator.place`) by the caller. On GPUs,
+    the CUDA events that time them are the pipeline's, kept from step to step (:func:`cuda_event_seconds`)."""
     if all(run.cuda):
-        return cuda_event_seconds(run, order)
+        return cuda_event_seconds(run, order, _EVENT_POOLS.setdefault(run.pipe, []))
     ops, clock, sync, cuda = run.ops, time.perf_counter, run.sync, any(run.cuda)
     seconds = []
     for action in order:
@@ -66,18 +70,33 @@ def run_one_at_a_time(run: StepRun, order: list[Action]) -> list[float]:
     return seconds
 
 
-def cuda_event_seconds(run: StepRun, order: list[Action]) -> list[float]:
-    """Every stage on a GPU: CUDA events mark each action's start and end on its device's stream, so the
-    GPU is never stopped mid-step (a synchronize per action costs launch-bound steps); one wait at the end."""
-    marks = []
+def cuda_event_seconds(run: StepRun, order: list[Action], events: list) -> list[float]:
+    """Every stage on a GPU: CUDA events on each GPU's stream time the actions without stopping the GPU mid-step
+    (a synchronize per action costs launch-bound steps); one wait at the end. An action that follows one on the same
+    GPU starts at that one's end event (the executor queues nothing on a GPU between two actions), so one GPU takes
+    one event per action, not two; after another GPU's action, a start event is recorded first (the GPU may have
+    idled meanwhile). ``events`` is a pool the caller keeps: grown as needed, reused by later steps (each event is
+    free again once the step has waited for it)."""
+    stage_devices, ops, used = run.stage_devices, run.ops, 0
+    streams = {device: torch.cuda.current_stream(device) for device in dict.fromkeys(stage_devices)}
+
+    def recorded(device) -> object:
+        nonlocal used
+        if used == len(events):
+            events.append(torch.cuda.Event(enable_timing=True))
+        event, used = events[used], used + 1
+        event.record(streams[device])
+        return event
+
+    marks, previous, end = [], None, None
     for action in order:
-        stream = torch.cuda.current_stream(run.stage_devices[action.stage])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        run.run(action)
-        end.record(stream)
+        device = stage_devices[action.stage]
+        start = end if device == previous else recorded(device)
+        ops[action.op](action.stage, action.microbatch)
+        end = recorded(device)
         marks.append((start, end))
-    for device in set(run.stage_devices):
+        previous = device
+    for device in streams:
         torch.cuda.synchronize(device)
     return [start.elapsed_time(end) / 1e3 for start, end in marks]  # milliseconds -> seconds
 

@@ -59,7 +59,10 @@ def test_the_gpu_rows_are_named_and_skipped_without_cuda(monkeypatch):
     monkeypatch.setattr(gpipe_ref.bench.torch.cuda, "is_available", lambda: False)
     rows = gpipe_ref.bench.gpu_cases(quick=True)
     names = [row["name"] for row in rows]
-    assert len(names) == len(set(names)) == 3 * 4 + 4 + 3  # schedules x sizes, torchgpipe x sizes, memory modes
+    schedules = len(gpipe_ref.bench.GPU_SCHEDULES)
+    assert schedules == len(schedule_names(flush=True)) >= 8  # every flush schedule, the V ones included
+    assert len(names) == len(set(names)) == schedules * 4 + 4 + 3  # schedules x sizes, torchgpipe x sizes, memory
+    assert "GPU: dualpipe_v step / plain accumulation, width 8192 bfloat16" in names
     assert "GPU: zero_bubble_h1 step / plain accumulation, width 4096 bfloat16" in names
     assert "GPU: peak CUDA memory vs the activation meter, checkpoint=always" in names
     assert all(KEYS <= set(row) and row["skipped"] == "no CUDA on this machine" for row in rows)
@@ -79,7 +82,8 @@ def test_the_gpu_rows_pipes_build_and_train_like_the_plain_model_on_cpu(schedule
     reference = mlp(width=16, depth=4, seed=0)
     pipe.step(x, y, torch.nn.MSELoss())
     gpipe_ref.bench.accumulate_gradients(reference, x, y, 8)
-    assert pipe.balance == [4, 4] and pipe.chunks == 8
+    stages = 4 if pipe.schedule.num_stages > pipe.schedule.num_devices else 2  # 2 a device: interleaved, V
+    assert pipe.balance == [8 // stages] * stages and pipe.chunks == 8 and pipe.schedule.num_devices == 2
     for a, b in zip(reference.parameters(), pipe.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from gpipe_ref.bench import GPU_SCHEDULES, GPU_SIZES
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: make gpu-check runs the real thing")
@@ -23,7 +24,9 @@ def test_the_gpu_parts_name_what_they_skip_without_cuda(tmp_path):
     assert "skipped without CUDA: test_two_stages_on_one_gpu_with_worker_threads" in gpu
     assert "test_ranks_run_backward_and_cuda_after_the_caller_ran_a_cuda_backward" in gpu
     bench = next(line for line in lines if line.startswith("bench (gpu, launch): ok: 3 rows measured"))
-    assert "19 skipped (no CUDA on this machine): gpipe step / plain accumulation, width 256 float32" in bench
+    skipped = len(GPU_SCHEDULES) * len(GPU_SIZES) + len(GPU_SIZES) + 3  # schedules, torchgpipe, memory modes
+    assert f"{skipped} skipped (no CUDA on this machine): gpipe step / plain accumulation, width 256 float32" in bench
+    assert "zero_bubble_v step / plain accumulation, width 8192 bfloat16" in bench
     assert "peak CUDA memory vs the activation meter, checkpoint=always" in bench
     assert any(line.startswith("  launch, a later call vs a plain fork") for line in lines)
     assert lines[-1].startswith("gpu check: passed (gpu, bench)")

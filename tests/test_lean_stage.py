@@ -25,7 +25,16 @@ def ops_of(layers, used_elsewhere=frozenset()):
 def test_linears_and_relus_run_lean():
     layers = [nn.Linear(3, 4), nn.ReLU(), nn.Identity(), nn.Linear(4, 2, bias=False), nn.ReLU(inplace=True)]
     ops = ops_of(layers)
-    assert ops == [(layers[0].weight, layers[0].bias), "relu", None, (layers[3].weight, None), "relu"]
+    assert [op if op in (None, "relu") else op[:2] for op in ops] == \
+        [(layers[0].weight, layers[0].bias), "relu", None, (layers[3].weight, None), "relu"]
+    first, last = ops[0], ops[3]  # and detached views of the weights, sharing their storage, for F and B
+    assert not first[2].requires_grad and first[2].data_ptr() == layers[0].weight.data_ptr()
+    assert first[3].data_ptr() == layers[0].bias.data_ptr() and last[3] is None
+
+
+def test_a_stage_whose_weights_differ_in_dtype_is_not_lean():
+    layers = [nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2).double()]
+    assert ops_of(layers) is None
 
 
 def _frozen():

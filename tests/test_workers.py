@@ -48,3 +48,64 @@ def test_next_action_stays_on_the_stage_while_it_can(name):
             assert action.stage == last.stage
         elif any(a.stage == downstream for a in ready):
             assert action.stage == downstream
+
+
+class _FakeClock:
+    """Stands in for CUDA on the CPU: an event's time is the count of actions run when it was recorded."""
+
+    def __init__(self):
+        self.now, self.created, self.recorded = 0.0, 0, []
+
+    def event(self, enable_timing=False):
+        clock = self
+
+        class Event:
+            def __init__(self):
+                clock.created += 1
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = clock.now
+                clock.recorded.append((self, stream))
+
+            def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event's
+                return (end.at - self.at) * 1e3
+
+        return Event()
+
+
+class _FakeRun:
+    def __init__(self, clock, schedule, devices, cost):
+        self.schedule, self.stage_devices, self.clock, self.cost = schedule, devices, clock, cost
+        self.ops = {op: self._run for op in "FBW"}
+
+    def _run(self, stage, microbatch):
+        self.clock.now += self.cost(stage, microbatch)
+
+
+def test_cuda_events_time_each_action_from_the_end_of_the_one_before_on_its_gpu(monkeypatch):
+    """On one GPU, one event at the start and one at each action's end, kept in a pool the next step reuses; on two,
+    a fresh start event wherever the GPU changes (the other GPU idled meanwhile)."""
+    import torch
+
+    from gpipe_ref.workers import cuda_event_seconds
+
+    clock = _FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    schedule = _schedule("1f1b", 2, 4)
+    order = one_at_a_time_order(schedule)
+    run = _FakeRun(clock, schedule, ["cuda:0", "cuda:0"], lambda stage, mb: 1 + stage + 10 * mb)
+    pool: list = []
+    seconds = cuda_event_seconds(run, order, pool)
+    assert seconds == pytest.approx([1 + a.stage + 10 * a.microbatch for a in order])
+    assert clock.created == len(order) + 1 == len(pool)  # one start event: both stages share cuda:0's stream
+    assert {stream for _, stream in clock.recorded} == {"stream of cuda:0"}
+    again = cuda_event_seconds(run, order, pool)
+    assert again == seconds and clock.created == len(order) + 1  # the second step creates no event
+
+    two = _FakeRun(clock, schedule, ["cuda:0", "cuda:1"], lambda stage, mb: 1.0)
+    assert cuda_event_seconds(two, order, pool) == pytest.approx([1.0] * len(order))  # no other GPU's time in it
+    changes = sum(a.stage != b.stage for a, b in zip(order, order[1:]))
+    assert len(pool) == 2 * len(order) - (len(order) - 1 - changes)

@@ -10,7 +10,8 @@ from torch import nn
 
 from ..measure import spread
 from ..models import mlp, regression_data
-from .common import accumulate_gradients, alternate, one_stage_flush_schedules, result_row
+from ..schedule import resolve_stages_per_device, schedule_names, schedule_spec
+from .common import accumulate_gradients, alternate, result_row
 
 __all__ = ["GPU_SCHEDULES", "GPU_SIZES", "gpu_cases", "gpu_memory_cases", "gpu_pipe"]
 
@@ -18,7 +19,12 @@ __all__ = ["GPU_SCHEDULES", "GPU_SIZES", "gpu_cases", "gpu_memory_cases", "gpu_p
 GPU_SIZES = [(256, 512, "float32"), (2048, 512, "float32"), (4096, 512, "bfloat16"), (8192, 4096, "bfloat16")]
 
 
-GPU_SCHEDULES = one_stage_flush_schedules()  # gpipe, 1f1b, zero_bubble_h1
+GPU_SCHEDULES = schedule_names(flush=True)  # every flush schedule: one stage per device, interleaved, V
+
+
+def _stages_per_device(schedule: str) -> int:
+    """A schedule's stages per device on the GPU rows' 2 devices: 2 where it holds several (interleaved, V)."""
+    return resolve_stages_per_device(schedule, 2 if schedule_spec(schedule).multi_stage else None)
 
 
 def _gpu_skipped(reason: str) -> list[dict]:
@@ -41,12 +47,16 @@ def _cuda_seconds(fn: Callable[[], object]) -> float:
 
 
 def gpu_pipe(width: int, blocks: int, dtype: torch.dtype, schedule: str, devices: list[str], **options):
-    """The GPU rows' pipeline: ``blocks`` (Linear, ReLU) blocks in 2 equal stages, 8 micro-batches (on the CPU
-    in the tests, with ``devices=["cpu", "cpu"]``)."""
+    """The GPU rows' pipeline: ``blocks`` (Linear, ReLU) blocks in equal stages, one per device or two where the
+    schedule holds several (4 stages on 2 devices), 8 micro-batches (on the CPU in the tests, with
+    ``devices=["cpu", "cpu"]``)."""
     from ..pipeline import GPipe
 
     model = mlp(width=width, depth=blocks, seed=0).to(dtype)
-    return GPipe(model, [len(model) // 2] * 2, devices=devices, chunks=8, schedule=schedule, **options)
+    v = _stages_per_device(schedule)
+    stages = len(devices) * v
+    return GPipe(model, [len(model) // stages] * stages, devices=devices, chunks=8, schedule=schedule,
+                 stages_per_device=v if schedule_spec(schedule).multi_stage else None, **options)
 
 
 def gpu_cases(quick: bool) -> list[dict]:
@@ -76,10 +86,12 @@ def gpu_cases(quick: bool) -> list[dict]:
             sides["torchgpipe"] = lambda: _cuda_seconds(lambda: nn.functional.mse_loss(peer(x), y).backward())
         timed = dict(zip(sides, alternate(list(sides.values()), repeats)))
         config = {"width": width, "layers": 2 * blocks, "samples": samples, "dtype": dtype_name, "chunks": chunks,
-                  "stages": 2, "devices": "cuda:0 x 2", "rounds": repeats}
+                  "devices": "cuda:0 x 2", "rounds": repeats}
         for name in [*GPU_SCHEDULES, *(["torchgpipe"] if torchgpipe is not None else [])]:
+            stages = 2 if name == "torchgpipe" else 2 * _stages_per_device(name)
             row = result_row(f"GPU: {name} step / plain accumulation, width {width} {dtype_name}",
-                             {**config, "executor": "torchgpipe" if name == "torchgpipe" else "simulated"},
+                             {**config, "stages": stages,
+                              "executor": "torchgpipe" if name == "torchgpipe" else "simulated"},
                              timed[name], timed["plain"], target=1.10)
             row["spread"] = spread(timed[name])
             out.append(row)
