@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,13 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def environment(out: Path, site: Path | None) -> dict[str, str]:
-    """This environment with a throw-away HOME (Jupyter, IPython and matplotlib write there) and PYTHONPATH
-    holding the checkout and the carried wheels."""
+def environment(out: Path, site: Path | None, wheels: Path | None = None) -> dict[str, str]:
+    """This environment with a throw-away HOME (Jupyter, IPython and matplotlib write there), PYTHONPATH holding
+    the checkout and the carried wheels, and PATH the carried bubblewrap (``tools/gpu_wheels.sh`` unpacks it into
+    ``--wheels``/bwrap) where the machine has none."""
     home = out / "home"
     home.mkdir(parents=True, exist_ok=True)
     paths = [str(ROOT)] + ([str(site)] if site else []) + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
-    return dict(os.environ, HOME=str(home), GPIPE_TEST_HOME=str(home), MPLCONFIGDIR=str(home / "matplotlib"),
+    path = os.environ.get("PATH", "")
+    carried = wheels / "bwrap" / "usr" / "bin" if wheels else None
+    if carried and (carried / "bwrap").is_file() and not shutil.which("bwrap"):
+        path = f"{carried.resolve()}{os.pathsep}{path}"
+    return dict(os.environ, PATH=path, HOME=str(home), GPIPE_TEST_HOME=str(home), MPLCONFIGDIR=str(home / "matplotlib"),
                 IPYTHONDIR=str(home / "ipython"), JUPYTER_CONFIG_DIR=str(home / "jupyter" / "config"),
                 JUPYTER_DATA_DIR=str(home / "jupyter" / "data"), JUPYTER_RUNTIME_DIR=str(home / "jupyter" / "runtime"),
                 PYTHONPATH=":".join(paths), PYTHONUNBUFFERED="1")
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     site = install_wheels(Path(args.wheels), out) if args.wheels else None
-    env = environment(out, site)
+    env = environment(out, site, Path(args.wheels) if args.wheels else None)
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda, "
                             "torch.cuda.device_count(), [torch.cuda.get_device_name(i) "
                             "for i in range(torch.cuda.device_count())])"],
