@@ -41,35 +41,12 @@ from ..pipeline import GPipe
 from .agreement import check_agreement
 from .collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .zero_guards import ShardedGradient, hide_parameter, sharded_gradient, show_parameter
+from .zero_units import Unit, output_tensors, unit_users, units_of
 
 __all__ = ["ZeRO", "zero_state_bytes", "zero_traffic_bytes", "ZERO_STAGES", "COLLECTIVES", "COMM_KINDS"]
 
 COLLECTIVES = ("ring", "torch")
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-class _Unit:
-    """The parameters one module owns, as one flat buffer of ``padded`` elements (N shards of ``shard_size``).
-    A parameter shared by two modules (tied weights) belongs to the first that owns it."""
-
-    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], world_size: int) -> None:
-        self.name, self.module, self.params = name, module, params
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"ZeRO keeps a module's parameters in one flat buffer, so they must share a dtype: "
-                             f"module '{name or '(the module itself)'}' has {sorted(map(str, dtypes))}")
-        self.dtype, self.device = params[0].dtype, params[0].device
-        self.numel = sum(p.numel() for p in params)
-        self.shard_size = math.ceil(self.numel / world_size)
-        self.padded = self.shard_size * world_size
-        self.ready = 0  # parameters whose gradient this backward has produced
-        self.received: set[int] = set()  # parameters (by index) that got a gradient since the last zeroing
-        self.reduced = False
-        self.version = None  # stages 0-1: the gradient buffer's version when the backward left it
-        self.guarded = False  # stages 2-3: the parameters' .grad hold ShardedGradient stand-ins
-
-    def label(self) -> str:
-        return self.name or "(the module itself)"
 
 
 class ZeRO:
@@ -102,7 +79,7 @@ class ZeRO:
                                "with gpipe_ref.distributed.launch or torchrun (init_from_env)")
         self.module, self.stage, self.collectives = module, stage, collectives
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.units = _units(module, self.world_size)
+        self.units = units_of(module, self.world_size)
         if not self.units:
             raise ValueError("module must have parameters that require a gradient, got none")
         check_agreement("ZeRO", {"stage": stage, "collectives": collectives, "parameters": [
@@ -113,13 +90,13 @@ class ZeRO:
                                           weight_decay=weight_decay)
         module.register_forward_pre_hook(lambda _m, _args: self._before_forward())
         if stage == 3:
-            for owner, units in _users(module, self.units).items():
+            for owner, units in unit_users(module, self.units).items():
                 owner.register_forward_pre_hook(lambda _m, _args, units=units: self._gather(*units))
                 owner.register_forward_hook(lambda _m, _args, out, units=units: self._after_forward(units, out))
             for unit in self.units:
                 self._free(unit)
 
-    def _shard(self, unit: _Unit) -> nn.Parameter:
+    def _shard(self, unit: Unit) -> nn.Parameter:
         """Build the unit's flat buffers (weights from rank 0), point its parameters and gradients at them, and
         return the tensor Adam steps on this rank."""
         full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
@@ -158,7 +135,7 @@ class ZeRO:
         """Ψ padded: the elements of all the flat buffers (each unit a multiple of N)."""
         return sum(unit.padded for unit in self.units)
 
-    def _point_params(self, unit: _Unit) -> None:
+    def _point_params(self, unit: Unit) -> None:
         """Make the module's parameters views of the unit's full buffer (their own version counters stay)."""
         offset = 0
         for p in unit.params:
@@ -198,34 +175,34 @@ class ZeRO:
 
     # -- stage 3: gather a unit's weights before use, free them after -----------------------------------------
 
-    def _gather(self, *units: _Unit) -> None:
+    def _gather(self, *units: Unit) -> None:
         for unit in units:
             if unit.full.untyped_storage().nbytes() == 0:
                 unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
                 self._all_gather(unit.full, unit.shard.detach())
                 self._point_params(unit)
 
-    def _free(self, unit: _Unit) -> None:
+    def _free(self, unit: Unit) -> None:
         unit.full.untyped_storage().resize_(0)
         for p in unit.params:  # reading a freed parameter now raises (not a read of freed memory)
             hide_parameter(p)
 
-    def _after_forward(self, units: list[_Unit], output) -> None:
+    def _after_forward(self, units: list[Unit], output) -> None:
         for unit in units:
             self._free(unit)
         if torch.is_grad_enabled():  # gather again just before the backward of these units runs
-            for t in _output_tensors(output):
+            for t in output_tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, units=units: self._gather(*units))
 
     # -- the gradients as the backward leaves them ----------------------------------------------------------------
 
-    def _accumulated(self, unit: _Unit, k: int) -> None:
+    def _accumulated(self, unit: Unit, k: int) -> None:
         """Stages 0-1: parameter ``k`` added its gradient into the flat buffer."""
         unit.received.add(k)
         unit.version = unit.grad._version
 
-    def _grad_ready(self, unit: _Unit, k: int) -> None:
+    def _grad_ready(self, unit: Unit, k: int) -> None:
         """Stages 2-3: once every parameter of the unit has its gradient, reduce-scatter them into the shard."""
         unit.received.add(k)
         unit.ready += 1
@@ -270,7 +247,7 @@ class ZeRO:
                     p.grad = None
                 unit.guarded = False
 
-    def _zero(self, unit: _Unit) -> None:
+    def _zero(self, unit: Unit) -> None:
         (unit.grad if self.stage <= 1 else unit.shard_grad).zero_()
         unit.shard.grad = unit.shard_grad
         unit.received.clear()
@@ -290,7 +267,7 @@ class ZeRO:
                     p.grad = view
         self.traffic = dict.fromkeys(COMM_KINDS, 0)
 
-    def _used_units(self) -> list[_Unit]:
+    def _usedunits_of(self) -> list[Unit]:
         """The units whose parameters got a gradient on some rank (one small all-reduce); refuses a unit some of
         whose parameters did and some did not, which one flat Adam shard cannot leave half untouched."""
         flags = torch.tensor([k in unit.received for unit in self.units for k in range(len(unit.params))],
@@ -312,7 +289,7 @@ class ZeRO:
                                    f"(requires_grad=False)")
         return used
 
-    def _average(self) -> list[_Unit]:
+    def _average(self) -> list[Unit]:
         """Average this step's gradients over the ranks, once (stages 0-1 here; 2-3 did it in the backward), into
         the tensors Adam steps; the units to step. Refuses gradients changed in place after the backward."""
         if self._averaged:
@@ -326,7 +303,7 @@ class ZeRO:
                         f"rank's .grad holds its own un-averaged gradient here: clip with "
                         f"zero.clip_grad_norm_(max_norm), which clips the averaged one")
             self._before_forward()  # a model.zero_grad() between the forward and the backward, taken up
-        used = self._used_units()
+        used = self._usedunits_of()
         for unit in used:
             if self.stage == 0:
                 self._all_reduce(unit.grad)
@@ -438,39 +415,3 @@ class ZeRO:
         for name, value in self.module.state_dict(keep_vars=True).items():
             out[name] = full[id(value)] if id(value) in full else value.detach()
         return out
-
-
-def _units(module: nn.Module, world_size: int) -> list[_Unit]:
-    """One unit per module that owns trainable parameters; a parameter owned twice goes to its first owner."""
-    seen: set[int] = set()
-    units = []
-    for name, m in module.named_modules():
-        params = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in params)
-        if params:
-            units.append(_Unit(name, m, params, world_size))
-    return units
-
-
-def _users(module: nn.Module, units: list[_Unit]) -> dict[nn.Module, list[_Unit]]:
-    """Stage 3: for each module that owns trainable parameters, the units holding them (its own, and the unit
-    of a weight it shares with an earlier module), gathered before its forward and freed after."""
-    owner = {id(p): unit for unit in units for p in unit.params}
-    users = {}
-    for m in module.modules():
-        needed = []
-        for p in m.parameters(recurse=False):
-            unit = owner.get(id(p))
-            if unit is not None and unit not in needed:
-                needed.append(unit)
-        if needed:
-            users[m] = needed
-    return users
-
-
-def _output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a forward's output: a tensor, or lists, tuples and dicts of them."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
-    return [t for item in items for t in _output_tensors(item)]
