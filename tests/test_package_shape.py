@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE_LINES = 500
+MODULE_LINES = 450  # issue 45: split by idea before the cap, not packed under it
 FUNCTION_LINES = 60
 # Longer on purpose, each with its reason.
 LONG_MODULES: dict[str, str] = {}
