@@ -8,6 +8,21 @@ The main classes are importable from here, as torch's and torchgpipe's are:
 ``from gpipe_ref import GPipe, PipelineParallel, DataParallel, launch``.
 """
 
+from .batchnorm import (
+    DeferredBatchNorm,
+    DeferredBatchNorm1d,
+    DeferredBatchNorm2d,
+    DeferredBatchNorm3d,
+    convert_deferred_batch_norm,
+)
+from .distributed import RankError, launch
+from .distributed.data_parallel import DataParallel
+from .distributed.pipeline_parallel import PipelineParallel
+from .distributed.tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
+from .distributed.zero import ZeRO
+from .meter import ActivationMeter
+from .partition import balance_by_params, balance_by_size, balance_by_time
+from .pipeline import GPipe
 from .schedule import (
     POLICIES,
     SCHEDULES,
@@ -30,16 +45,6 @@ from .schedule import (
 )
 from .simulator import CostModel, bubble_formula, simulate
 from .timeline import Event, Timeline, Transfer
-from .meter import ActivationMeter
-from .batchnorm import (DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d,
-                        convert_deferred_batch_norm)
-from .partition import balance_by_params, balance_by_size, balance_by_time
-from .pipeline import GPipe
-from .distributed import RankError, launch
-from .distributed.data_parallel import DataParallel
-from .distributed.pipeline_parallel import PipelineParallel
-from .distributed.tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
-from .distributed.zero import ZeRO
 
 __version__ = "0.1.0"
 

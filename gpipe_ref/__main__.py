@@ -23,6 +23,7 @@ from .parsers import build_parser, build_parsers  # noqa: F401 (build_parser: th
 from .schedule import ScheduleError, make_schedule, resolve_stages_per_device
 from .simulator import CostModel, bubble_formula, simulate
 
+
 # -- running a command ---------------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace) -> int:
     from .bench import plot, run

@@ -13,14 +13,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .lean_stage import lean_backward, lean_forward, lean_layers, lean_ready
 from .meter import ActivationMeter
 from .microbatch import batch_size
-from .lean_stage import lean_backward, lean_forward, lean_layers, lean_ready
 from .rematerialization import Snapshot, captured, rematerializes, replayed
 from .schedule import Action
 from .split_backward import ForwardMarks, WeightPass, backward_input, backward_weight, plain_stage
-from .stage_ops import (backward_into, check_activation, check_loss, detached, differentiable, input_grads, received,
-                        run_layers, to_device)
+from .stage_ops import (
+    backward_into,
+    check_activation,
+    check_loss,
+    detached,
+    differentiable,
+    input_grads,
+    received,
+    run_layers,
+    to_device,
+)
 from .timeline import Timeline
 
 __all__ = ["StepRun"]

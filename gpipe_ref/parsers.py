@@ -145,8 +145,8 @@ def _exercises_parser(commands) -> argparse.ArgumentParser:
 
 
 def _grade_parser(commands) -> argparse.ArgumentParser:
-    from .grading.grader_side.grader import DEFAULT_NOTEBOOK_TIMEOUT, MAX_TIMEOUT, timeout_seconds
     from .grading.commands import add_limit_arguments
+    from .grading.grader_side.grader import DEFAULT_NOTEBOOK_TIMEOUT, MAX_TIMEOUT, timeout_seconds
 
     timeout = checked(timeout_seconds, float)
     grade = commands.add_parser(

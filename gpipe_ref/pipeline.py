@@ -44,8 +44,15 @@ from .meter import ActivationMeter
 from .microbatch import Batch, batch_size, gather, scatter
 from .partition import balance_by_params, check_balance, split
 from .rematerialization import CHECKPOINT_MODES, rematerialized, rematerializes
-from .schedule import (Action, Schedule, make_schedule, resolve_stages_per_device, schedule_names, schedule_spec,
-                       validate)
+from .schedule import (
+    Action,
+    Schedule,
+    make_schedule,
+    resolve_stages_per_device,
+    schedule_names,
+    schedule_spec,
+    validate,
+)
 from .simulator import place
 from .stage_ops import to_device
 from .timeline import Timeline

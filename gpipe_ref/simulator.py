@@ -19,8 +19,19 @@ from typing import Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int, probability
 from .measure import gc_paused
-from .schedule import (SCHEDULES, Action, EncodedSchedule, Schedule, Walk, WeightPolicy, encode, execution_order,
-                       resolve_stages_per_device, walk, weight_versions)
+from .schedule import (
+    SCHEDULES,
+    Action,
+    EncodedSchedule,
+    Schedule,
+    Walk,
+    WeightPolicy,
+    encode,
+    execution_order,
+    resolve_stages_per_device,
+    walk,
+    weight_versions,
+)
 from .timeline import Event, Timeline
 
 __all__ = ["PAIR_PRICINGS", "CostModel", "simulate", "place", "time_one_at_a_time", "bubble_formula", "calibrate"]

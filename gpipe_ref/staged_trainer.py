@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .checks import positive
 from .partition import check_balance, split
 from .rematerialization import captured, replayed
-from .checks import positive
 from .schedule import Action, Schedule, WeightPolicy, schedule_names, weight_versions
 from .simulator import time_one_at_a_time
 from .timeline import Timeline

@@ -45,9 +45,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .measure import torch_threads
 from .checks import integer, positive, positive_int
-from .schedule import (BASELINES, POLICIES, Schedule, WeightPolicy, make_schedule, pipedream_async)
+from .measure import torch_threads
+from .schedule import BASELINES, POLICIES, Schedule, WeightPolicy, make_schedule, pipedream_async
 from .simulator import CostModel, simulate
 from .staged_trainer import StagedTrainer, StepRecord
 

@@ -16,8 +16,8 @@ sec. 2.3); time a device only communicates counts as bubble.
 from __future__ import annotations
 
 import math
-import os
 import operator
+import os
 from operator import attrgetter
 from typing import Iterable, Mapping, NamedTuple
 

@@ -9,8 +9,20 @@ import math
 from .checks import integer
 from .svg import svg_root
 from .timeline import Timeline
-from .timeline_bars import (IDLE_EDGE, IDLE_FILL, LABEL_LIMIT, LABEL_PAD_PX, Bar, check_color_by, check_timeline,
-                            pair_style, row_names, text_color, timeline_bars, timeline_rows)
+from .timeline_bars import (
+    IDLE_EDGE,
+    IDLE_FILL,
+    LABEL_LIMIT,
+    LABEL_PAD_PX,
+    Bar,
+    check_color_by,
+    check_timeline,
+    pair_style,
+    row_names,
+    text_color,
+    timeline_bars,
+    timeline_rows,
+)
 
 __all__ = ["SVG_FONT_PX", "svg_text_width", "timeline_svg"]
 

@@ -27,9 +27,28 @@ from .checks import positive_int
 from .figures import plot_linear_splits, plot_parallelism_overview
 from .loss_curves import CURVE_STYLES, loss_curves_svg, plot_convergence, running_mean
 from .timeline import Timeline
-from .timeline_bars import (BAR_HEIGHT, COLOR_BY, COMM_KIND, IDLE_EDGE, IDLE_FILL, IDLE_HATCH, KIND_COLORS, KINDS,
-                            LABEL_LIMIT, LABEL_PAD_PX, Bar, check_timeline, microbatch_color, pair_style, row_names,
-                            stage_colors, text_color, timeline_bars, timeline_rows, version_colors)
+from .timeline_bars import (
+    BAR_HEIGHT,
+    COLOR_BY,
+    COMM_KIND,
+    IDLE_EDGE,
+    IDLE_FILL,
+    IDLE_HATCH,
+    KIND_COLORS,
+    KINDS,
+    LABEL_LIMIT,
+    LABEL_PAD_PX,
+    Bar,
+    check_timeline,
+    microbatch_color,
+    pair_style,
+    row_names,
+    stage_colors,
+    text_color,
+    timeline_bars,
+    timeline_rows,
+    version_colors,
+)
 from .timeline_svg import svg_text_width, timeline_svg
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the package

@@ -9,8 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.activation_memory import (ATTENTION, LABELS, RECOMPUTE, TERMS, layer_activation_bytes, layer_terms,
-                                         measure_layer, paper_formula, pytorch_extra_bytes)
+from gpipe_ref.activation_memory import (
+    ATTENTION,
+    LABELS,
+    RECOMPUTE,
+    TERMS,
+    layer_activation_bytes,
+    layer_terms,
+    measure_layer,
+    paper_formula,
+    pytorch_extra_bytes,
+)
 from gpipe_ref.models import MaskDropout, TransformerLayer
 
 SHAPES = [(128, 2, 64, 4), (32, 3, 48, 6)]  # (s, b, h, a)

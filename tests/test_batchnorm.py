@@ -14,8 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.batchnorm import (DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm2d, DeferredBatchNorm3d,
-                                 convert_deferred_batch_norm)
+from gpipe_ref.batchnorm import (
+    DeferredBatchNorm,
+    DeferredBatchNorm1d,
+    DeferredBatchNorm2d,
+    DeferredBatchNorm3d,
+    convert_deferred_batch_norm,
+)
 from gpipe_ref.microbatch import scatter
 from gpipe_ref.rematerialization import rematerialized
 

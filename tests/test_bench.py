@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
 
 import gpipe_ref.bench
+from conftest import ROOT
 from gpipe_ref.__main__ import main
 from gpipe_ref.bench.pipelines import TORCH_PIPELINING_PEERS, torch_pipelining_sides
 from gpipe_ref.schedule import schedule_names

@@ -10,9 +10,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+from test_browser import NOTEBOOK_MS, lab_page, open_and_start_run_all
 
 from conftest import ROOT, running_lab
-from test_browser import NOTEBOOK_MS, lab_page, open_and_start_run_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
 LESSON = "notebooks/00_welcome.ipynb"

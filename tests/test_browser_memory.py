@@ -4,9 +4,10 @@ test_browser.py for the shared pieces)."""
 
 from __future__ import annotations
 
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+
 from gpipe_ref.memory import MemorySetup, memory_anatomy
 from gpipe_ref.widgets.memory import format_bytes, schedule_labels
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 
 def _fullest(setup: MemorySetup) -> tuple[int, str]:

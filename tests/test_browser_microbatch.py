@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 from gpipe_ref.sharding import sharding_plan
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
 
 SIZES = (8, 1024, 1024, 2)  # batch, sequence length, hidden size, bytes per element: the notebook's widget cell
 

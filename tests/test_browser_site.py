@@ -12,7 +12,6 @@ import threading
 from urllib.parse import urlparse
 
 import pytest
-
 from test_browser import CHROMIUM, CHROMIUM_ARGS, require_browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]

@@ -6,8 +6,17 @@ import math
 
 import pytest
 
-from gpipe_ref.checks import (fraction, instance, integer, non_negative, number, one_of, positive, positive_int,
-                              probability)
+from gpipe_ref.checks import (
+    fraction,
+    instance,
+    integer,
+    non_negative,
+    number,
+    one_of,
+    positive,
+    positive_int,
+    probability,
+)
 
 NAN, INF = float("nan"), float("inf")
 

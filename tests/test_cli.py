@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 import gpipe_ref.bench
-from gpipe_ref import CostModel, SCHEDULES, make_schedule, register, schedule_names, schedule_spec, simulate
+from conftest import ROOT
+from gpipe_ref import SCHEDULES, CostModel, make_schedule, register, schedule_names, schedule_spec, simulate
 from gpipe_ref.__main__ import build_parser, build_parsers, main
 from gpipe_ref.distributed.train import TrainConfig, checkpoint_modes, config_from_args
 from gpipe_ref.grading.grader_side.grader import NotebookResult

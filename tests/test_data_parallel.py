@@ -11,8 +11,13 @@ import torch
 from torch import nn
 
 from gpipe_ref.distributed import RankError, launch
-from gpipe_ref.distributed.data_parallel import (DataParallel, accumulate_gradients, assign_buckets,
-                                                 naive_data_parallel_step, parameters_reached)
+from gpipe_ref.distributed.data_parallel import (
+    DataParallel,
+    accumulate_gradients,
+    assign_buckets,
+    naive_data_parallel_step,
+    parameters_reached,
+)
 from gpipe_ref.models import mlp, regression_data
 
 pytestmark = pytest.mark.timeout(240)

@@ -7,8 +7,14 @@ import torch
 from torch import nn
 
 from gpipe_ref import GPipe
-from gpipe_ref.devices import (default_devices, describe_devices, describe_placement, resolve_devices,
-                               runs_in_parallel, visible_gpus)
+from gpipe_ref.devices import (
+    default_devices,
+    describe_devices,
+    describe_placement,
+    resolve_devices,
+    runs_in_parallel,
+    visible_gpus,
+)
 
 
 @pytest.mark.parametrize("count,gpus,expected", [

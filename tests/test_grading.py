@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from conftest import ROOT
-from planted import planted_answers
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, check, grade
-from gpipe_ref.grading.exercises.common import judge_one_stage_per_device, schedule_generators
 from gpipe_ref.grading.cases import Case, Exercise
+from gpipe_ref.grading.exercises.common import judge_one_stage_per_device, schedule_generators
 from gpipe_ref.grading.judge import forbidden_use, judge, run_cases, same
-from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
 from gpipe_ref.grading.kernel_side.guard import resolve
 from gpipe_ref.grading.kernel_side.runner import Request, run_one
 from gpipe_ref.grading.kernel_side.wire import dumps, loads
+from gpipe_ref.grading.notebooks import BEGIN, END, build, exercise_of, student_copy
 from gpipe_ref.schedule import SCHEDULES, Action, gpipe, register, schedule_spec, unregister
+from planted import planted_answers
 
 SOLUTIONS = ROOT / "solutions"
 EXERCISE_DIR = ROOT / "exercises"
@@ -365,10 +365,10 @@ def test_what_the_kernel_receives_holds_no_expected_side():
 def test_the_solutions_pass_every_draw(name):
     """The course's solutions pass the drawn cases of five draws: every draw stays within what the exercise
     promises (a layer count the stages divide, a world the shards fit...)."""
+    import matplotlib.pyplot as plt
+
     from gpipe_ref.grading.learner import judge_in_process
     from gpipe_ref.grading.mutants import solution_notebook
-
-    import matplotlib.pyplot as plt
 
     setup, cells = solution_notebook(ROOT / "solutions" / f"{name}.ipynb")
     namespace: dict = {"__name__": "__main__"}

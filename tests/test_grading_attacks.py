@@ -384,7 +384,7 @@ def test_a_result_read_back_is_held_to_the_course():
 
 
 def test_a_worker_result_needs_its_nonce_and_a_normal_exit(tmp_path):
-    from gpipe_ref.grading.grader_side.classroom import result_of, Submission, Worker
+    from gpipe_ref.grading.grader_side.classroom import Submission, Worker, result_of
     from gpipe_ref.grading.grader_side.grader import NotebookResult
 
     data = (ROOT / "exercises" / "04_gpipe.ipynb").read_bytes()

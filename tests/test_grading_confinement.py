@@ -16,10 +16,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_grading_attacks import HONEST_04_1, HONEST_04_3, inject_attack
 
 from conftest import ROOT
 from gpipe_ref.grading.grader_side.sandbox import python_folders, sandbox_problem
-from test_grading_attacks import HONEST_04_1, HONEST_04_3, inject_attack
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")]

@@ -10,10 +10,15 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from planted import (assert_caught, passes_check_and_grade, run_answer, solutions_pass_every_case,
-                     wrong_answer_loses_the_points)
 from gpipe_ref.grading import EXERCISES, grade
 from gpipe_ref.grading.exercises.ex01_data_parallel import measure_traffic
+from planted import (
+    assert_caught,
+    passes_check_and_grade,
+    run_answer,
+    solutions_pass_every_case,
+    wrong_answer_loses_the_points,
+)
 
 # -- every exercise of notebook 01: the solution notebook passes, plausible wrong answers lose the points -----------
 

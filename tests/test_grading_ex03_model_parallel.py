@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from planted import (assert_caught, passes_check_and_grade, run_answer, solutions_pass_every_case,
-                     wrong_answer_loses_the_points)
 from gpipe_ref.grading import EXERCISES, grade
+from planted import (
+    assert_caught,
+    passes_check_and_grade,
+    run_answer,
+    solutions_pass_every_case,
+    wrong_answer_loses_the_points,
+)
 
 # -- every exercise of notebook 03: the solution notebook passes, plausible wrong answers lose the points -----------
 

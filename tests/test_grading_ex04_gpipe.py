@@ -12,13 +12,18 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from planted import (assert_caught, passes_check_and_grade, run_answer, solutions_pass_every_case,
-                     wrong_answer_loses_the_points)
 from gpipe_ref.grading import EXERCISES, check, grade
 from gpipe_ref.grading.cases import THINKING
 from gpipe_ref.grading.exercises.ex04_gpipe import design_held, design_step_time, judge_design, reference_design
 from gpipe_ref.memory import microbatches_in_flight
 from gpipe_ref.microbatch_size import LinearCost, megatron_step_time
+from planted import (
+    assert_caught,
+    passes_check_and_grade,
+    run_answer,
+    solutions_pass_every_case,
+    wrong_answer_loses_the_points,
+)
 
 # -- every exercise of notebook 04: the solution notebook passes, plausible wrong answers lose the points -----------
 

@@ -7,15 +7,22 @@ second blind learner found (05.1, 05.2, 05.3) fail the shown check, and the prom
 from __future__ import annotations
 
 import dataclasses
+
 import nbformat
 import pytest
 
 from conftest import ROOT
-from planted import (assert_caught, passes_check_and_grade, run_answer, scores_zero_and_the_shown_check_catches_it,
-                     solutions_pass_every_case, wrong_answer_loses_the_points)
 from gpipe_ref.grading import EXERCISES, grade
 from gpipe_ref.grading.exercises.ex05_rematerialization import COST, SETUP, design_memory, design_time, feasible_designs
 from gpipe_ref.memory import MemorySetup, measure_anatomy, memory_anatomy
+from planted import (
+    assert_caught,
+    passes_check_and_grade,
+    run_answer,
+    scores_zero_and_the_shown_check_catches_it,
+    solutions_pass_every_case,
+    wrong_answer_loses_the_points,
+)
 
 # -- every exercise of notebook 05: the solution notebook passes, plausible wrong answers lose the points -----------
 

@@ -12,9 +12,9 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from planted import assert_caught, run_answer, solutions_pass_every_case, wrong_answer_loses_the_points
 from gpipe_ref.grading import EXERCISES, check, grade
 from gpipe_ref.grading.cases import THINKING
+from planted import assert_caught, run_answer, solutions_pass_every_case, wrong_answer_loses_the_points
 
 # -- every exercise of notebook 06: the solution notebook passes, plausible wrong answers lose the points -----------
 

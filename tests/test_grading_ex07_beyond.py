@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from planted import (assert_caught, passes_check_and_grade, run_answer, scores_zero_and_the_shown_check_catches_it,
-                     solutions_pass_every_case, wrong_answer_loses_the_points)
 from gpipe_ref.grading import EXERCISES
+from planted import (
+    assert_caught,
+    passes_check_and_grade,
+    run_answer,
+    scores_zero_and_the_shown_check_catches_it,
+    solutions_pass_every_case,
+    wrong_answer_loses_the_points,
+)
 
 # -- every exercise of notebook 07: the solution notebook passes, plausible wrong answers lose the points -----------
 

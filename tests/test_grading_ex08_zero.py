@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from planted import GRADE_LIMIT_S, assert_caught, run_answer, solutions_pass_every_case
 from gpipe_ref.grading import EXERCISES, grade
 from gpipe_ref.grading.exercises.ex08_zero import fewest_gpus
+from planted import GRADE_LIMIT_S, assert_caught, run_answer, solutions_pass_every_case
 
 # -- every exercise of notebook 08: the solution notebook passes, plausible wrong answers lose the points -----------
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from planted import assert_caught, passes_check_and_grade, run_answer, solutions_pass_every_case, solution_namespace
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, grade
 from gpipe_ref.grading.exercises.ex09_v_schedules import dualpipe_v_measured, idle_where_measured, warmup_of
 from gpipe_ref.schedule import zero_bubble_v
+from planted import assert_caught, passes_check_and_grade, run_answer, solution_namespace, solutions_pass_every_case
 
 # -- every exercise of notebook 09: the solution notebook passes ----------------------------------------------------
 

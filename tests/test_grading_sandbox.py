@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_grading_attacks import HONEST_04_1, HONEST_04_3, grade_command, inject_attack, processes_running
 
 from conftest import ROOT
 from gpipe_ref.grading.grader_side.sandbox import sandbox_problem
-from test_grading_attacks import HONEST_04_1, HONEST_04_3, grade_command, inject_attack, processes_running
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")]

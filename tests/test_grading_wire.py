@@ -4,19 +4,19 @@ runs (guard) and how a reply is read (judge). Each test plays a learner who trie
 from __future__ import annotations
 
 import json
-import random
 import math
-import textwrap
+import random
 import sys
+import textwrap
 import types
 
 import pytest
 import torch
 
 from gpipe_ref.grading import EXERCISES, grade
-from gpipe_ref.grading.kernel_side import wire
 from gpipe_ref.grading.cases import Case, Exercise, Verdict
 from gpipe_ref.grading.judge import judge, run_cases
+from gpipe_ref.grading.kernel_side import wire
 from gpipe_ref.grading.kernel_side.guard import EXPECTED_VALUES
 from gpipe_ref.grading.kernel_side.runner import Request, run_one
 from gpipe_ref.schedule import Action

@@ -21,7 +21,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 

@@ -10,9 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.memory import (memory_schedules, PRECISIONS, ActivationMeter, DeviceMemory, MemorySetup,
-                              activation_bytes, block_parameters, measure_anatomy, memory_anatomy,
-                              microbatches_in_flight)
+from gpipe_ref.memory import (
+    PRECISIONS,
+    ActivationMeter,
+    DeviceMemory,
+    MemorySetup,
+    activation_bytes,
+    block_parameters,
+    measure_anatomy,
+    memory_anatomy,
+    memory_schedules,
+    microbatches_in_flight,
+)
 from gpipe_ref.schedule import make_schedule, schedule_names, schedule_spec
 from gpipe_ref.simulator import simulate
 

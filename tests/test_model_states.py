@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_ref.model_states import (MODEL_STATES, PRECISIONS, ZERO_STAGES, is_sharded, model_state_bytes,
-                                    state_bytes_per_parameter)
+from gpipe_ref.model_states import (
+    MODEL_STATES,
+    PRECISIONS,
+    ZERO_STAGES,
+    is_sharded,
+    model_state_bytes,
+    state_bytes_per_parameter,
+)
 
 
 def test_each_stage_shards_one_more_state():

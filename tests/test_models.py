@@ -6,8 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.models import (MaskDropout, Residual, SelfAttention, TransformerLayer, attend, mlp,
-                              mlp_block, regression_data)
+from gpipe_ref.models import (
+    MaskDropout,
+    Residual,
+    SelfAttention,
+    TransformerLayer,
+    attend,
+    mlp,
+    mlp_block,
+    regression_data,
+)
 
 
 def _same_parameters(a: nn.Module, b: nn.Module) -> bool:

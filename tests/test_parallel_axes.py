@@ -10,8 +10,15 @@ import torch
 from torch import nn
 
 from gpipe_ref.figures import plot_device_grid
-from gpipe_ref.parallel_axes import (AXIS_ORDER, Layout, axis_groups, axis_traffic, coordinates, expert_parallel_moe,
-                                     ring_attention)
+from gpipe_ref.parallel_axes import (
+    AXIS_ORDER,
+    Layout,
+    axis_groups,
+    axis_traffic,
+    coordinates,
+    expert_parallel_moe,
+    ring_attention,
+)
 from gpipe_ref.planner import ClusterConfig, ModelConfig, estimate
 
 

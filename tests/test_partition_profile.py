@@ -9,8 +9,15 @@ import torch
 from test_partition import brute_force_best, largest_part
 from torch import nn
 
-from gpipe_ref.partition import (balance_by_size, balance_by_time, layer_sizes, layer_times, partition_costs,
-                                 profiling, stage_times)
+from gpipe_ref.partition import (
+    balance_by_size,
+    balance_by_time,
+    layer_sizes,
+    layer_times,
+    partition_costs,
+    profiling,
+    stage_times,
+)
 
 
 class Counter(nn.Module):

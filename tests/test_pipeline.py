@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from gpipe_ref.executor import StepRun
+from gpipe_ref.microbatch import scatter
 from gpipe_ref.pipeline import GPipe
 from gpipe_ref.schedule import Action, execution_order, gpipe, make_schedule, one_f_one_b
 from gpipe_ref.simulator import CostModel, calibrate, place, simulate
-from gpipe_ref.microbatch import scatter
 
 torch.set_num_threads(1)
 WIDTH = 8

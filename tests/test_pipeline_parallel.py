@@ -6,15 +6,15 @@ import random
 from typing import NamedTuple
 
 import pytest
-from dist_calls import counting
 import torch
 import torch.distributed as dist
+from dist_calls import counting
+from test_torchgpipe_parity import tuple_model
 from torch import nn
 
 from gpipe_ref.distributed import RankError, launch
 from gpipe_ref.distributed.pipeline_parallel import PipelineParallel, TiedParameter
 from gpipe_ref.models import mlp, regression_data
-from test_torchgpipe_parity import tuple_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -3,14 +3,12 @@ receives posted ahead (bounded), the timeline and memory tracking only when aske
 
 from __future__ import annotations
 
-
 import pytest
-from dist_calls import counting
 import torch
+from dist_calls import counting
 from torch import nn
 
-from gpipe_ref.distributed import RankError, launch
-from gpipe_ref.distributed import pipeline_parallel
+from gpipe_ref.distributed import RankError, launch, pipeline_parallel
 from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
 from gpipe_ref.models import mlp
 

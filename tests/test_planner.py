@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_ref.planner import (ClusterConfig, ModelConfig, NothingFits, candidates, compare_with_megatron,
-                               estimate, held_microbatches, pipeline_timeline, plan)
+from gpipe_ref.planner import (
+    ClusterConfig,
+    ModelConfig,
+    NothingFits,
+    candidates,
+    compare_with_megatron,
+    estimate,
+    held_microbatches,
+    pipeline_timeline,
+    plan,
+)
 
 SMALL = ModelConfig(layers=4, hidden=64, heads=4, batch=8, seq_len=16, vocab=100)
 

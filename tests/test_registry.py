@@ -17,7 +17,15 @@ from gpipe_ref.grading.exercises.common import schedule_generators
 from gpipe_ref.pipeline import GPipe
 from gpipe_ref.planner import ClusterConfig, ModelConfig, estimate
 from gpipe_ref.schedule import (
-    SCHEDULES, Action, Schedule, ScheduleSpec, make_schedule, register, schedule_names, schedule_spec, unregister,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleSpec,
+    make_schedule,
+    register,
+    schedule_names,
+    schedule_spec,
+    unregister,
     validate,
 )
 from gpipe_ref.simulator import CostModel, bubble_formula, simulate

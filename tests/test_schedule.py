@@ -7,7 +7,6 @@ import re
 import pytest
 
 from gpipe_ref.schedule import (
-    weight_versions,
     Action,
     Schedule,
     ScheduleError,
@@ -21,6 +20,7 @@ from gpipe_ref.schedule import (
     pipedream_async,
     validate,
     walk,
+    weight_versions,
     zero_bubble_h1,
 )
 

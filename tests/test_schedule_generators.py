@@ -17,7 +17,7 @@ from gpipe_ref.distributed import launch
 from gpipe_ref.distributed.pipeline_parallel import PipelineParallel
 from gpipe_ref.microbatch import scatter
 from gpipe_ref.pipeline import GPipe
-from gpipe_ref.schedule import schedule_spec, Action, interleaved_1f1b, validate
+from gpipe_ref.schedule import Action, interleaved_1f1b, schedule_spec, validate
 from gpipe_ref.simulator import CostModel, bubble_formula, simulate
 
 torch.set_num_threads(1)

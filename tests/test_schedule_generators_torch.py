@@ -6,10 +6,11 @@ plain model's gradients on the GPipe executor and on gloo ranks (tests/test_v_sc
 from __future__ import annotations
 
 import pytest
-
 from schedule_oracle import ORACLE, get_schedule_ops, our_order, torch_order
+
 from gpipe_ref.schedule import gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, validate
 from gpipe_ref.simulator import CostModel, simulate
+
 
 @ORACLE
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (3, 6, 2), (4, 8, 2), (4, 3, 3), (2, 5, 4), (5, 7, 2)])

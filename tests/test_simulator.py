@@ -6,7 +6,6 @@ import pytest
 
 from gpipe_ref.schedule import (
     Action,
-    weight_versions,
     Schedule,
     ScheduleError,
     gpipe,
@@ -14,6 +13,7 @@ from gpipe_ref.schedule import (
     make_schedule,
     one_f_one_b,
     pipedream_async,
+    weight_versions,
     zero_bubble_h1,
 )
 from gpipe_ref.simulator import CostModel, bubble_formula, calibrate, place, simulate

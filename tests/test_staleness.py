@@ -7,11 +7,19 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gpipe_ref.schedule import (POLICIES, Action, WeightPolicy, gpipe, one_f_one_b, pipedream_async,
-                                weight_versions)
+from gpipe_ref.schedule import POLICIES, Action, WeightPolicy, gpipe, one_f_one_b, pipedream_async, weight_versions
 from gpipe_ref.simulator import simulate
-from gpipe_ref.staleness import (ASYNC_VARIANTS, VARIANTS, StagedTrainer, convergence, default_model, diverged,
-                                  final_loss, gradient_agreement, version_table)
+from gpipe_ref.staleness import (
+    ASYNC_VARIANTS,
+    VARIANTS,
+    StagedTrainer,
+    convergence,
+    default_model,
+    diverged,
+    final_loss,
+    gradient_agreement,
+    version_table,
+)
 
 
 def two_bw(m):

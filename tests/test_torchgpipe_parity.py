@@ -182,9 +182,8 @@ def test_the_pipe_is_sequential_like():
 
 def test_the_main_classes_import_from_the_package():
     import gpipe_ref
-    from gpipe_ref import DataParallel, GPipe, PipelineParallel, launch  # noqa: F401  (as docs/package.md shows)
+    from gpipe_ref import DataParallel, GPipe, PipelineParallel, distributed, launch, partition, pipeline  # noqa: F401  (as docs/package.md shows)
     from gpipe_ref.distributed import data_parallel, pipeline_parallel, tensor_parallel, zero
-    from gpipe_ref import distributed, partition, pipeline
 
     assert gpipe_ref.GPipe is pipeline.GPipe and gpipe_ref.PipelineParallel is pipeline_parallel.PipelineParallel
     assert gpipe_ref.DataParallel is data_parallel.DataParallel and gpipe_ref.launch is distributed.launch

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from gpipe_ref.backward_overlap import plot_backward_overlap
 from gpipe_ref.distributed import launch
 from gpipe_ref.distributed.tp_overlap import BackwardPieces, OverlapLinear, measure_backward, step_medians
-from gpipe_ref.backward_overlap import plot_backward_overlap
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,22 @@ model's gradients on the GPipe executor and on gloo ranks."""
 from __future__ import annotations
 
 import pytest
-
 from schedule_oracle import ORACLE, get_schedule_ops, our_order, torch_order
-from gpipe_ref.schedule import (Schedule, dualpipe_v, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs,
-                                make_schedule, one_f_one_b, v_placement, validate, zero_bubble_h1, zero_bubble_v)
+
+from gpipe_ref.schedule import (
+    Schedule,
+    dualpipe_v,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    looped_bfs,
+    make_schedule,
+    one_f_one_b,
+    v_placement,
+    validate,
+    zero_bubble_h1,
+    zero_bubble_v,
+)
 from gpipe_ref.simulator import CostModel, simulate
 
 EQUAL = CostModel(forward=1, backward_input=1, backward_weight=1)  # a thin stage's F = B = W = 1

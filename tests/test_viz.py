@@ -93,8 +93,14 @@ def test_running_mean_over_a_window():
 
 
 def test_plot_arguments_are_checked():
-    from gpipe_ref.viz import (loss_curves_svg, microbatch_color, plot_convergence, plot_parallelism_overview,
-                               plot_staleness, running_mean)
+    from gpipe_ref.viz import (
+        loss_curves_svg,
+        microbatch_color,
+        plot_convergence,
+        plot_parallelism_overview,
+        plot_staleness,
+        running_mean,
+    )
 
     timeline = simulate(gpipe(2, 2))
     for call, message in [
@@ -273,8 +279,8 @@ def _bucketed_step(rank, world_size):
 
 
 def test_bucket_overlap_draws_the_backward_per_layer_and_buckets_after_their_gradients():
-    from gpipe_ref.distributed import launch
     from gpipe_ref.bucket_overlap import plot_bucket_overlap
+    from gpipe_ref.distributed import launch
     from gpipe_ref.viz import bar_labels
 
     timeline, ready, buckets = launch(_bucketed_step, 2)[0]

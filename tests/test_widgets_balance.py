@@ -9,8 +9,15 @@ import re
 import pytest
 
 from gpipe_ref import CostModel, gpipe, simulate
-from gpipe_ref.widgets.balance import (METHODS, PRESETS, BalanceExplorer, ModelCosts, balance_explorer,
-                                       choose_balance, parse_balance)
+from gpipe_ref.widgets.balance import (
+    METHODS,
+    PRESETS,
+    BalanceExplorer,
+    ModelCosts,
+    balance_explorer,
+    choose_balance,
+    parse_balance,
+)
 
 
 def _readout_numbers(explorer) -> dict:

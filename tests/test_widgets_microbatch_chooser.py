@@ -9,8 +9,17 @@ import re
 import pytest
 
 from gpipe_ref import CostModel, gpipe, one_f_one_b, simulate
-from gpipe_ref.microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
-                                       megatron_step_time, micro_batch_sizes, microbatch_choices, microbatch_count)
+from gpipe_ref.microbatch_size import (
+    LinearCost,
+    MeasuredCost,
+    best_choice,
+    fit_linear_cost,
+    linear_optimum,
+    megatron_step_time,
+    micro_batch_sizes,
+    microbatch_choices,
+    microbatch_count,
+)
 from gpipe_ref.widgets.microbatch_chooser import MicrobatchChooser, microbatch_chooser
 
 TABLE_S = {16: (0.95e-3, 2.2e-3), 32: (1.64e-3, 3.7e-3), 64: (3.1e-3, 6.6e-3), 128: (6.1e-3, 11.9e-3),

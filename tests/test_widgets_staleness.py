@@ -10,7 +10,7 @@ import pytest
 
 from gpipe_ref.schedule import gpipe, pipedream_async
 from gpipe_ref.simulator import simulate
-from gpipe_ref.widgets.staleness import StalenessExplorer, loss_chart_svg, log_ticks
+from gpipe_ref.widgets.staleness import StalenessExplorer, log_ticks, loss_chart_svg
 
 
 def _text(ex) -> str:

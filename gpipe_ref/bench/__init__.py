@@ -15,8 +15,14 @@ from .exercises import CHECK_LIMIT_S, NOTEBOOK_LIMIT_S, grading_cases
 from .gpu import GPU_SCHEDULES, GPU_SIZES, gpu_cases, gpu_memory_cases, gpu_pipe
 from .launch_cost import LAUNCH_FORK_RATIO, LAUNCH_LATER_LIMIT_S, launch_cases, launch_timings
 from .parallelism import data_parallel_cases, tensor_parallel_cases
-from .pipelines import (concurrency_case, executor_cases, pipeline_cases, simulator_cases, speedup_profile,
-                        torch_pipelining_cases)
+from .pipelines import (
+                        concurrency_case,
+                        executor_cases,
+                        pipeline_cases,
+                        simulator_cases,
+                        speedup_profile,
+                        torch_pipelining_cases,
+)
 from .suite import CASES, format_row, plot, run, write
 
 __all__ = ["CASES", "CHECK_LIMIT_S", "GPU_SCHEDULES", "GPU_SIZES", "LAUNCH_FORK_RATIO", "LAUNCH_LATER_LIMIT_S",

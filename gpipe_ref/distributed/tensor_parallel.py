@@ -31,9 +31,20 @@ from torch import nn
 from ..checks import probability
 from ..meter import ActivationMeter
 from ..models import Residual, attend, mlp_block
-from .parallel_regions import (ALL_REDUCES, CollectiveCall, copy_to_region, count_all_reduces, gather_from_region,
-                               gather_sequence, record_collective, record_collectives, reduce_from_region,
-                               reduce_scatter_sequence, ring_bytes_sent, scatter_to_region)
+from .parallel_regions import (
+    ALL_REDUCES,
+    CollectiveCall,
+    copy_to_region,
+    count_all_reduces,
+    gather_from_region,
+    gather_sequence,
+    record_collective,
+    record_collectives,
+    reduce_from_region,
+    reduce_scatter_sequence,
+    ring_bytes_sent,
+    scatter_to_region,
+)
 
 __all__ = ["ALL_REDUCES", "CollectiveCall", "record_collectives", "ring_bytes_sent", "count_all_reduces",
            "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region", "gather_sequence",

@@ -18,13 +18,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..checks import positive, positive_int, write_atomically
 from .cases import CATEGORIES, THINKING
 from .exercises.catalog import NOTEBOOKS
-from ..checks import positive, positive_int, write_atomically
 from .grader_side.classroom import PackageChanged, collect, grade_paths
 from .grader_side.grader import NotebookResult, shown
-from .grader_side.reports import (feedback_markdown, feedback_name, feedback_names, format_by_exercise,
-                                  format_table, gradebook_csv, summary)
+from .grader_side.reports import (
+    feedback_markdown,
+    feedback_name,
+    feedback_names,
+    format_by_exercise,
+    format_table,
+    gradebook_csv,
+    summary,
+)
 from .grader_side.sandbox import DEFAULT_LIMITS, GIB, Limits
 from .grader_side.signing import verified
 from .notebooks import AnswersWouldBeLost, answers_in, build, listing, read, start

@@ -17,16 +17,51 @@ The package, one idea a module (each imports only those listed before it):
   * ``versions``    :class:`WeightPolicy`, the named :data:`POLICIES` and :func:`weight_versions`
 """
 
-from .engine import (DeadlockError, DeadlockReport, EncodedSchedule, Walk, dependencies, encode, execution_order,
-                     validate, walk)
-from .generators import (gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
-                         zero_bubble_h1)
+from .engine import (
+                     DeadlockError,
+                     DeadlockReport,
+                     EncodedSchedule,
+                     Walk,
+                     dependencies,
+                     encode,
+                     execution_order,
+                     validate,
+                     walk,
+)
+from .generators import (
+                     gpipe,
+                     interleaved_1f1b,
+                     interleaved_zero_bubble,
+                     looped_bfs,
+                     one_f_one_b,
+                     pipedream_async,
+                     zero_bubble_h1,
+)
 from .ir import OPS, Action, Schedule, ScheduleError
-from .registry import (SCHEDULES, ScheduleSpec, default_schedule, make_schedule, register, resolve_stages_per_device,
-                       schedule_names, schedule_spec, unregister)
+from .registry import (
+                     SCHEDULES,
+                     ScheduleSpec,
+                     default_schedule,
+                     make_schedule,
+                     register,
+                     resolve_stages_per_device,
+                     schedule_names,
+                     schedule_spec,
+                     unregister,
+)
 from .v_schedules import dualpipe_v, v_placement, zero_bubble_v
-from .versions import (BASELINES, PER_MICROBATCH_BASELINE, PER_MINIBATCH_BASELINE, POLICIES, VARIANT_LABELS, Baseline,
-                       NamedPolicy, WeightPolicy, variant_label, weight_versions)
+from .versions import (
+                     BASELINES,
+                     PER_MICROBATCH_BASELINE,
+                     PER_MINIBATCH_BASELINE,
+                     POLICIES,
+                     VARIANT_LABELS,
+                     Baseline,
+                     NamedPolicy,
+                     WeightPolicy,
+                     variant_label,
+                     weight_versions,
+)
 
 __all__ = [
     "OPS", "Action", "Schedule", "ScheduleError",

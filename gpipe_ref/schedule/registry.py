@@ -6,8 +6,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checks import positive_int
-from .generators import (check_interleaved_sizes, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, pipedream_async,
-                         zero_bubble_h1)
+from .generators import (
+    check_interleaved_sizes,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    looped_bfs,
+    one_f_one_b,
+    pipedream_async,
+    zero_bubble_h1,
+)
 from .ir import Schedule
 from .v_schedules import check_dualpipe_v_sizes, dualpipe_v, zero_bubble_v
 

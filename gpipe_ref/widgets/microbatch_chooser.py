@@ -14,10 +14,17 @@ import html
 import math
 
 from ..checks import integer
-from ..microbatch_size import (LinearCost, MeasuredCost, best_choice, fit_linear_cost, linear_optimum,
-                               micro_batch_sizes, microbatch_choices)
-from .base import Dashboard
+from ..microbatch_size import (
+    LinearCost,
+    MeasuredCost,
+    best_choice,
+    fit_linear_cost,
+    linear_optimum,
+    micro_batch_sizes,
+    microbatch_choices,
+)
 from ..svg import svg_root
+from .base import Dashboard
 
 __all__ = ["MicrobatchChooser", "microbatch_chooser", "chooser_plot_svg"]
 

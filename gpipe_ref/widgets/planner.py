@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import html
 
-from ..planner import (ACTIVATION_MEMORY, STATE_MEMORY, TOTAL_MEMORY, ClusterConfig, ModelConfig, NothingFits,
-                       MEGATRON_TABLE_1, candidates, plan, pipeline_timeline)
+from ..planner import (
+    ACTIVATION_MEMORY,
+    MEGATRON_TABLE_1,
+    STATE_MEMORY,
+    TOTAL_MEMORY,
+    ClusterConfig,
+    ModelConfig,
+    NothingFits,
+    candidates,
+    pipeline_timeline,
+    plan,
+)
 from ..viz import timeline_svg
 from .base import Dashboard
 

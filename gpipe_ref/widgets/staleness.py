@@ -6,11 +6,18 @@ from __future__ import annotations
 import math
 import time
 
-from ..schedule import (PER_MICROBATCH_BASELINE, PER_MINIBATCH_BASELINE, POLICIES, WeightPolicy, gpipe, pipedream_async,
-                        variant_label)
+from ..schedule import (
+    PER_MICROBATCH_BASELINE,
+    PER_MINIBATCH_BASELINE,
+    POLICIES,
+    WeightPolicy,
+    gpipe,
+    pipedream_async,
+    variant_label,
+)
 from ..simulator import simulate
-from ..viz import running_mean, timeline_svg
 from ..svg import svg_root
+from ..viz import running_mean, timeline_svg
 from .base import Dashboard
 
 __all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "per_batch_readout"]

@@ -24,8 +24,8 @@ import sys
 import tempfile
 import threading
 import time
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 

@@ -1,0 +1,27 @@
+"""Ruff over the package, the tests, the tools and the website's extensions (pyproject.toml's [tool.ruff]: 120
+columns, pyflakes, pycodestyle, import order): clean, so `make test` fails on the first finding."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def _ruff() -> list[str]:
+    found = shutil.which("ruff", path=str(ROOT / ".venv" / "bin")) or shutil.which("ruff")
+    if found:
+        return [found]
+    if subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode == 0:
+        return [sys.executable, "-m", "ruff"]
+    pytest.skip("ruff is not installed: the test extra has it (pip install -e '.[test]'; make test installs it)")
+
+
+def test_ruff_finds_nothing():
+    done = subprocess.run([*_ruff(), "check", "--output-format", "concise", "--no-cache", "."], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
