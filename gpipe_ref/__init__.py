@@ -51,7 +51,8 @@ __version__ = "0.1.0"
 __all__ = [
     "POLICIES", "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "WeightPolicy", "execution_order",
     "gpipe", "interleaved_1f1b",
-    "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate", "zero_bubble_h1",
+    "make_schedule", "one_f_one_b", "pipedream_async", "register", "schedule_names", "schedule_spec", "validate",
+    "zero_bubble_h1",
     "CostModel", "bubble_formula", "simulate", "Event", "Timeline", "Transfer",
     "ActivationMeter", "DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
     "convert_deferred_batch_norm", "balance_by_params", "balance_by_size",

@@ -253,7 +253,8 @@ def _print_figures(args: argparse.Namespace, schedule, timeline) -> None:
     v = schedule.stages_per_device
     # a device holding v stages holds one activation set per (stage, micro-batch): v sets make one micro-batch
     what = "micro-batches" if v == 1 else "activation sets"
-    note = "" if v == 1 else f" (one per stage and micro-batch, {v} stages a device: {max(peaks) / v:g} micro-batches' worth)"
+    note = "" if v == 1 else (f" (one per stage and micro-batch, {v} stages a device: "
+                              f"{max(peaks) / v:g} micro-batches' worth)")
     if len(peaks) <= 64:
         print(f"peak in-flight {what} per device: " + ", ".join(map(str, peaks)) + note)
     else:

@@ -80,7 +80,8 @@ class MemorySetup:
         if self.layers % self.pp:
             raise ValueError(f"layers ({self.layers}) must divide into pp ({self.pp}) equal stages, got pp={self.pp}")
         if (self.ffn * self.hidden) % self.tp:
-            raise ValueError(f"tp must divide the inner width ffn x hidden = {self.ffn * self.hidden}, got tp={self.tp}")
+            raise ValueError(f"tp must divide the inner width ffn x hidden = {self.ffn * self.hidden}, "
+                             f"got tp={self.tp}")
         if self.batch % (self.dp * self.microbatches):
             raise ValueError(f"batch ({self.batch}) must divide into dp x microbatches = "
                              f"{self.dp * self.microbatches} equal micro-batches, got batch={self.batch}")

@@ -28,8 +28,9 @@ from .measure import action_noise, spread, timed_steps, torch_threads
 from .models import mlp, regression_data
 from .pipeline import GPipe
 
-__all__ = ["LinearCost", "MeasuredCost", "MicrobatchChoice", "microbatch_count", "microbatch_sweep", "micro_batch_sizes",
-           "megatron_step_time", "microbatch_choices", "best_choice", "fit_linear_cost", "linear_optimum", "fill_drain_bubble"]
+__all__ = ["LinearCost", "MeasuredCost", "MicrobatchChoice", "microbatch_count", "microbatch_sweep",
+           "micro_batch_sizes", "megatron_step_time", "microbatch_choices", "best_choice", "fit_linear_cost",
+           "linear_optimum", "fill_drain_bubble"]
 
 Cost = Callable[[int], tuple[float, float]]
 

@@ -89,8 +89,8 @@ class GPipe(nn.Module):
         checkpoint: "always", "except_last" (all micro-batches but the last) or
             "never": which micro-batches re-materialize their activations.
         schedule: the name of a registered flush schedule (``schedule_names(flush=True)``:
-            "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"), or a flush :class:`Schedule` for ``len(balance)`` stages and ``chunks``
-            micro-batches.
+            "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"), or a flush :class:`Schedule` for
+            ``len(balance)`` stages and ``chunks`` micro-batches.
         stages_per_device: stages on each device: an interleaved schedule's choice (default 1); a V
             schedule places 2 itself, a Schedule its own (``Schedule.stages_per_device``).
         executor: "threads", "simulated", or "auto" (threads when every device is
@@ -236,7 +236,8 @@ class GPipe(nn.Module):
     def to(self, *args, **kwargs):
         """Convert the stages' dtype (``pipe.to(torch.double)``, ``pipe.to(dtype=...)``), as ``nn.Module.to``;
         a device move is refused: the stages stay on the devices given to ``GPipe``."""
-        device = kwargs.get("device", kwargs["tensor"].device if isinstance(kwargs.get("tensor"), torch.Tensor) else None)
+        device = kwargs.get("device",
+                            kwargs["tensor"].device if isinstance(kwargs.get("tensor"), torch.Tensor) else None)
         for arg in args:  # nn.Module.to's forms: (device), (dtype), (device, dtype), (tensor)
             if isinstance(arg, torch.Tensor):
                 device = arg.device

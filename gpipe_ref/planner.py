@@ -79,14 +79,14 @@ class ModelConfig:
     @property
     def parameters(self) -> float:
         """12 l h^2 (1 + 13 / 12h + (V + s) / 12 l h) (Narayanan et al. 2021, sec. 5.1)."""
-        l, h, s, v = self.layers, self.hidden, self.seq_len, self.vocab
-        return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+        layers, h, s, v = self.layers, self.hidden, self.seq_len, self.vocab
+        return 12 * layers * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * layers * h))
 
     def flops_per_step(self, recompute: bool = True) -> float:
         """FLOPs of one step: the model's 72 B s l h^2 (1 + s / 6h + V / 16 l h), x 4/3 with recomputation
         (hardware FLOPs; the paper's count, sec. 5.1, is the one with recomputation: 96 B s l h^2 (...))."""
-        b, s, l, h, v = self.batch, self.seq_len, self.layers, self.hidden, self.vocab
-        return (96 if recompute else 72) * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        b, s, layers, h, v = self.batch, self.seq_len, self.layers, self.hidden, self.vocab
+        return (96 if recompute else 72) * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 @dataclass(frozen=True)
@@ -202,20 +202,20 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
     layer FLOPs (notebook 05), are left out of the time, as the model leaves out every kernel's other costs."""
     v, m = _check_estimate(model, cluster, dp, tp, pp, microbatch_size, schedule, stages_per_device, recompute)
     _boolean("fused_attention", fused_attention)
-    b, s, h, a, l = microbatch_size, model.seq_len, model.hidden, model.heads, model.layers
+    b, s, h, a, layers = microbatch_size, model.seq_len, model.hidden, model.heads, model.layers
     node, activation_bytes = cluster.gpus_per_node, PRECISIONS[PRECISION].activation
 
     # Compute per micro-batch on one GPU (one pipeline stage's layers, 1/t of each).
     layer_forward = 24 * b * s * h * h * (1 + s / (6 * h)) / tp
     logits_forward = 2 * b * s * h * model.vocab / tp / pp  # spread over the stages (simplification)
-    forward = (l / pp) * layer_forward + logits_forward
+    forward = (layers / pp) * layer_forward + logits_forward
     per_microbatch = forward * (4 if recompute else 3) / (cluster.peak_flops * cluster.efficiency)  # F + 2F (+ F)
     compute_time = m * per_microbatch
 
     # Tensor parallelism: 4 all-reduces of b s h per layer (6 with the recomputed forward).
     tp_bandwidth = cluster.intra_node_bandwidth if tp <= node else cluster.inter_node_bandwidth
-    tp_per_microbatch = (l / pp) * (6 if recompute else 4) * _all_reduce_time(b * s * h * activation_bytes, tp,
-                                                                              tp_bandwidth)
+    tp_per_microbatch = (layers / pp) * (6 if recompute else 4) * _all_reduce_time(b * s * h * activation_bytes, tp,
+                                                                                   tp_bandwidth)
     tp_comm_time = m * tp_per_microbatch
 
     # Pipeline: the bubble, and the transfers of the fill and the drain.
@@ -233,7 +233,7 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, *, dp: int, tp: int, pp
 
     per_layer = layer_activation_bytes(s, b, h, a, tp=tp, recompute="full" if recompute else "none",
                                        attention="fused" if fused_attention else "materialized")
-    activations = (l / pp) * per_layer * held_microbatches(schedule, pp, m, v)
+    activations = (layers / pp) * per_layer * held_microbatches(schedule, pp, m, v)
     states = params_per_gpu * sum(state_bytes_per_parameter(PRECISION).values())
     memory = {STATE_MEMORY: states, ACTIVATION_MEMORY: activations, TOTAL_MEMORY: states + activations}
     achieved = model.flops_per_step(recompute=recompute) / (step_time * cluster.gpus)  # hardware FLOPs
@@ -277,7 +277,8 @@ def _layouts(model: ModelConfig, cluster: ClusterConfig) -> list[tuple[int, int,
     for tp in _divisors(cluster.gpus):
         if model.heads % tp or model.hidden % tp or tp > 2 * node or (node % tp and tp % node):
             continue
-        layouts += [(cluster.gpus // (tp * pp), tp, pp) for pp in _divisors(cluster.gpus // tp) if not model.layers % pp]
+        layouts += [(cluster.gpus // (tp * pp), tp, pp) for pp in _divisors(cluster.gpus // tp)
+                    if not model.layers % pp]
     return layouts
 
 

@@ -82,7 +82,8 @@ def _compare(schedule: Schedule) -> dict[str, tuple[float, list[int]]]:
             t = simulate(make_schedule(name, p, m, v if spec.multi_stage else None), PLAYGROUND_COST)
         except ValueError:  # e.g. interleaving needs m to split into max(1, m // p) equal rounds
             continue
-        rows[f"{name} v={v}" if spec.multi_stage else name] = (t.bubble_fraction, [t.peak_in_flight(d) for d in range(p)])
+        rows[f"{name} v={v}" if spec.multi_stage else name] = (t.bubble_fraction,
+                                                               [t.peak_in_flight(d) for d in range(p)])
     return rows
 
 

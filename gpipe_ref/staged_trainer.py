@@ -30,7 +30,8 @@ class StepRecord:
     """What one run of a schedule did."""
 
     losses: dict[int, float]  # micro-batch -> loss seen at its forward
-    versions: dict[tuple[int, int], tuple[int, int, int]]  # (stage, mb) -> (forward version, backward version, staleness)
+    # (stage, mb) -> (forward version, backward version, staleness)
+    versions: dict[tuple[int, int], tuple[int, int, int]]
     stash_peak: list[int]  # per stage: most weight versions held at once (current + stashed + awaited)
     timeline: Timeline  # measured durations placed on device clocks; events carry their weight version
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # with record_grads

@@ -129,8 +129,8 @@ def timeline_bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[lis
     for d in sorted({t.device for t in timeline.comm}):
         for k, t in enumerate(timeline.on_comm(d)):
             size = "" if t.bytes is None else f", {t.bytes} bytes"
-            bars.append(Bar(row_of[(d, COMM_KIND)], t.start, t.end, COMM_KIND, KIND_COLORS[COMM_KIND], (f"C{k}", f"{k}"),
-                             f"{t.name}{size}"))
+            bars.append(Bar(row_of[(d, COMM_KIND)], t.start, t.end, COMM_KIND, KIND_COLORS[COMM_KIND],
+                            (f"C{k}", f"{k}"), f"{t.name}{size}"))
     if timeline.comm:
         legend.append((KIND_COLORS[COMM_KIND], "communication"))
     return bars, legend
@@ -150,4 +150,5 @@ def check_timeline(timeline: object) -> None:
 
 def pair_style(timeline: Timeline) -> tuple[str, str]:
     """The border of an F&B pair and its legend name: solid when priced overlapped, dashed when summed."""
-    return ("solid", "F&B pair, overlapped") if timeline.pairs_overlapped else ("dashed", "F&B pair, one after the other")
+    return (("solid", "F&B pair, overlapped") if timeline.pairs_overlapped
+            else ("dashed", "F&B pair, one after the other"))

@@ -17,7 +17,8 @@ def _fullest(setup: MemorySetup) -> tuple[int, str]:
 
 
 def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
-    """pp 1 -> 4 (three steps of the slider: 1, 2, 3, 4), then 1F1B: the fullest stage moves from the last to the first."""
+    """pp 1 -> 4 (three steps of the slider: 1, 2, 3, 4), then 1F1B: the fullest stage moves from the last to
+    the first."""
     with lab_page(artifacts_dir, "05_memory") as (sync_api, page):
         open_and_run_all(page, sync_api, jupyter_lab, "05_rematerialization.ipynb", "gpipe-memory-readout",
                           "1 x 1 x 1 = 1 devices")

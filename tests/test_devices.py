@@ -65,7 +65,8 @@ def test_describe_devices_says_what_the_rule_gives(monkeypatch):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         assert lines[1].startswith("  cpu     CPU, ")
-        assert lines[2:] == ["a 4-stage pipeline runs on 4 simulated devices (real tensors on the CPU, timed per device)"]
+        assert lines[2:] == ["a 4-stage pipeline runs on 4 simulated devices "
+                             "(real tensors on the CPU, timed per device)"]
     elif gpus == 1:
         assert lines[-1] == "a 4-stage pipeline runs on 4 simulated devices (real tensors on cuda:0, timed per device)"
     elif gpus >= 4:

@@ -34,7 +34,8 @@ def parse_glossary() -> list[dict]:
             assert found, f"{match['name']}: 'taught in' must read [NN_topic (section heading)](link), got {place!r}"
             heading = found["heading"]  # JupyterLab's anchor: the heading, spaces made hyphens (none where it has
             anchor = "" if "$" in heading or "`" in heading else "#" + heading.replace(" ", "-")  # math or code)
-            assert found["target"] == f"{found['notebook']}.ipynb{anchor}", f"{match['name']}: {place!r} links elsewhere"
+            assert found["target"] == f"{found['notebook']}.ipynb{anchor}", \
+                f"{match['name']}: {place!r} links elsewhere"
             places.append((found["notebook"], heading))
         rows.append({"name": match["name"], "spellings": spellings, "meaning": meaning, "places": places,
                      "source": source})

@@ -208,7 +208,8 @@ def test_a_class_gets_a_gradebook_feedback_files_a_summary_and_resumes(tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     data = json.loads(out.read_text())
     full = sum(ex.points for ex in NOTEBOOKS["04_gpipe"])
-    assert [(nb["path"].split("/")[-2], nb["points"]) for nb in data["notebooks"]] == [("ann", full), ("ben", 0), ("cat", 0)]
+    assert [(nb["path"].split("/")[-2], nb["points"]) for nb in data["notebooks"]] == [
+        ("ann", full), ("ben", 0), ("cat", 0)]
     rows = list(csv.DictReader(gradebook.open()))
     assert [(r["path"].split("/")[-2], r["04.1"], r["04.2"], r["04.3"], r["total"], r["max"]) for r in rows] == [
         ("ann", "3", "2", "2", str(full), str(full)), ("ben", "0", "0", "0", "0", str(full)),
@@ -263,4 +264,5 @@ def test_the_grader_hashes_and_preloads_the_whole_package():
     assert {"__init__.py", "__main__.py", "checks.py", "grading/judge.py",
             "grading/grader_side/classroom.py"} <= set(hashes), sorted(hashes)[:10]
     preload()
-    assert {"gpipe_ref.viz", "gpipe_ref.distributed.launch", "gpipe_ref.grading.exercises.ex08_zero"} <= set(sys.modules)
+    assert {"gpipe_ref.viz", "gpipe_ref.distributed.launch",
+            "gpipe_ref.grading.exercises.ex08_zero"} <= set(sys.modules)

@@ -147,8 +147,8 @@ def test_judge_one_stage_per_device_accepts_gpipe_and_names_what_is_wrong():
     assert judge_one_stage_per_device("x", 2, 2) == "expected a list of 2 per-device lists, got str of length 1"
     wrong = [list(a) for a in gpipe(2, 2).per_device]
     wrong[1] = wrong[1][:-1]
-    assert judge_one_stage_per_device(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for micro-batches 0..1 "
-                                                    "once each; missing ['1B1']")
+    assert judge_one_stage_per_device(wrong, 2, 2).startswith("device 1 must run F and B of stage 1 for "
+                                                              "micro-batches 0..1 once each; missing ['1B1']")
     swapped = [list(a) for a in gpipe(2, 2).per_device]
     swapped[0][1], swapped[0][2] = swapped[0][2], swapped[0][1]
     assert judge_one_stage_per_device(swapped, 2, 2).startswith("device 0 runs a backward before its last forward")

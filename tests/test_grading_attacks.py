@@ -298,8 +298,8 @@ def test_a_changed_package_stops_grading_with_an_alert(tmp_path, sandboxed):
     inject_attack("", "04_gpipe", tmp_path / "class" / "b", {})
     env = {**os.environ, "PYTHONPATH": str(copy)}
     grades = tmp_path / "grades.json"
-    result = grade_command(tmp_path / "class", "--jobs", "1", "--json", grades, *([] if sandboxed else ["--no-sandbox"]),
-                    env=env, cwd=tmp_path)
+    result = grade_command(tmp_path / "class", "--jobs", "1", "--json", grades,
+                           *([] if sandboxed else ["--no-sandbox"]), env=env, cwd=tmp_path)
     if sandboxed:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         assert "def run_cases(*a, **k)" not in (copy / "gpipe_ref" / "grading" / "judge.py").read_text()
@@ -378,7 +378,8 @@ def test_a_result_read_back_is_held_to_the_course():
     assert (result.points, result.max_points, [v.max_points for v in result.verdicts]) == (sum(real), sum(real), real)
     for broken in ({**forged, "exercises": forged["exercises"] + [dict(forged["exercises"][0], exercise="01.1")]},
                    {**forged, "exercises": forged["exercises"][:2]},
-                   {**forged, "exercises": [dict(forged["exercises"][0], status="excellent")] + forged["exercises"][1:]}):
+                   {**forged,
+                    "exercises": [dict(forged["exercises"][0], status="excellent")] + forged["exercises"][1:]}):
         with pytest.raises((ValueError, KeyError)):
             NotebookResult.from_dict(broken)
 

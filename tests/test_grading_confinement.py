@@ -348,7 +348,8 @@ def test_grading_works_with_the_dependencies_on_pythonpath(tmp_path):
     probe = ("from gpipe_ref.grading.grader_side.sandbox import sandbox_problem, python_folders\n"
              "print(sandbox_problem())")
     done = subprocess.run([python, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert "cannot import ipykernel" in done.stdout and str(links / "ipykernel") in done.stdout, done.stdout + done.stderr
+    assert "cannot import ipykernel" in done.stdout and str(links / "ipykernel") in done.stdout, \
+        done.stdout + done.stderr
 
 
 def test_every_import_folder_is_shown_but_never_the_one_holding_the_solutions(tmp_path, monkeypatch):

@@ -151,15 +151,16 @@ def test_a_class_of_sandbox_escapes_keeps_every_honest_point(tmp_path):
         path = inject_attack("", "04_gpipe", cls / f"zz_honest{number}", {"04.1": HONEST_04_1, "04.3": HONEST_04_3})
         expected[str(path)] = 5
     odd = Path(os.fsdecode(bytes(cls) + b"/zy_caf\xe9"))  # a name from a Windows archive: not UTF-8
-    expected[os.fsencode(inject_attack("", "04_gpipe", odd, {"04.3": HONEST_04_3})).decode("utf-8", "backslashreplace")] = 2
+    expected[os.fsencode(inject_attack("", "04_gpipe", odd, {"04.3": HONEST_04_3}))
+             .decode("utf-8", "backslashreplace")] = 2
     (cls / "zx_link").mkdir()
     (cls / "zx_link" / "04_gpipe.ipynb").symlink_to(ROOT / "solutions" / "04_gpipe.ipynb")
     (cls / "zw_fifo").mkdir()
     os.mkfifo(cls / "zw_fifo" / "04_gpipe.ipynb")
     pth_before, grades = _site_files(), tmp_path / "grades.json"
     began = time.monotonic()
-    result = grade_command(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv", "--cell-timeout", "30",
-                    timeout=600)
+    result = grade_command(cls, "--jobs", "2", "--json", grades, "--csv", tmp_path / "grades.csv",
+                           "--cell-timeout", "30", timeout=600)
     seconds = time.monotonic() - began
     printed = result.stdout
     time.sleep(10)  # past the forker's 8 s: it would have rewritten the grades by now

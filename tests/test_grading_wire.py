@@ -323,7 +323,8 @@ def test_a_thread_started_before_the_answer_is_refused_too():
 
 def test_the_right_answer_beside_them_passes():
     assert grade("04.1", _namespace(f"def gpipe_actions(p, m):\n    return {RIGHT_GPIPE}\n")).passed
-    assert grade("04.3", _namespace(f"def uneven_step_time(batch, m, p, overhead, per_row):\n    return {RIGHT_STEP}\n")).passed
+    assert grade("04.3", _namespace(f"def uneven_step_time(batch, m, p, overhead, per_row):\n"
+                                    f"    return {RIGHT_STEP}\n")).passed
 
 
 SIZES_ATTEMPTS = {  # 04.3's answers that reach what they may not; LABEL is 04.3's case label

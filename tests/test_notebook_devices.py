@@ -65,7 +65,8 @@ TENSOR_PARTS = {"grad", "weight", "bias", "step", "parameters"}  # what a pipeli
 
 
 def _tensor_of(node: ast.AST, name: str) -> bool:
-    """Whether ``node``, read from ``name``, is one of its tensors: ``name(x)``, ``name.step(...)``, ``name[0].weight``."""
+    """Whether ``node``, read from ``name``, is one of its tensors: ``name(x)``, ``name.step(...)``,
+    ``name[0].weight``."""
     return any((isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name)
                or (isinstance(n, ast.Attribute) and n.attr in TENSOR_PARTS) for n in ast.walk(node))
 

@@ -23,16 +23,16 @@ def test_one_gpu_by_hand():
     """No parallelism: the step is m micro-batches of forward + 2 x forward backward, at efficiency x peak."""
     cluster = ClusterConfig(gpus=1, peak_flops=1e12, efficiency=0.5)
     p = estimate(SMALL, cluster, dp=1, tp=1, pp=1, microbatch_size=2)
-    b, s, h, l, v = 2, 16, 64, 4, 100
-    forward = l * 24 * b * s * h * h * (1 + s / (6 * h)) + 2 * b * s * h * v
+    b, s, h, layers, v = 2, 16, 64, 4, 100
+    forward = layers * 24 * b * s * h * h * (1 + s / (6 * h)) + 2 * b * s * h * v
     assert p.num_microbatches == 4
     assert p.step_time == pytest.approx(4 * 3 * forward / 0.5e12, rel=1e-12)
     assert p.bubble_time == p.tp_comm_time == p.pp_comm_time == p.dp_comm_time == 0
-    params = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+    params = 12 * layers * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * layers * h))
     assert SMALL.parameters == pytest.approx(params)
     assert p.memory["weights, gradients, optimizer"] == pytest.approx(16 * params)
     per_layer = s * b * h * (10 + 24 + 5 * 4 * s / h)  # Korthikanti et al., t = 1
-    assert p.memory["activations"] == pytest.approx(l * per_layer * 1)  # 1F1B on one stage holds 1
+    assert p.memory["activations"] == pytest.approx(layers * per_layer * 1)  # 1F1B on one stage holds 1
 
 
 def test_recompute_costs_a_forward_and_saves_activations():
@@ -49,9 +49,9 @@ def test_fused_attention_drops_the_scores_and_keeps_the_time():
     cluster = ClusterConfig(gpus=1)
     plain = estimate(SMALL, cluster, dp=1, tp=1, pp=1, microbatch_size=2)
     fused = estimate(SMALL, cluster, dp=1, tp=1, pp=1, microbatch_size=2, fused_attention=True)
-    b, s, a, l = 2, 16, 4, 4
+    b, s, a, layers = 2, 16, 4, 4
     assert plain.memory["activations"] - fused.memory["activations"] == pytest.approx(
-        l * (5 * a * s * s * b - 4 * a * s * b))
+        layers * (5 * a * s * s * b - 4 * a * s * b))
     assert fused.step_time == plain.step_time and fused.fused_attention and "fused-attention" in fused.label()
     both = candidates(SMALL, cluster, fused_attention=(False, True))
     assert len(both) == 2 * len(candidates(SMALL, cluster)) and {p.fused_attention for p in both} == {False, True}
@@ -264,8 +264,10 @@ INF, NAN = float("inf"), float("nan")
     (lambda: ClusterConfig(gpus=8, usable_memory=NAN), ValueError, "usable_memory must be a number in (0, 1], got nan"),
     (lambda: ClusterConfig(gpus=0), ValueError, "gpus must be an integer >= 1, got 0"),
     (lambda: ClusterConfig(gpus=8, gpus_per_node=2.0), ValueError, "gpus_per_node must be an integer >= 1, got 2.0"),
-    (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=INF), ValueError, "batch must be an integer >= 1, got inf"),
-    (lambda: ModelConfig(layers=4.0, hidden=64, heads=4, batch=8), ValueError, "layers must be an integer >= 1, got 4.0"),
+    (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=INF), ValueError,
+     "batch must be an integer >= 1, got inf"),
+    (lambda: ModelConfig(layers=4.0, hidden=64, heads=4, batch=8), ValueError,
+     "layers must be an integer >= 1, got 4.0"),
     (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=8, seq_len=0), ValueError,
      "seq_len must be an integer >= 1, got 0"),
     (lambda: ModelConfig(layers=4, hidden=64, heads=4, batch=8, vocab=NAN), ValueError,

@@ -63,7 +63,8 @@ def test_a_registered_schedule_is_offered_everywhere(lifo):
     for command in ("simulate", "train"):
         assert "gpipe_lifo" in commands[command].format_help()
     sizes = dict(dp=1, tp=1, pp=4)
-    model, cluster = ModelConfig(layers=8, hidden=256, heads=8, batch=16, seq_len=128, vocab=1000), ClusterConfig(gpus=4)
+    model, cluster = ModelConfig(layers=8, hidden=256, heads=8, batch=16, seq_len=128,
+                                 vocab=1000), ClusterConfig(gpus=4)
     plan = estimate(model, cluster, schedule="gpipe_lifo", **sizes)
     assert plan.schedule == "gpipe_lifo"  # same memory formula as GPipe's, so the same plan otherwise
     assert plan.memory == estimate(model, cluster, schedule="gpipe", **sizes).memory

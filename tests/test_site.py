@@ -199,14 +199,15 @@ def _build(folder: Path, markdown: str, *code_cells: dict) -> subprocess.Complet
     src = folder / "src"
     (src / "notebooks").mkdir(parents=True)
     glossary = (ROOT / "notebooks" / "GLOSSARY.md").read_text()  # its links to the lessons, which are not built here,
-    (src / "notebooks" / "GLOSSARY.md").write_text(re.sub(r"\[(\d\d_[a-z_]+ \([^]]*\))\]\([^)]*\)", r"\1", glossary))  # unlinked
+    (src / "notebooks" / "GLOSSARY.md").write_text(re.sub(r"\[(\d\d_[a-z_]+ \([^]]*\))\]\([^)]*\)", r"\1",
+                                                          glossary))  # unlinked
     matplotlib.image.imsave(src / "notebooks" / "picture.png", [[0.0, 1.0]])
     notebook = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {"name": "python3"}},
                 "cells": [{"cell_type": "markdown", "id": "a", "metadata": {}, "source": markdown}, *code_cells]}
     (src / "notebooks" / "planted.ipynb").write_text(json.dumps(notebook))
     (src / "index.md").write_text("# Planted\n\n```{toctree}\nnotebooks/planted\nnotebooks/GLOSSARY\n```\n")
-    return subprocess.run([*_offline(), sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-E", "-b", "html",
-                           "-c", str(ROOT / "website"), str(src), str(folder / "html")],
+    return subprocess.run([*_offline(), sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-E",
+                           "-b", "html", "-c", str(ROOT / "website"), str(src), str(folder / "html")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

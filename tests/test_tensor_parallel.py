@@ -234,8 +234,8 @@ def _sp_mlp_bias(rank, world_size):
         refused = str(error)
     layer.all_reduce_replicated_grads()
     layer(mine)  # runs again once the sum is done
-    return {"local": _max_diff(local, dense[2].bias.grad), "summed": _max_diff(layer.down.bias.grad, dense[2].bias.grad),
-            "refused": refused}
+    return {"local": _max_diff(local, dense[2].bias.grad),
+            "summed": _max_diff(layer.down.bias.grad, dense[2].bias.grad), "refused": refused}
 
 
 def test_sequence_parallel_mlp_sums_its_replicated_bias_or_refuses_to_run():

@@ -188,7 +188,8 @@ def test_the_main_classes_import_from_the_package():
     assert gpipe_ref.GPipe is pipeline.GPipe and gpipe_ref.PipelineParallel is pipeline_parallel.PipelineParallel
     assert gpipe_ref.DataParallel is data_parallel.DataParallel and gpipe_ref.launch is distributed.launch
     assert gpipe_ref.ZeRO is zero.ZeRO and gpipe_ref.balance_by_time is partition.balance_by_time
-    assert gpipe_ref.balance_by_size is partition.balance_by_size and gpipe_ref.DeferredBatchNorm.__name__ == "DeferredBatchNorm"
+    assert (gpipe_ref.balance_by_size is partition.balance_by_size
+            and gpipe_ref.DeferredBatchNorm.__name__ == "DeferredBatchNorm")
     for name in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention"):
         assert getattr(gpipe_ref, name) is getattr(tensor_parallel, name)
     assert all(hasattr(gpipe_ref, name) for name in gpipe_ref.__all__)

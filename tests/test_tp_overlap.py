@@ -34,7 +34,8 @@ def test_the_pieces_run_in_the_order_each_variant_says(results):
 
 def test_step_medians_take_the_slowest_rank_of_each_run():
     pieces = BackwardPieces((0, 1), (1, 2), (2, 3))
-    results = [{"a": {"totals": [1.0, 5.0, 2.0], "pieces": pieces}}, {"a": {"totals": [3.0, 1.0, 2.0], "pieces": pieces}}]
+    results = [{"a": {"totals": [1.0, 5.0, 2.0], "pieces": pieces}},
+               {"a": {"totals": [3.0, 1.0, 2.0], "pieces": pieces}}]
     assert step_medians(results) == {"a": 3.0}  # the runs' slowest: 3, 5, 2
 
 

@@ -34,7 +34,8 @@ def test_readout_follows_the_sliders(name):
 def test_interleaved_uses_stages_per_device_and_explains_bad_sizes():
     ex = BubbleExplorer(schedule="interleaved_1f1b", stages=4, microbatches=8, stages_per_device=2)
     simulated, formula, text = _readout(ex)
-    assert "v=2" in text and formula == pytest.approx(3 / 19, abs=5e-5) and simulated == pytest.approx(formula, abs=5e-5)
+    assert ("v=2" in text and formula == pytest.approx(3 / 19, abs=5e-5)
+            and simulated == pytest.approx(formula, abs=5e-5))
     assert not ex.stages_per_device.disabled
     ex.microbatches.value = 9  # torch's rule: m splits into max(1, m // p) equal rounds; 9 on 4 devices does not
     assert "9 gives 2 rounds; nearest allowed: 8 and 10" in ex.readout.value

@@ -46,7 +46,8 @@ def test_readout_names_the_fullest_device_and_its_largest_category():
     anatomy = explorer.anatomy
     fullest = max(range(4), key=lambda s: anatomy[s].total)
     assert fullest == 3  # the last stage also keeps the loss's prediction and target
-    assert f"fullest device: pipeline stage {fullest}, <b>{format_bytes(anatomy[fullest].total)}</b>" in explorer.readout.value
+    assert (f"fullest device: pipeline stage {fullest}, <b>{format_bytes(anatomy[fullest].total)}</b>"
+            in explorer.readout.value)
     assert "largest category there: <b>activations</b>" in explorer.readout.value
     explorer.recompute.value = "always"  # now Adam's state outweighs the few stage inputs kept
     assert explorer.anatomy[fullest].largest == "optimizer state"

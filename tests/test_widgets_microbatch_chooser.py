@@ -85,7 +85,8 @@ def test_fit_recovers_a_linear_table_and_counts_are_checked():
 def _numbers(readout: str) -> dict:
     text = re.sub(r"<[^>]+>", "", readout).replace("&times;", "x").replace("&middot;", "|")
     found = {
-        "B": r"m = B/\(d b\) = (\d+)/", "d": r"m = B/\(d b\) = \d+/\((\d+) x", "b": r"m = B/\(d b\) = \d+/\(\d+ x (\d+)\)",
+        "B": r"m = B/\(d b\) = (\d+)/", "d": r"m = B/\(d b\) = \d+/\((\d+) x",
+        "b": r"m = B/\(d b\) = \d+/\(\d+ x (\d+)\)",
         "m": r"\) = (\d+) micro-batches", "bubble": r"bubble \(p-1\)/\(m\+p-1\) = \d+/\d+ = ([\d.]+)%",
         "step": r"= ([\d.]+) ms\s*best", "best": r"best b = (\d+):",
     }

@@ -22,7 +22,8 @@ def test_staleness_explorer_readout_follows_the_controls(monkeypatch):
 
     trained = []
     convergence = staleness.convergence
-    monkeypatch.setattr(staleness, "convergence", lambda variant, **kw: trained.append(variant) or convergence(variant, **kw))
+    monkeypatch.setattr(staleness, "convergence",
+                        lambda variant, **kw: trained.append(variant) or convergence(variant, **kw))
     ex = StalenessExplorer(stages=2, microbatches=4, lr=0.2, steps=4)
     text = _text(ex)
     assert "weight stashing on" in text and "versions held per stage [2, 1]" in text
@@ -38,7 +39,8 @@ def test_staleness_explorer_readout_follows_the_controls(monkeypatch):
     # vertical sync: every stage keeps p versions, and every stage is p - 1 updates behind
     assert "versions held per stage [2, 2]" in text and "[1, 1]" in text.split("steady state")[1]
     ex.microbatches.value = 6
-    assert ex.heat.value.count("<td") == 2 * 6 and "<svg" in ex.picture.value and ex.curves.value.count("<polyline") == 3
+    assert (ex.heat.value.count("<td") == 2 * 6 and "<svg" in ex.picture.value
+            and ex.curves.value.count("<polyline") == 3)
     assert trained == ["pipedream_stash", "sync_microbatch", "gpipe", "pipedream_no_stash", "pipedream_vertical_sync"]
     ex.weight_stashing.value = True  # cached: redraws without training again
     ex.vertical_sync.value = False
@@ -58,7 +60,8 @@ def test_the_readout_numbers_are_the_librarys():
     assert f"bubble of this run {ours:.1%}" in text and f"(80 micro-batches) it is {long_run:.1%}" in text
     assert long_run < ours / 5 and "0 in steady state" in text
     finals = {v: final_loss(convergence(v, lr=0.2, steps=10)) for v in ("pipedream_stash", "sync_microbatch", "gpipe")}
-    assert f"micro-batches) {finals['pipedream_stash']:.4g}: sync SGD per micro-batch {finals['sync_microbatch']:.4g} " \
+    assert f"micro-batches) {finals['pipedream_stash']:.4g}: " \
+           f"sync SGD per micro-batch {finals['sync_microbatch']:.4g} " \
            f"({finals['pipedream_stash'] / finals['sync_microbatch']:.2f}x the synchronous loss), GPipe per " \
            f"mini-batch {finals['gpipe']:.4g}" in text
 

@@ -107,7 +107,8 @@ def test_build_rewrites_untouched_copies_outdated_or_not(exercises_copy):
     nbformat.write(nb, exercises_copy / "03_model_parallel.ipynb")
     written = build(SOLUTIONS, exercises_copy)
     assert [path.name for path in written] == NAMES
-    assert (exercises_copy / "03_model_parallel.ipynb").read_bytes() == (EXERCISES / "03_model_parallel.ipynb").read_bytes()
+    assert ((exercises_copy / "03_model_parallel.ipynb").read_bytes()
+            == (EXERCISES / "03_model_parallel.ipynb").read_bytes())
 
 
 def test_build_rewrites_the_stub_of_an_earlier_version_of_an_exercise(exercises_copy):

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "gpu":
             passed, line, counts = pytest_part("gpu", ["tests/test_gpu.py"], ["-m", "gpu", "-rs"], out, env)
             if not cuda:
-                line += "; skipped without CUDA: " + ", ".join(name.split("::")[-1] for name, _ in counts["skipped_tests"])
+                line += "; skipped without CUDA: " + ", ".join(name.split("::")[-1]
+                                                               for name, _ in counts["skipped_tests"])
             report("gpu tests", passed, line)
         elif part == "notebooks":
             passed, line, _ = pytest_part("notebooks", ["notebooks", "solutions"], nbval, out, env)

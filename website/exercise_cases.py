@@ -35,7 +35,8 @@ def annotate(app, docname: str, source: list[str]) -> None:
         check_id = cell.get("metadata", {}).get("gpipe_ref", {}).get("check")
         if check_id:
             cell["outputs"] = [shown_cases(check_id)]
-    note = {"cell_type": "markdown", "id": "site-answer-note", "metadata": {}, "source": f":::{{note}}\n{ANSWER_HERE}\n:::\n"}
+    note = {"cell_type": "markdown", "id": "site-answer-note", "metadata": {},
+            "source": f":::{{note}}\n{ANSWER_HERE}\n:::\n"}
     notebook["cells"].insert(1, note)
     source[0] = json.dumps(notebook)
 

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 VIEW = "application/vnd.jupyter.widget-view+json"
 STATE = "application/vnd.jupyter.widget-state+json"
 MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
-SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")  # ](04_gpipe.ipynb#3.-The-bubble)
+# e.g. ](04_gpipe.ipynb#3.-The-bubble)
+SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 
 

@@ -29,8 +29,9 @@ from ..checks import positive
 from ..timeline import Event, Timeline, Transfer
 from .master_data_parallel import naive_data_parallel_step, reduce_grads_on_master_and_step
 
+# the naive step is master_data_parallel's, read here in the lesson's order
 __all__ = ["DataParallel", "accumulate_gradients", "assign_buckets", "naive_data_parallel_step", "parameters_reached",
-           "reduce_grads_on_master_and_step"]  # the naive step is master_data_parallel's, read here in the lesson's order
+           "reduce_grads_on_master_and_step"]
 
 
 class DataParallel(nn.Module):

@@ -100,7 +100,8 @@ class PipelineParallel(GPipe):
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
-                 checkpoint: str = "except_last", schedule: str | Schedule = "gpipe", stages_per_device: int | None = None,
+                 checkpoint: str = "except_last", schedule: str | Schedule = "gpipe",
+                 stages_per_device: int | None = None,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  track_memory: bool = False, timeline: bool = False, deferred_batch_norm: bool = False) -> None:
         if not isinstance(timeline, bool):

@@ -147,7 +147,8 @@ def keep_answers(args: argparse.Namespace, at_risk: dict[Path, str], prog: str) 
 
 def course_exercises(given: str) -> Path:
     """The folder ``exercises start`` copies from: ``given``; or, for the default ``exercises`` where the current
-    folder holds no exercise notebooks, the course's own (beside the package in a checkout), so that start works from any folder."""
+    folder holds no exercise notebooks, the course's own (beside the package in a checkout), so that start works
+    from any folder."""
     folder = Path(given)
     if given == "exercises" and not any(folder.glob("[0-9][0-9]_*.ipynb")):
         beside = Path(__file__).resolve().parents[2] / "exercises"

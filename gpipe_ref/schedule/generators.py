@@ -12,8 +12,8 @@ from __future__ import annotations
 from ..checks import positive_int
 from .ir import Action, Schedule
 
-__all__ = ["check_interleaved_sizes", "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b", "interleaved_zero_bubble",
-           "looped_bfs"]
+__all__ = ["check_interleaved_sizes", "gpipe", "one_f_one_b", "zero_bubble_h1", "pipedream_async", "interleaved_1f1b",
+           "interleaved_zero_bubble", "looped_bfs"]
 
 
 def _one_stage_per_device(name, num_stages, num_microbatches, per_device, flush=True) -> Schedule:

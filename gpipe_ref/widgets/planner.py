@@ -109,7 +109,8 @@ class PlannerExplorer(Dashboard):
                  f"border-left:2px dashed #b00' title='usable: {usable / 1e9:.1f} GB'></div>")
         self.memory_bars.value = (f"<div>memory per GPU: {chosen.memory[TOTAL_MEMORY] / 1e9:.1f} of "
                                   f"{self.memory.value} GB, {usable / 1e9:.1f} GB usable (dashed line: "
-                                  f"usable_memory = {self.cluster.usable_memory:g}; blue: weights, gradients, optimizer; "
+                                  f"usable_memory = {self.cluster.usable_memory:g}; "
+                                  f"blue: weights, gradients, optimizer; "
                                   f"orange: activations)</div><div style='width:600px;border:1px solid #888;"
                                   f"position:relative'>{bar}{limit}</div>")
         if chosen.pp > 1:

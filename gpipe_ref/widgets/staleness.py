@@ -158,7 +158,8 @@ def staleness_readout(record, p: int, m: int, lr: float, stash: bool, vsync: boo
     return (
         f"<b>p={p}, m={m}, lr={lr}</b> &middot; weight stashing <b>{stash_text}</b>, "
         f"vertical sync <b>{'on' if vsync else 'off'}</b> &middot; staleness per stage in steady state "
-        f"(the table's last column) <b>{steady}</b> &middot; largest forward/backward version mismatch <b>{mismatch}</b> &middot; "
+        f"(the table's last column) <b>{steady}</b> &middot; "
+        f"largest forward/backward version mismatch <b>{mismatch}</b> &middot; "
         f"versions held per stage <b>{record.stash_peak}</b> ({held_why}: {bound}, {reached})"
         f"<br>bubble of this run <b>{bubble:.1%}</b>: one fill and one drain, the same as one GPipe mini-batch; "
         f"PipeDream never flushes, so over {LONG_RUN} mini-batches' worth ({LONG_RUN * m} micro-batches) it is "

@@ -123,8 +123,9 @@ def _worker_main(submission: Submission, write_end: int, limits: dict[str, Any])
         payload = json.dumps(result.to_dict()).encode()
     except BaseException as error:  # the grader's own failure, not the notebook's
         traceback.print_exc()
-        payload = json.dumps(NotebookResult(shown(submission.path), error=f"{shown(submission.path)}: the grader failed "
-                                            f"({type(error).__name__}: {error})").to_dict()).encode()
+        payload = json.dumps(NotebookResult(shown(submission.path),
+                                            error=f"{shown(submission.path)}: the grader failed "
+                                                  f"({type(error).__name__}: {error})").to_dict()).encode()
         code = 1
     try:
         end_processes(submission.token, root=os.getpid(), reap=True)
@@ -218,7 +219,8 @@ def _run_workers(submissions: list[Submission], limits: dict[str, Any], jobs: in
                 after = package_hashes()
                 if after != hashes:
                     raise PackageChanged(
-                        f"the grader's files changed on disk while it graded: {', '.join(changed_files(hashes, after))}. "
+                        f"the grader's files changed on disk while it graded: "
+                        f"{', '.join(changed_files(hashes, after))}. "
                         f"Notebooks graded when it happened: "
                         f"{', '.join(str(w.submission.path) for w in [worker, *running.values()])}. "
                         f"Grading stopped: reinstall the package, then grade again with --resume")

@@ -233,7 +233,8 @@ class _Grading:
                 self.verdicts[ex_id] = _blame(self.exercises[ex_id], "not attempted", "its exercise cell is missing")
         try:
             for _ in range(4 * len(self.exercises) + 4):  # each round settles at least one exercise or cell
-                pending = [ex_id for ex_id in self.exercises if ex_id not in self.verdicts and ex_id not in self.disabled]
+                pending = [ex_id for ex_id in self.exercises
+                           if ex_id not in self.verdicts and ex_id not in self.disabled]
                 if not pending:
                     break
                 trouble = self.session_run(None, pending)

@@ -15,8 +15,8 @@ from ..exercises.catalog import EXERCISES
 from .grader import NotebookResult
 from .signing import signed
 
-__all__ = ["by_exercise", "feedback_markdown", "feedback_name", "feedback_names", "format_by_exercise", "format_table", "gradebook_csv",
-           "summary"]
+__all__ = ["by_exercise", "feedback_markdown", "feedback_name", "feedback_names", "format_by_exercise", "format_table",
+           "gradebook_csv", "summary"]
 
 
 def format_table(result: NotebookResult) -> str:
@@ -152,7 +152,8 @@ def feedback_markdown(result: NotebookResult) -> str:
         return f"# {Path(result.path).name}\n\nThis notebook could not be graded: {result.error}\n"
     lines = [f"# {Path(result.path).name}: {result.points}/{result.max_points} points", ""]
     for verdict in result.verdicts:
-        lines += [f"## {verdict.mark} Exercise {verdict.exercise} · {verdict.title}: {verdict.points}/{verdict.max_points}",
+        lines += [f"## {verdict.mark} Exercise {verdict.exercise} · {verdict.title}: "
+                  f"{verdict.points}/{verdict.max_points}",
                   "", (verdict.public or verdict.feedback), ""]
     lines += [f"Note: {warning}" for warning in result.warnings]
     return "\n".join(lines).rstrip() + "\n"
