@@ -1,26 +1,18 @@
-"""What every planted wrong answer must do, shared by the tests/test_grading_exNN_*.py files: score 0 from the
-grader, and fail the shown check() too, naming the mistake (so check() and the grader rarely disagree)."""
+"""The exercise contract the tests/test_grading_exNN_*.py files declare (CONTRACT) and tests/test_grading_contract.py
+checks: planted wrong answers score 0 from the grader and, where said, fail the shown check() naming the mistake (so
+check() and the grader rarely disagree); right answers pass both within the limits; small mutants are refused."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from gpipe_ref.grading import EXERCISES, FAILED_CHECKS, check, grade
+from gpipe_ref.grading import EXERCISES, check, grade
 
 TESTS = Path(__file__).resolve().parent
 SOLUTIONS = TESTS.parent / "solutions"
-
-
-def assert_caught(exercise_id: str, namespace: dict, phrase: str, capsys) -> None:
-    verdict = grade(exercise_id, namespace)
-    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
-    FAILED_CHECKS.pop(exercise_id, None)  # a first failure: check() names the mistake, its hint comes later
-    check(exercise_id, namespace[EXERCISES[exercise_id].answer])  # the shown cases alone catch it
-    out = capsys.readouterr().out
-    assert out.startswith(f"✗ Exercise {exercise_id}"), out
-    assert phrase in out, out
 
 
 def run_answer(prelude: str, code: str) -> dict:
@@ -38,7 +30,8 @@ def run_answer(prelude: str, code: str) -> dict:
 CHECK_LIMIT_S, GRADE_LIMIT_S = 10.0, 60.0
 
 
-def passes_check_and_grade(exercise_id: str, namespace: dict, capsys, grade_limit: float | None = GRADE_LIMIT_S) -> None:
+def passes_check_and_grade(exercise_id: str, namespace: dict, capsys,
+                           grade_limit: float | None = GRADE_LIMIT_S) -> None:
     """A right answer: check() says so in under CHECK_LIMIT_S, and grade() gives full marks (in under
     ``grade_limit`` seconds when given)."""
     import time
@@ -67,19 +60,85 @@ def solution_namespace(name: str) -> dict:
     return namespace
 
 
-def planted_answers() -> dict[str, str]:
-    """The first planted wrong answer (its code) of each exercise: in each tests/test_grading_exNN_*.py, its lists
-    of planted answers (PLAUSIBLE first, then every list named ...WRONG..., FOUND or WRONG_FIXES, in file order),
-    whose rows start with the exercise id and end with the code."""
+# -- the exercise contract: what each tests/test_grading_exNN_*.py declares as CONTRACT, and
+# tests/test_grading_contract.py checks for every exercise --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A wrong answer the exercise must catch: it scores 0; with ``shown``, the shown check() fails too, its
+    feedback containing ``shown`` (None: a mistake only the hidden cases catch)."""
+
+    exercise: str
+    what: str
+    code: str
+    prelude: str
+    shown: str | None = None
+
+
+@dataclass(frozen=True)
+class Right:
+    """A right answer (the solution, or one written another way): check() passes within CHECK_LIMIT_S and grade()
+    gives full marks, within ``grade_limit`` seconds where given."""
+
+    exercise: str
+    what: str
+    code: str
+    prelude: str
+    grade_limit: float | None = GRADE_LIMIT_S
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A small edit of a right answer, ``old`` replaced by ``new`` once: the grader refuses it."""
+
+    exercise: str
+    code: str
+    old: str
+    new: str
+    prelude: str
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One notebook's exercises: its solution notebook, the planted wrong answers (at least two per exercise),
+    other right answers and small mutants of them."""
+
+    notebook: str
+    planted: tuple[Planted, ...]
+    right: tuple[Right, ...] = ()
+    mutants: tuple[Mutant, ...] = ()
+
+
+def planted(prelude: str, rows) -> tuple[Planted, ...]:
+    """Rows ``(exercise, what, code)`` (only the grader need catch it) or ``(exercise, what, shown, code)``."""
+    return tuple(Planted(row[0], row[1], row[-1], prelude, row[2] if len(row) == 4 else None) for row in rows)
+
+
+def rights(prelude: str, answers: dict[str, str], what: str = "written another way",
+           grade_limit: float | None = GRADE_LIMIT_S) -> tuple[Right, ...]:
+    return tuple(Right(exercise, what, code, prelude, grade_limit) for exercise, code in answers.items())
+
+
+def mutants(prelude: str, rows, code: dict[str, str]) -> tuple[Mutant, ...]:
+    """Rows ``(exercise, old, new)`` of edits to ``code[exercise]``."""
+    return tuple(Mutant(exercise, code[exercise], old, new, prelude) for exercise, old, new in rows)
+
+
+def contracts() -> dict[str, Contract]:
+    """Every tests/test_grading_exNN_*.py's CONTRACT, by module name."""
     import importlib
 
+    return {path.stem: importlib.import_module(path.stem).CONTRACT
+            for path in sorted(TESTS.glob("test_grading_ex[0-9][0-9]_*.py"))}
+
+
+def planted_answers() -> dict[str, str]:
+    """The first planted wrong answer (its code) of each exercise, in the contracts' order."""
     firsts: dict[str, str] = {}
-    for path in sorted(TESTS.glob("test_grading_ex[0-9][0-9]_*.py")):
-        module = importlib.import_module(path.stem)
-        for name, rows in vars(module).items():
-            if name == "PLAUSIBLE" or "WRONG" in name or name == "FOUND":
-                for row in rows:
-                    firsts.setdefault(row[0], row[-1])
+    for contract in contracts().values():
+        for answer in contract.planted:
+            firsts.setdefault(answer.exercise, answer.code)
     return firsts
 
 
@@ -99,21 +158,3 @@ def solutions_pass_every_case(name: str, capsys) -> None:
         check(ex.id, namespace[ex.answer])
         assert time.perf_counter() - began < CHECK_LIMIT_S and capsys.readouterr().out.startswith("✓"), ex.id
 
-
-def wrong_answer_loses_the_points(exercise_id: str, namespace: dict) -> None:
-    """A plausible wrong answer scores 0, and the feedback names the failing case."""
-    verdict = grade(exercise_id, namespace)
-    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
-    assert verdict.feedback.startswith(("case ", "`")), verdict.feedback
-
-
-def scores_zero_and_the_shown_check_catches_it(exercise_id: str, namespace: dict, shown: str | None, capsys) -> None:
-    """A wrong answer scores 0; the shown check() fails too, naming ``shown``, unless ``shown`` is None (a mistake
-    only the hidden cases catch)."""
-    verdict = grade(exercise_id, namespace)
-    assert verdict.points == 0 and verdict.status == "failed", verdict
-    if shown is None:
-        return
-    check(exercise_id, namespace[EXERCISES[exercise_id].answer])
-    out = capsys.readouterr().out
-    assert out.startswith(f"✗ Exercise {exercise_id}") and shown in out, out

@@ -1,8 +1,9 @@
-"""Exercises of notebook 01 (gpipe_ref/grading/exercises/ex01_data_parallel.py): the solution notebook passes;
-plausible wrong answers lose the points; 01.3 (find the bug in a bucket assignment) and 01.4 (predict the bytes
-each rank sends): planted wrong answers fail the shown check() with their mistake named and score 0, small
-mutations of the solutions fail, and 01.4's measurement counts what the library's code sends, as real gloo
-processes count it; no stored output of lesson 01 prints 01.2's answer."""
+"""Exercises of notebook 01 (gpipe_ref/grading/exercises/ex01_data_parallel.py). The contract (CONTRACT, checked by
+tests/test_grading_contract.py): the solution notebook passes; plausible wrong answers lose the points; for 01.3 (find
+the bug in a bucket assignment) and 01.4 (predict the bytes each rank sends) planted wrong answers fail the shown
+check() with their mistake named and score 0, and small mutations of the solutions fail. Here: 01.4's measurement
+counts what the library's code sends, as real gloo processes count it; no stored output of lesson 01 prints 01.2's
+answer."""
 
 from __future__ import annotations
 
@@ -10,17 +11,11 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from gpipe_ref.grading import EXERCISES, grade
+from gpipe_ref.grading import EXERCISES
 from gpipe_ref.grading.exercises.ex01_data_parallel import measure_traffic
-from planted import (
-    assert_caught,
-    passes_check_and_grade,
-    run_answer,
-    solutions_pass_every_case,
-    wrong_answer_loses_the_points,
-)
+from planted import Contract, mutants, planted, rights
 
-# -- every exercise of notebook 01: the solution notebook passes, plausible wrong answers lose the points -----------
+# -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
 
 PLAUSIBLE_PRELUDE = """
 import torch
@@ -63,16 +58,6 @@ def ring_chunk_to_send(rank, step, world_size, phase):
     return (rank + step + 1) % world_size
 """),
 ]
-
-
-@pytest.mark.parametrize("name", ["01_data_parallel"])
-def test_solutions_pass_every_case(name, capsys):
-    solutions_pass_every_case(name, capsys)
-
-
-@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
-def test_wrong_answer_loses_the_points(exercise_id, what, code):
-    wrong_answer_loses_the_points(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
 
 
 # -- 01.3 and 01.4: planted wrong answers, the solutions, mutants, the measurement ----------------------------------
@@ -143,7 +128,8 @@ WRONG = [
      DRAFT.replace("if filled + size > cap:", "if current and filled + size > cap:")),
     ("01.3", "closes a bucket at exactly the cap (>= instead of >)", "closed too early",
      BUCKETS.replace("] > cap", "] >= cap")),
-    ("01.3", "forgets the last bucket", "is in no bucket", BUCKETS.replace("    if current:\n        buckets", "    if False:\n        buckets")),
+    ("01.3", "forgets the last bucket", "is in no bucket",
+     BUCKETS.replace("    if current:\n        buckets", "    if False:\n        buckets")),
     ("01.3", "each bucket lists its parameters in forward order", "not the order the backward produces",
      BUCKETS.replace("buckets.append(current)", "buckets.append(sorted(current))")),
     ("01.4", "the lesson's 2(n-1)/n of the tensor on every rank", "not a whole number of bytes",
@@ -186,21 +172,8 @@ MUTANTS = [
 ]
 
 
-@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
-def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    assert_caught(exercise_id, run_answer(PRELUDE, code), phrase, capsys)
-
-
-@pytest.mark.parametrize("exercise_id", sorted(RIGHT))
-def test_the_solution_passes_check_and_grade_quickly(exercise_id, capsys):
-    passes_check_and_grade(exercise_id, run_answer(PRELUDE, RIGHT[exercise_id]), capsys)
-
-
-@pytest.mark.parametrize("exercise_id,old,new", MUTANTS, ids=[f"{e}-{o}->{n}" for e, o, n in MUTANTS])
-def test_a_small_mutation_of_the_solution_fails(exercise_id, old, new):
-    assert old in RIGHT[exercise_id]
-    verdict = grade(exercise_id, run_answer(PRELUDE, RIGHT[exercise_id].replace(old, new, 1)))
-    assert not verdict.passed, (old, new)
+CONTRACT = Contract("01_data_parallel", planted=planted(PLAUSIBLE_PRELUDE, PLAUSIBLE) + planted(PRELUDE, WRONG),
+                    right=rights(PRELUDE, RIGHT, "the solution"), mutants=mutants(PRELUDE, MUTANTS, RIGHT))
 
 
 def test_the_feedback_never_shows_a_hidden_expected_value():

@@ -1,4 +1,5 @@
-"""Exercises of notebook 02 (gpipe_ref/grading/exercises/ex02_tensor_parallel.py): the solution notebook passes;
+"""Exercises of notebook 02 (gpipe_ref/grading/exercises/ex02_tensor_parallel.py). The contract (CONTRACT, checked by
+tests/test_grading_contract.py): the solution notebook passes;
 plausible wrong answers lose the points; 02.3's in-place all-reduce fails the shown check; 02.4 (predict the
 bytes a Megatron MLP block sends): the solution passes against the measured run, planted wrong answers fail
 check() with the first wrong number named and score 0, small mutants of the solution fail the grader, and
@@ -11,16 +12,9 @@ from __future__ import annotations
 import pytest
 
 from gpipe_ref.grading import EXERCISES, grade
-from planted import (
-    assert_caught,
-    passes_check_and_grade,
-    run_answer,
-    scores_zero_and_the_shown_check_catches_it,
-    solutions_pass_every_case,
-    wrong_answer_loses_the_points,
-)
+from planted import Contract, mutants, planted, rights, run_answer
 
-# -- every exercise of notebook 02: the solution notebook passes, plausible wrong answers lose the points -----------
+# -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
 
 PLAUSIBLE_PRELUDE = """
 import torch
@@ -113,16 +107,6 @@ class CopyToTensorParallel(torch.autograd.Function):
 ]
 
 
-@pytest.mark.parametrize("name", ["02_tensor_parallel"])
-def test_solutions_pass_every_case(name, capsys):
-    solutions_pass_every_case(name, capsys)
-
-
-@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
-def test_wrong_answer_loses_the_points(exercise_id, what, code):
-    wrong_answer_loses_the_points(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
-
-
 # -- 02.4: predict the bytes a Megatron MLP block sends -------------------------------------------------------------
 
 PRELUDE = """
@@ -209,29 +193,6 @@ MUTANTS = [  # small edits of the solution: an integer constant +-1, a flipped c
 ]
 
 
-def _answer(code: str) -> dict:
-    return run_answer(PRELUDE, code)
-
-
-@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
-def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    assert_caught(exercise_id, _answer(code), phrase, capsys)
-
-
-@pytest.mark.parametrize("old,new", MUTANTS, ids=[new for _, new in MUTANTS])
-def test_a_small_mutant_of_the_solution_fails_the_grader(old, new):
-    assert SOLUTION.count(old) == 1, old
-    verdict = grade("02.4", _answer(SOLUTION.replace(old, new)))
-    assert verdict.points == 0 and verdict.status in ("failed", "error"), verdict
-
-
-def test_the_solution_and_one_in_floats_pass_check_and_the_grader_quickly(capsys):
-    floats = predict(all_reduce="2 * (tp - 1) / tp * size", sp_forward="2 * (tp - 1) / tp * size",
-                     sp_backward="(tp - 1) / tp * size * 2")
-    for code in (SOLUTION, floats):
-        passes_check_and_grade("02.4", _answer(code), capsys)
-
-
 def test_cases_are_measured_on_ranks_and_cover_the_edges():
     ex = EXERCISES["02.4"]
     assert ex.category == "predict"
@@ -269,7 +230,8 @@ def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
     def sent(kind):
         plan = sharding_plan(kind, tp, batch, seq_len, hidden, bytes_per_element)
         return {d: plan.sent_per_rank(d) for d in ("forward", "backward")}
-    return {"tensor_parallel": sent("mlp"), "sequence_parallel": sent("sequence_parallel") if seq_len % tp == 0 else None}
+    return {"tensor_parallel": sent("mlp"),
+            "sequence_parallel": sent("sequence_parallel") if seq_len % tp == 0 else None}
 """, "sharding_plan"),
     ("""
 import gpipe_ref.sharding as sharding
@@ -281,7 +243,7 @@ def predict_mlp_bytes(batch, seq_len, hidden, tp, bytes_per_element):
 """, "ring_bytes_per_rank"),
 ])
 def test_an_answer_that_asks_the_library_scores_0(code, name, capsys):
-    verdict = grade("02.4", _answer(code))
+    verdict = grade("02.4", run_answer(PRELUDE, code))
     assert verdict.points == 0 and verdict.status == "failed" and name in verdict.feedback, verdict
 
 
@@ -399,11 +361,11 @@ def overlapped_backward(grad_out, x, weight):  # einsum over every leading dimen
 """
 
 
-def test_a_right_overlapped_backward_written_another_way_passes(capsys):
-    passes_check_and_grade("02.5", run_answer(FOUND_PRELUDE, RIGHT_02_5), capsys)
-
-
-@pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])
-def test_wrong_answer_scores_zero_and_the_shown_check_catches_it_when_it_should(exercise_id, what, shown, code,
-                                                                              capsys):
-    scores_zero_and_the_shown_check_catches_it(exercise_id, run_answer(FOUND_PRELUDE, code), shown, capsys)
+CONTRACT = Contract(
+    "02_tensor_parallel",
+    planted=planted(PLAUSIBLE_PRELUDE, PLAUSIBLE) + planted(PRELUDE, WRONG) + planted(FOUND_PRELUDE, FOUND),
+    right=rights(PRELUDE, {"02.4": SOLUTION}, "the solution")
+    + rights(PRELUDE, {"02.4": predict(all_reduce="2 * (tp - 1) / tp * size", sp_forward="2 * (tp - 1) / tp * size",
+                                       sp_backward="(tp - 1) / tp * size * 2")}, "in floats")
+    + rights(FOUND_PRELUDE, {"02.5": RIGHT_02_5}),
+    mutants=mutants(PRELUDE, [("02.4", old, new) for old, new in MUTANTS], {"02.4": SOLUTION}))

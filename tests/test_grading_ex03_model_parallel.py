@@ -1,4 +1,5 @@
-"""Exercises of notebook 03 (gpipe_ref/grading/exercises/ex03_model_parallel.py): the solution notebook passes;
+"""Exercises of notebook 03 (gpipe_ref/grading/exercises/ex03_model_parallel.py). The contract (CONTRACT, checked by
+tests/test_grading_contract.py): the solution notebook passes;
 plausible wrong answers lose the points; the shown check() catches the mistakes a blind learner made (03.1,
 03.3) and its hints nudge without stating the answer; 03.4 (a balance under a memory limit and a step target):
 planted wrong answers fail, another valid design passes; 03.5 (the bug in a training step run by hand across
@@ -8,16 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_ref.grading import EXERCISES, grade
-from planted import (
-    assert_caught,
-    passes_check_and_grade,
-    run_answer,
-    solutions_pass_every_case,
-    wrong_answer_loses_the_points,
-)
+from gpipe_ref.grading import EXERCISES
+from planted import Contract, planted, rights
 
-# -- every exercise of notebook 03: the solution notebook passes, plausible wrong answers lose the points -----------
+# -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
 
 PLAUSIBLE_PRELUDE = """
 import torch
@@ -90,16 +85,6 @@ def split_into_stages(model, balance):
 ]
 
 
-@pytest.mark.parametrize("name", ["03_model_parallel"])
-def test_solutions_pass_every_case(name, capsys):
-    solutions_pass_every_case(name, capsys)
-
-
-@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
-def test_wrong_answer_loses_the_points(exercise_id, what, code):
-    wrong_answer_loses_the_points(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
-
-
 # -- 03.1 and 03.3 after a blind learner worked them ----------------------------------------------------------------
 
 PRELUDE = """
@@ -138,25 +123,11 @@ def split_into_stages(model, balance):
 ]
 
 
-def _answer(exercise_id: str, code: str):
-    namespace = run_answer(PRELUDE, code)
-    return namespace
-
-
-@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
-def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    namespace = _answer(exercise_id, code)
-    assert_caught(exercise_id, namespace, phrase, capsys)
-
-
-def test_slicing_the_model_is_a_right_answer():
-    namespace = _answer("03.3", """
+SLICING = """
 def split_into_stages(model, balance):
     starts = [sum(balance[:k]) for k in range(len(balance))]
     return [model[s:s + n] for s, n in zip(starts, balance)]
-""")
-    verdict = grade("03.3", namespace)
-    assert verdict.passed, verdict
+"""
 
 
 FORMULAS = ("min(", "max(", "p - d", "p-d", "p - 1 - s", "p-1-s", "2(p-1)", "2(p - 1)", "2 * (p - 1)")
@@ -227,22 +198,6 @@ def fit_balance(costs, memory, stages, microbatches, step_target, memory_limit):
 }
 
 
-def _fit_answer(code: str) -> dict:
-    namespace = run_answer(FIT_PRELUDE, code)
-    return namespace
-
-
-@pytest.mark.parametrize("exercise_id,what,phrase,code", FIT_WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FIT_WRONG])
-def test_a_planted_wrong_balance_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    namespace = _fit_answer(code)
-    assert_caught(exercise_id, namespace, phrase, capsys)
-
-
-@pytest.mark.parametrize("exercise_id", sorted(FIT_RIGHT))
-def test_another_valid_design_passes_within_10_s(exercise_id, capsys):
-    passes_check_and_grade(exercise_id, _fit_answer(FIT_RIGHT[exercise_id]), capsys, grade_limit=None)
-
-
 @pytest.mark.parametrize("exercise_id", sorted(FIT_RIGHT))
 def test_categories_are_thinking_ones(exercise_id):
     assert EXERCISES[exercise_id].category in ("design", "predict", "debug", "build")
@@ -292,13 +247,9 @@ WRONG_FIXES = [
 ]
 
 
-@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG_FIXES, ids=[w[1][:50] for w in WRONG_FIXES])
-def test_a_wrong_fix_scores_zero_and_check_names_it(exercise_id, what, phrase, code, capsys):
-    assert_caught(exercise_id, run_answer(BOUNDARY_PRELUDE, code), phrase, capsys)
-
-
-def test_the_fix_passes_every_case():
-    from gpipe_ref.grading import grade
-
-    verdict = grade("03.5", run_answer(BOUNDARY_PRELUDE, step()))
-    assert verdict.passed and verdict.points == 3, verdict
+CONTRACT = Contract(
+    "03_model_parallel",
+    planted=planted(PLAUSIBLE_PRELUDE, PLAUSIBLE) + planted(PRELUDE, WRONG) + planted(FIT_PRELUDE, FIT_WRONG)
+    + planted(BOUNDARY_PRELUDE, WRONG_FIXES),
+    right=rights(PRELUDE, {"03.3": SLICING}, "slicing the model") + rights(FIT_PRELUDE, FIT_RIGHT, grade_limit=None)
+    + rights(BOUNDARY_PRELUDE, {"03.5": step()}, "the fix"))

@@ -1,4 +1,5 @@
-"""Exercises of notebook 07 (gpipe_ref/grading/exercises/ex07_beyond.py): the solution notebook passes; plausible
+"""Exercises of notebook 07 (gpipe_ref/grading/exercises/ex07_beyond.py). The contract (CONTRACT, checked by
+tests/test_grading_contract.py): the solution notebook passes; plausible
 wrong answers lose the points; 07.3's layouts that a second blind learner got wrong score 0; 07.4 (ZB-H1's
 orders): each planted wrong answer fails the shown check() with its mistake named and scores 0, another valid
 design passes."""
@@ -8,16 +9,9 @@ from __future__ import annotations
 import pytest
 
 from gpipe_ref.grading import EXERCISES
-from planted import (
-    assert_caught,
-    passes_check_and_grade,
-    run_answer,
-    scores_zero_and_the_shown_check_catches_it,
-    solutions_pass_every_case,
-    wrong_answer_loses_the_points,
-)
+from planted import Contract, planted, rights
 
-# -- every exercise of notebook 07: the solution notebook passes, plausible wrong answers lose the points -----------
+# -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
 
 PLAUSIBLE_PRELUDE = """
 import torch
@@ -126,16 +120,6 @@ def pick_layout(model, cluster):
 ]
 
 
-@pytest.mark.parametrize("name", ["07_beyond"])
-def test_solutions_pass_every_case(name, capsys):
-    solutions_pass_every_case(name, capsys)
-
-
-@pytest.mark.parametrize("exercise_id,what,code", PLAUSIBLE, ids=[f"{e}-{w[:40]}" for e, w, _ in PLAUSIBLE])
-def test_wrong_answer_loses_the_points(exercise_id, what, code):
-    wrong_answer_loses_the_points(exercise_id, run_answer(PLAUSIBLE_PRELUDE, code))
-
-
 # -- 07.4: ZB-H1's orders -------------------------------------------------------------------------------------------
 
 PRELUDE = """
@@ -227,22 +211,6 @@ def zb_h1_orders(p, m):  # each W straight after its own B where the schedule ha
 }
 
 
-def _answer(code: str) -> dict:
-    namespace = run_answer(PRELUDE, code)
-    return namespace
-
-
-@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
-def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    namespace = _answer(code)
-    assert_caught(exercise_id, namespace, phrase, capsys)
-
-
-@pytest.mark.parametrize("exercise_id", sorted(RIGHT))
-def test_another_valid_design_passes_within_10_s(exercise_id, capsys):
-    passes_check_and_grade(exercise_id, _answer(RIGHT[exercise_id]), capsys, grade_limit=None)
-
-
 @pytest.mark.parametrize("exercise_id", sorted(RIGHT))
 def test_categories_are_thinking_ones(exercise_id):
     assert EXERCISES[exercise_id].category in ("design", "predict", "debug", "build")
@@ -295,7 +263,7 @@ FOUND = [
 ]
 
 
-@pytest.mark.parametrize("exercise_id,what,shown,code", FOUND, ids=[f"{e}-{w[:40]}" for e, w, _, _ in FOUND])
-def test_wrong_answer_scores_zero_and_the_shown_check_catches_it_when_it_should(exercise_id, what, shown, code,
-                                                                              capsys):
-    scores_zero_and_the_shown_check_catches_it(exercise_id, run_answer(FOUND_PRELUDE, code), shown, capsys)
+CONTRACT = Contract(
+    "07_beyond",
+    planted=planted(PLAUSIBLE_PRELUDE, PLAUSIBLE) + planted(PRELUDE, WRONG) + planted(FOUND_PRELUDE, FOUND),
+    right=rights(PRELUDE, RIGHT, grade_limit=None))

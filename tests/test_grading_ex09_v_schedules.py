@@ -1,7 +1,8 @@
-"""Exercises of notebook 09 (gpipe_ref/grading/exercises/ex09_v_schedules.py, V-shaped schedules): the solution
-notebook passes; every planted wrong answer (a warm-up off by one, the up stage numbered p + d, DeepSeek's bubble
-with B the input half only, ZB-V idling like DualPipeV when W costs twice F, ...) fails the shown check() with its mistake named and scores 0;
-right answers written another way pass; a generator or the V placement called from an answer is refused; the
+"""Exercises of notebook 09 (gpipe_ref/grading/exercises/ex09_v_schedules.py, V-shaped schedules). The contract
+(CONTRACT, checked by tests/test_grading_contract.py): the solution notebook passes; every planted wrong answer (a
+warm-up off by one, the up stage numbered p + d, DeepSeek's bubble with B the input half only, ZB-V idling like
+DualPipeV when W costs twice F, ...) fails the shown check() with its mistake named and scores 0; right answers
+written another way pass. Here: a generator or the V placement called from an answer is refused; the
 expected values are the simulator's and meet the facts the notebook states."""
 
 from __future__ import annotations
@@ -11,15 +12,7 @@ import pytest
 from gpipe_ref.grading import EXERCISES, NOTEBOOKS, grade
 from gpipe_ref.grading.exercises.ex09_v_schedules import dualpipe_v_measured, idle_where_measured, warmup_of
 from gpipe_ref.schedule import zero_bubble_v
-from planted import assert_caught, passes_check_and_grade, run_answer, solution_namespace, solutions_pass_every_case
-
-# -- every exercise of notebook 09: the solution notebook passes ----------------------------------------------------
-
-
-@pytest.mark.parametrize("name", ["09_v_schedules"])
-def test_solutions_pass_every_case(name, capsys):
-    solutions_pass_every_case(name, capsys)
-
+from planted import Contract, planted, rights, run_answer, solution_namespace
 
 # -- 09.1-09.3: planted wrong answers, right answers written another way -------------------------------------------
 
@@ -154,14 +147,7 @@ def idle_where(p, m):  # lists, not tuples, and floats
 }
 
 
-@pytest.mark.parametrize("exercise_id,what,phrase,code", WRONG, ids=[f"{e}-{w[:40]}" for e, w, _, _ in WRONG])
-def test_a_planted_wrong_answer_fails_check_names_the_mistake_and_scores_0(exercise_id, what, phrase, code, capsys):
-    assert_caught(exercise_id, run_answer(PRELUDE, code), phrase, capsys)
-
-
-@pytest.mark.parametrize("exercise_id", sorted(RIGHT))
-def test_a_right_answer_written_another_way_passes(exercise_id, capsys):
-    passes_check_and_grade(exercise_id, run_answer(PRELUDE, RIGHT[exercise_id]), capsys)
+CONTRACT = Contract("09_v_schedules", planted=planted(PRELUDE, WRONG), right=rights(PRELUDE, RIGHT))
 
 
 def test_every_exercise_of_the_notebook_is_planted_and_makes_the_learner_think():
