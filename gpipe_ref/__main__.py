@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .arguments import MAX_SIMULATED, PROG, ResultsFile, folder, writable_folder
 from .checks import probe_writable
@@ -29,8 +29,9 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import plot, run
 
     output = ResultsFile(args, makes_folders=True)
-    png = Path(args.json).with_suffix(".png") if args.json else None
-    for path in (Path(args.json), png) if args.json else ():  # the folders made, both files probed, up front
+    paths = [Path(args.json), Path(args.json).with_suffix(".png")] if args.json else []
+    png = paths[1] if paths else None
+    for path in paths:  # the folders made, both files probed, up front
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             probe_writable(path)
@@ -140,8 +141,8 @@ def _staleness(args: argparse.Namespace) -> int:
         raise ValueError(f"stages must divide the model's {layers} layers, got {args.stages}")
     record = version_table(pipedream_async(args.stages, args.microbatches))
     output = ResultsFile(args)
-    results = {"runs": [], "version_table": {f"{s},{i}": list(v) for (s, i), v in record.versions.items()},
-               "stash_peak": record.stash_peak}
+    table = {f"{s},{i}": list(v) for (s, i), v in record.versions.items()}
+    results: dict[str, Any] = {"runs": [], "version_table": table, "stash_peak": record.stash_peak}
     print(f"final loss (mean of the last {args.microbatches} micro-batches), {args.stages} stages, "
           f"{args.steps} x {args.microbatches} micro-batches")
     print(f"{'variant':26}" + "".join(f"{'lr ' + str(lr):>12}" for lr in args.lr))
@@ -180,6 +181,7 @@ def _train(args: argparse.Namespace) -> int:
           f"{config.microbatches} micro-batches): loss {losses[0]:.6f} -> {losses[-1]:.6f}", flush=True)
     status = 0
     if config.trace:  # written here, after the loss line: a write that fails costs the trace only
+        assert timeline is not None  # rank 0's, which train() returns
         try:
             timeline.to_chrome_trace(config.trace)
             print(f"wrote the last step's timeline to {config.trace}")
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             and not extra[0].startswith("-"):  # `exercises start --exercises DIR work`: argparse took the
         args.work = extra[0]  # positionals before the option, so DIR comes back unparsed
     elif extra:
-        (commands.get(getattr(args, "command", None)) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        (commands.get(getattr(args, "command", "")) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return RUN[args.command](args)
     except (ValueError, ScheduleError) as exc:

@@ -21,7 +21,7 @@ for its statistics and the read of one counter (a host sync on a GPU).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +29,30 @@ from torch import nn
 
 from gpipe_ref import checks
 
+if TYPE_CHECKING:
+    class _Base(nn.Module):
+        """What the mixin uses of ``nn.BatchNormNd``, which follows it in its subclasses' MRO (a typing view: at
+        run time the base is ``nn.Module``)."""
+
+        eps: float
+        momentum: float | None
+        weight: nn.Parameter
+        bias: nn.Parameter
+        running_mean: torch.Tensor | None  # None without track_running_stats, which the mixin refuses
+        running_var: torch.Tensor | None
+        num_batches_tracked: torch.Tensor | None
+
+        def reset_running_stats(self) -> None: ...
+
+        def _check_input_dim(self, input: torch.Tensor) -> None: ...
+else:
+    _Base = nn.Module
+
 __all__ = ["DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
            "convert_deferred_batch_norm"]
 
 
-class DeferredBatchNorm(nn.Module):
+class DeferredBatchNorm(_Base):
     """The deferred part shared by :class:`DeferredBatchNorm1d`, ``2d`` and ``3d`` (use those: each is
     its ``nn.BatchNormNd``, same arguments plus ``chunks``, same input checks and eval mode).
 
@@ -54,6 +73,11 @@ class DeferredBatchNorm(nn.Module):
     recomputation neither adds a micro-batch twice nor commits early. A counter kept in a Python
     attribute would do both.
     """
+
+    micro_batches: torch.Tensor
+    accumulated_count: torch.Tensor
+    accumulated_mean: torch.Tensor
+    accumulated_m2: torch.Tensor
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None, *,
@@ -125,11 +149,14 @@ class DeferredBatchNorm(nn.Module):
     def _commit(self) -> None:
         mean = self.accumulated_mean
         unbiased_var = self.accumulated_m2 / (self.accumulated_count - 1)
+        assert self.num_batches_tracked is not None  # the statistics are tracked (__init__ refuses otherwise)
         self.num_batches_tracked += 1
+        factor: torch.Tensor | float
         if self.momentum is None:  # cumulative moving average, as nn.BatchNorm
             factor = 1.0 / self.num_batches_tracked.double()
         else:
             factor = self.momentum
+        assert self.running_mean is not None and self.running_var is not None
         self.running_mean.mul_(1 - factor).add_((factor * mean).to(self.running_mean.dtype))
         self.running_var.mul_(1 - factor).add_((factor * unbiased_var).to(self.running_var.dtype))
         self.reset_accumulators()
@@ -147,8 +174,8 @@ class DeferredBatchNorm3d(DeferredBatchNorm, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` on (N, C, D, H, W) with deferred running statistics (see DeferredBatchNorm)."""
 
 
-DEFERRED = {nn.BatchNorm1d: DeferredBatchNorm1d, nn.BatchNorm2d: DeferredBatchNorm2d,
-            nn.BatchNorm3d: DeferredBatchNorm3d}
+DEFERRED: dict[type[nn.Module], type[DeferredBatchNorm]] = {
+    nn.BatchNorm1d: DeferredBatchNorm1d, nn.BatchNorm2d: DeferredBatchNorm2d, nn.BatchNorm3d: DeferredBatchNorm3d}
 
 
 def convert_deferred_batch_norm(module: nn.Module, chunks: int) -> nn.Module:
@@ -183,15 +210,18 @@ def _converted(module: nn.Module, chunks: int) -> nn.Module:
             module.reset_accumulators()
         return module
     deferred = DEFERRED.get(type(module))
-    if deferred is None or not module.track_running_stats:
+    norm = cast("nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d", module)  # read only where DEFERRED has its type
+    if deferred is None or not norm.track_running_stats:
         for name, child in list(module.named_children()):
             module.add_module(name, _converted(child, chunks))
         return module
-    no_bias = {"bias": False} if module.affine and module.bias is None else {}  # torch's bias=False
-    new = deferred(module.num_features, module.eps, module.momentum, module.affine,
-                   device=module.running_mean.device, chunks=chunks, **no_bias)
-    if module.affine:
-        new.weight, new.bias = module.weight, module.bias
-    new.running_mean, new.running_var = module.running_mean, module.running_var
-    new.num_batches_tracked = module.num_batches_tracked
-    return new.train(module.training)
+    # tracking running statistics, it holds their buffers
+    assert norm.running_mean is not None and norm.running_var is not None and norm.num_batches_tracked is not None
+    no_bias: dict[str, bool] = {"bias": False} if norm.affine and norm.bias is None else {}  # torch's bias=False
+    new = deferred(norm.num_features, norm.eps, norm.momentum, norm.affine,
+                   device=norm.running_mean.device, chunks=chunks, **no_bias)
+    if norm.affine:
+        new.weight, new.bias = norm.weight, norm.bias
+    new.running_mean, new.running_var = norm.running_mean, norm.running_var
+    new.num_batches_tracked = norm.num_batches_tracked
+    return new.train(norm.training)

@@ -45,9 +45,9 @@ def plot_bucket_overlap(timeline: Timeline, grad_ready: Mapping[str, float], buc
     bars = [Bar(0, e.start, e.end, e.op, KIND_COLORS[e.op], ("forward", "F"), "forward")
             for e in timeline.events if e.op == "F"]
     ends: dict[str, float] = {}  # layer -> when its last gradient was ready
-    for name, t in grad_ready.items():
+    for name, ready_at in grad_ready.items():
         layer = name.rsplit(".", 1)[0] if "." in name else name
-        ends[layer] = max(ends.get(layer, t), t)
+        ends[layer] = max(ends.get(layer, ready_at), ready_at)
     previous = min(e.start for e in backward)
     for layer, end in sorted(ends.items(), key=lambda item: item[1]):
         bars.append(Bar(0, previous, end, "B", KIND_COLORS["B"], (f"layer {layer}", layer), f"layer {layer}"))

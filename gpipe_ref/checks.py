@@ -13,7 +13,7 @@ import errno
 import math
 import os
 import tempfile
-from typing import Any, Iterable, TypeVar
+from typing import Any, Iterable, TypeVar, cast
 
 __all__ = ["integer", "positive_int", "number", "non_negative", "positive", "fraction", "probability", "instance",
            "one_of", "probe_writable", "write_atomically"]
@@ -40,9 +40,9 @@ def number(name: str, value: object, minimum: float = 0.0, *, strict: bool = Fal
            finite: bool = True) -> float:
     """A real number ``>= minimum`` (``> minimum`` when ``strict``). NaN is always refused,
     infinity unless ``finite=False`` (a limit that may be "none")."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (
-        value > minimum if strict else value >= minimum)  # NaN fails both comparisons
-    if not ok or (finite and not math.isfinite(value)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (value > minimum if strict else value >= minimum)  # NaN fails both comparisons
+            or (finite and not math.isfinite(value))):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
         kind = "a finite number" if finite else "a number"
         raise ValueError(f"{name} must be {kind} {bound}, got {value!r}")
@@ -94,10 +94,10 @@ def one_of(name: str, value: Any, allowed: Iterable[T]) -> T:
         ok = False
     if not ok:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
+    return cast(T, value)
 
 
-def probe_writable(path: str | os.PathLike) -> None:
+def probe_writable(path: str | os.PathLike[str]) -> None:
     """OSError unless a file can be written at ``path`` (checked before a long run, not after): its folder takes
     a new file, and ``path`` is not a folder. Nothing at ``path`` is opened: a FIFO there would block."""
     if os.path.isdir(path):
@@ -107,7 +107,7 @@ def probe_writable(path: str | os.PathLike) -> None:
     os.unlink(probe)
 
 
-def write_atomically(path: str | os.PathLike, text: str) -> None:
+def write_atomically(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to a new file beside ``path``, then rename it over ``path``: a reader sees the old file or
     the new one, never half of one; whatever was at ``path`` (a FIFO, a symlink, a read-only file) is replaced,
     never written through."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from .checks import integer, non_negative, one_of, positive_int
 from .events import Event, Transfer
@@ -33,8 +33,8 @@ class ChromeTrace(NamedTuple):
     unit: str
 
 
-def write_chrome_trace(path: str | os.PathLike, events: Iterable, comm: Iterable, num_devices: int, unit: str,
-                       origin: float) -> None:
+def write_chrome_trace(path: str | os.PathLike[str], events: Iterable[Event], comm: Iterable[Transfer],
+                       num_devices: int, unit: str, origin: float) -> None:
     """Write ``events`` (timeline Events) and ``comm`` (Transfers) as a Chrome trace JSON file, times from
     ``origin``: one track (thread) per device for compute, and one more per device that communicates (after
     every compute track, ``num_devices + device``)."""
@@ -62,7 +62,7 @@ def write_chrome_trace(path: str | os.PathLike, events: Iterable, comm: Iterable
         json.dump(doc, f)
 
 
-def read_chrome_trace(path: str | os.PathLike) -> ChromeTrace:
+def read_chrome_trace(path: str | os.PathLike[str]) -> ChromeTrace:
     """Read a trace written by :func:`write_chrome_trace` (or any Chrome trace whose complete events are named
     like ``1F0``); comm tracks come back as transfers. Complete (``"ph": "X"``) events are read, others skipped.
     Every error is a ValueError naming the path and the field."""
@@ -73,7 +73,8 @@ def read_chrome_trace(path: str | os.PathLike) -> ChromeTrace:
     if num_devices is not None:
         positive_int(f"{where}: otherData.gpipe_ref.num_devices", num_devices)
     scale = US_PER_UNIT[unit]
-    events, comm = [], []
+    events: list[Event] = []
+    comm: list[Transfer] = []
     for i, item in enumerate(raw):
         name = f"{where}: {list_name}[{i}]"
         if not isinstance(item, dict):
@@ -81,15 +82,20 @@ def read_chrome_trace(path: str | os.PathLike) -> ChromeTrace:
         if item.get("ph") != "X":
             continue  # metadata, instant and other events carry no pipeline action
         is_transfer = item.get("cat") == COMM_CATEGORY
-        span = _transfer_from_trace(item, scale, name) if is_transfer else _event_from_trace(item, scale, name)
+        span: Event | Transfer
+        if is_transfer:
+            span = _transfer_from_trace(item, scale, name)
+            comm.append(span)
+        else:
+            span = _event_from_trace(item, scale, name)
+            events.append(span)
         if num_devices is not None and span.device >= num_devices:
             raise ValueError(f"{name}.{'args.device' if is_transfer else 'tid'} is device {span.device}, but "
                              f"otherData.gpipe_ref.num_devices is {num_devices} (devices 0..{num_devices - 1})")
-        (comm if is_transfer else events).append(span)
     if not events and not comm:
         raise ValueError(f"{where}: holds no pipeline events (complete 'X' events named like '1F0')")
     if num_devices is None:
-        num_devices = max(e.device for e in [*events, *comm]) + 1
+        num_devices = max([e.device for e in events] + [t.device for t in comm]) + 1
     return ChromeTrace(events, comm, num_devices, unit)
 
 
@@ -99,7 +105,7 @@ def _kind(value: object) -> str:
         type(value), "a number")
 
 
-def _load_trace(path: str | os.PathLike) -> tuple[list, dict, str]:
+def _load_trace(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, Any], str]:
     """The trace's event list, its gpipe_ref metadata (empty for other tools' traces) and
     the list's name in messages ("traceEvents", or "" for a bare list)."""
     where = str(path)
@@ -131,7 +137,7 @@ def _load_trace(path: str | os.PathLike) -> tuple[list, dict, str]:
     return doc["traceEvents"], meta, "traceEvents"
 
 
-def _field(item: dict, key: str, name: str) -> object:
+def _field(item: dict[str, Any], key: str, name: str) -> object:
     """``item[key]``, or a ValueError naming the missing field."""
     if key not in item:
         raise ValueError(f"{name} has no {key!r}")
@@ -145,7 +151,7 @@ def _finite(name: str, value: object) -> float:
     return value
 
 
-def _args(item: dict, name: str) -> dict:
+def _args(item: dict[str, Any], name: str) -> dict[str, Any]:
     args = item.get("args")
     if args is None:
         return {}
@@ -154,7 +160,7 @@ def _args(item: dict, name: str) -> dict:
     return args
 
 
-def _times(item: dict, scale: float, name: str) -> tuple[float, float]:
+def _times(item: dict[str, Any], scale: float, name: str) -> tuple[float, float]:
     """Start and end in the timeline's unit from the event's ``ts`` and ``dur`` (microseconds)."""
     ts = _finite(f"{name}.ts", _field(item, "ts", name))
     dur = non_negative(f"{name}.dur", _field(item, "dur", name))
@@ -163,7 +169,7 @@ def _times(item: dict, scale: float, name: str) -> tuple[float, float]:
     return ts / scale, (ts + dur) / scale
 
 
-def _event_from_trace(item: dict, scale: float, name: str) -> Event:
+def _event_from_trace(item: dict[str, Any], scale: float, name: str) -> Event:
     """A compute event from a complete ('X') trace event, by its args or its ``1F0`` name."""
     args = _args(item, name)
     device = integer(f"{name}.tid", _field(item, "tid", name), 0)
@@ -186,7 +192,7 @@ def _event_from_trace(item: dict, scale: float, name: str) -> Event:
     return Event(device, stage, op, microbatch, start, end, version)
 
 
-def _transfer_from_trace(item: dict, scale: float, name: str) -> Transfer:
+def _transfer_from_trace(item: dict[str, Any], scale: float, name: str) -> Transfer:
     """A transfer from a complete ('X') trace event of the comm category."""
     args = _args(item, name)
     device = integer(f"{name}.args.device", _field(args, "device", f"{name}.args"), 0)

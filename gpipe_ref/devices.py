@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .checks import integer, positive_int
+
+if TYPE_CHECKING:  # imported where used: the schedules and the simulator load without torch
+    import torch
 
 __all__ = ["DeviceInfo", "found_devices", "visible_gpus", "default_devices", "describe_devices", "resolve_devices",
            "describe_placement", "runs_in_parallel", "DEVICE_VARIABLE"]
@@ -80,7 +84,7 @@ def default_devices(count: int, gpus: int) -> list[str]:
     return [f"cuda:{i % gpus}" for i in range(count)]  # N <= G: one each; G < N: round robin
 
 
-def runs_in_parallel(devices) -> bool:
+def runs_in_parallel(devices: Iterable[object]) -> bool:
     """Whether the devices are distinct GPUs, which really run at once (else: simulated devices)."""
     names = [str(d) for d in devices]
     return all(name.startswith("cuda") for name in names) and len(set(names)) == len(names)
@@ -114,7 +118,7 @@ def describe_devices(pipeline_devices: int = 4) -> str:
     return "\n".join(lines)
 
 
-def resolve_devices(devices, count: int) -> list:
+def resolve_devices(devices: Any, count: int) -> list[torch.device]:
     """The ``count`` torch devices a pipeline runs on.
 
     ``None``: the module's rule (:func:`default_devices`) for the GPUs torch sees. A list of
@@ -130,7 +134,7 @@ def resolve_devices(devices, count: int) -> list:
     if len(devices) < count:
         raise ValueError(f"devices must list at least {count} devices for this pipeline "
                          f"({count} pipeline devices), got {len(devices)}: {list(devices)!r}")
-    resolved = []
+    resolved: list[torch.device] = []
     for d in list(devices)[:count]:
         try:
             device = torch.device(d)
@@ -149,7 +153,7 @@ def resolve_devices(devices, count: int) -> list:
     return resolved
 
 
-def describe_placement(devices: list) -> str:
+def describe_placement(devices: Sequence[object]) -> str:
     """One line: where the pipeline devices are."""
     names = [str(d) for d in devices]
     if runs_in_parallel(names):

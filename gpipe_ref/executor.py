@@ -9,17 +9,19 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
-from .lean_stage import lean_backward, lean_forward, lean_layers, lean_ready
+from .lean_stage import LeanForward, lean_backward, lean_forward, lean_layers, lean_ready
 from .meter import ActivationMeter
-from .microbatch import batch_size
+from .microbatch import Batch, batch_size
 from .rematerialization import Snapshot, captured, rematerializes, replayed
-from .schedule import Action
+from .schedule import Action, Schedule
 from .split_backward import ForwardMarks, WeightPass, backward_input, backward_weight, plain_stage
 from .stage_ops import (
+    Gradient,
     backward_into,
     check_activation,
     check_loss,
@@ -35,17 +37,32 @@ from .timeline import Timeline
 __all__ = ["StepRun"]
 
 
+class _Pipe(Protocol):
+    """What a step reads of its pipe: a :class:`~gpipe_ref.pipeline.GPipe`, from the layer above."""
+
+    schedule: Schedule
+    checkpoint: str
+    track_memory: bool
+
+    @property
+    def stages(self) -> tuple[nn.Sequential | None, ...]: ...
+
+    def stage_device(self, stage: int) -> torch.device: ...
+
+    def device_meters(self) -> list[ActivationMeter]: ...
+
+
 @dataclass(slots=True)
 class _MicroState:
     """What one stage keeps for one micro-batch between its F and its B (and W)."""
 
-    inputs: torch.Tensor | None = None  # the stage input (a leaf, so its grad is the input gradient)
+    inputs: Batch  # the stage input (a leaf, so its grad is the input gradient)
     chain: list[torch.Tensor] = field(default_factory=list)  # the stage output, and the loss on the last stage
     token: object = None  # the meter's count of the held input
     snapshot: Snapshot | None = None  # re-materialization: the random state and buffers to replay
     marks: ForwardMarks | None = None  # what the forward recorded for B and W (split_backward)
     weight_pass: WeightPass | None = None  # what B leaves for W
-    lean: object = None  # a lean stage's LeanForward (lean_stage), or True until a re-materialized one reruns
+    lean: LeanForward | bool | None = None  # lean_stage's LeanForward, or True until a re-materialized one reruns
 
 
 class StepRun:
@@ -63,14 +80,14 @@ class StepRun:
     its autograd call, little more. ``pipe`` is the :class:`~gpipe_ref.pipeline.GPipe`.
     """
 
-    def __init__(self, pipe: nn.Module, inputs: list, targets: list, loss_fn, reduction: str, size: int) -> None:
+    def __init__(self, pipe: _Pipe, inputs: list, targets: list, loss_fn, reduction: str, size: int) -> None:
         self.pipe = pipe
         self.schedule = schedule = pipe.schedule
         self.split_backward = schedule.has_weight_actions
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.weights = [(batch_size(x) / size) if reduction == "mean" else 1.0 for x in inputs]
         self.state: dict[tuple[int, int], _MicroState] = {}  # (stage, micro-batch) from its F to its release
-        self.handed: dict[tuple[int, int, int], torch.Tensor | None] = {}  # (0 or 1, stage, micro-batch): an
+        self.handed: dict[tuple[int, int, int], Gradient] = {}  # (0 or 1, stage, micro-batch): an
         # activation for stage's F (0) or the gradient of stage's output for its B (1), until taken
         self.last_stage = schedule.num_stages - 1
         self.stage_devices = [pipe.stage_device(s) for s in range(schedule.num_stages)]
@@ -96,19 +113,19 @@ class StepRun:
     # -- stage boundaries (the stable seam): in one process, activations and gradients are
     # handed over in memory; across processes (distributed.pipeline_parallel) these four
     # send and receive them.
-    def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
+    def receive_activation(self, stage: int, microbatch: int) -> Batch:
         """The output of ``stage - 1`` for ``microbatch`` (the input of ``stage``'s F)."""
-        return self.handed.pop((0, stage, microbatch))
+        return cast(Batch, self.handed.pop((0, stage, microbatch)))  # kind 0: what send_activation handed
 
-    def send_activation(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
+    def send_activation(self, stage: int, microbatch: int, output: Batch) -> None:
         """Hand ``stage``'s output for ``microbatch`` to ``stage + 1``."""
         self.handed[(0, stage + 1, microbatch)] = output
 
-    def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
+    def receive_gradient(self, stage: int, microbatch: int) -> Gradient:
         """The gradient of ``stage``'s output, computed by ``stage + 1``'s B (``None``: no gradient)."""
         return self.handed.pop((1, stage, microbatch))
 
-    def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
+    def send_gradient(self, stage: int, microbatch: int, grad: Gradient) -> None:
         """Hand the gradient of ``stage``'s input for ``microbatch`` to ``stage - 1``; ``None`` when
         none flows back (the stage's output does not depend on its input), as ``allow_unused`` gives."""
         self.handed[(1, stage - 1, microbatch)] = grad
@@ -147,8 +164,8 @@ class StepRun:
         lean = self.lean[stage]  # a re-materialized last stage replays its loss's random state: autograd's path
         if lean is not None and (stage != self.last_stage or not self.checkpointed[microbatch]):
             given = x.to(device) if stage > 0 and type(x) is torch.Tensor else x
-            if lean_ready(lean, given):
-                return self._forward_lean(stage, microbatch, lean, given)
+            if lean_ready(lean, given):  # given is a plain tensor then
+                return self._forward_lean(stage, microbatch, lean, cast(torch.Tensor, given))
         if stage > 0:
             x = received(x, device)
         st = self.state[(stage, microbatch)] = _MicroState(inputs=x)
@@ -163,7 +180,7 @@ class StepRun:
             st.token = [meter.hold(t) for t in (x if isinstance(x, tuple) else (x,)) if isinstance(t, torch.Tensor)]
         checkpointed = self.checkpointed[microbatch]
         if checkpointed:  # the generators are held from the capture to the end of the stage (see captured)
-            with captured(self.pipe.stages[stage], device) as st.snapshot, torch.no_grad():
+            with captured(self._module(stage), device) as st.snapshot, torch.no_grad():
                 self._run_stage(stage, microbatch, x, st)
         elif meter is not None:
             with meter.recording():
@@ -213,20 +230,23 @@ class StepRun:
         """B of a lean stage: the products of :func:`~gpipe_ref.lean_stage.lean_backward`; W, or at once in a full
         backward, forms the weight gradients from what it keeps."""
         ops, meter = self.lean[stage], self.meters[self.schedule.stage_to_device[stage]] if self.tracked else None
+        assert ops is not None  # st.lean is set: F ran the stage lean
+        inputs = cast(torch.Tensor, st.inputs)  # a lean stage's input is a tensor (lean_ready)
         if st.lean is True:  # re-materialization: the layers again, keeping what B reads
-            _, st.lean = lean_forward(ops, st.inputs, True, meter.hold if meter is not None else None)
+            _, st.lean = lean_forward(ops, inputs, True, meter.hold if meter is not None else None)
         if stage == self.last_stage:
             leaf, root = st.chain
             backward_into(root, None, keep_graph=self.split_backward)  # the loss's saved tensors live until W, as
             # a split backward keeps the stage's graph (and the memory model counts it)
             grad = leaf.grad
-        else:
-            grad = self.receive_gradient(stage, microbatch)
+        else:  # the gradient of a tensor output: a tensor or None
+            grad = cast("torch.Tensor | None", self.receive_gradient(stage, microbatch))
         if grad is None:
             return self._no_gradient(stage, microbatch, st)
-        if grad.device != st.inputs.device:
-            grad = grad.to(st.inputs.device)
-        input_gradient, products = lean_backward(ops, st.lean, grad, want_input=stage > 0)
+        if grad.device != inputs.device:
+            grad = grad.to(inputs.device)
+        kept = cast(LeanForward, st.lean)  # F's, or the rerun's above (keep=True)
+        input_gradient, products = lean_backward(ops, kept, grad, want_input=stage > 0)
         if stage > 0:
             self.send_gradient(stage, microbatch, input_gradient)
         st.weight_pass = WeightPass(products=products)
@@ -241,7 +261,8 @@ class StepRun:
         last = stage == self.last_stage
         if self.checkpointed[microbatch]:  # recompute the stage with autograd on, from the forward's state
             meter = self.meters[self.schedule.stage_to_device[stage]]
-            with replayed(self.pipe.stages[stage], self.stage_devices[stage], st.snapshot), self._recording(meter):
+            assert st.snapshot is not None  # F captured it: this micro-batch re-materializes
+            with replayed(self._module(stage), self.stage_devices[stage], st.snapshot), self._recording(meter):
                 x = _own_copy(st.inputs, self.inputs[microbatch]) if stage == 0 and self.copy_input else st.inputs
                 self._run_stage(stage, microbatch, x, st)
         root = st.chain[-1]
@@ -291,8 +312,8 @@ class StepRun:
         roots, grads = differentiable(root, grad if isinstance(root, tuple) or grad is not None
                                       else torch.ones_like(root))
         found, st.weight_pass = backward_input(roots, grads, [t for t, w in zip(inputs, wants) if w], st.marks)
-        found = iter(found)
-        input_gradients = [next(found) if w else None for w in wants]  # None: the output does not depend on it
+        remaining = iter(found)
+        input_gradients = [next(remaining) if w else None for w in wants]  # None: the output does not depend on it
         if stage > 0:
             if isinstance(st.inputs, tuple):
                 self.send_gradient(stage, microbatch,
@@ -312,6 +333,12 @@ class StepRun:
         if st.weight_pass is not None:
             backward_weight(st.weight_pass, self.threaded)
         self._release(stage, microbatch)
+
+    def _module(self, stage: int) -> nn.Sequential:
+        """The stage's layers as one module (held here: this process runs the stage)."""
+        module = self.pipe.stages[stage]
+        assert module is not None
+        return module
 
     def _release(self, stage: int, microbatch: int) -> None:
         """Drop what the micro-batch kept on this stage (activations, graph, held input)."""

@@ -107,7 +107,7 @@ def lean_backward(ops: list, kept: LeanForward, g: torch.Tensor, want_input: boo
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                f"inplace operation: a saved tensor of shape {tuple(saved.shape)} is at version "
                                f"{saved._version}; expected version {version} instead")
-    products = []
+    products: list[tuple] = []
     first_linear = next(j for j, op in enumerate(ops) if op is not None and op != "relu")
     for j in range(len(ops) - 1, -1, -1):
         op, saved = ops[j], kept.saved[j]

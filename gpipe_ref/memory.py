@@ -9,6 +9,7 @@ step's tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -115,7 +116,7 @@ class DeviceMemory:
     def largest(self) -> str:
         """The category holding the most bytes."""
         parts = self.by_category()
-        return max(parts, key=parts.get)
+        return max(parts, key=parts.__getitem__)
 
 
 def block_parameters(hidden: int, ffn: int = 4, tp: int = 1) -> int:
@@ -198,21 +199,25 @@ def _measure_stages(setup: MemorySetup, seed: int, group=None) -> list[DeviceMem
     precision = PRECISIONS[setup.precision]
     dtype = torch.float32 if precision.weight == 4 else torch.bfloat16
     torch.manual_seed(seed)
-    blocks = [mlp_block(setup.hidden, setup.ffn * setup.hidden) for _ in range(setup.layers)]
+    blocks: list[nn.Module] = [mlp_block(setup.hidden, setup.ffn * setup.hidden) for _ in range(setup.layers)]
     if group is not None:
-        blocks = [ParallelMLP.from_dense(block, group=group) for block in blocks]
+        blocks = [ParallelMLP.from_dense(cast(nn.Sequential, block), group=group) for block in blocks]  # mlp_block's
     model = nn.Sequential(*blocks).to(dtype)
     x, y = regression_data(samples=setup.batch // setup.dp, width=setup.hidden, seed=seed)
     pipe = GPipe(model, balance=[setup.layers // setup.pp] * setup.pp, chunks=setup.microbatches,
                  checkpoint=setup.recompute, schedule=setup.schedule)
     pipe.step(x.to(dtype), y.to(dtype), nn.MSELoss())
+    timeline = pipe.timeline
+    assert timeline is not None  # step() made one
     measured = []
     for s, stage in enumerate(pipe.stages):
-        params = list(stage.parameters())
+        assert stage is not None  # one process holds every stage
+        params: list[torch.Tensor] = list(stage.parameters())
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # the step gave each parameter its gradient
         if precision.master_weight:  # mixed precision: Adam updates fp32 master copies of the bf16 weights
             masters = [p.detach().float() for p in params]
-            for master, p in zip(masters, params):
-                master.grad = p.grad.float()
+            for master, g in zip(masters, grads):
+                master.grad = g.float()
         else:
             masters = params
         optimizer = torch.optim.Adam(masters, lr=1e-3)
@@ -220,9 +225,9 @@ def _measure_stages(setup: MemorySetup, seed: int, group=None) -> list[DeviceMem
         moments = sum(state[key].nbytes for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq"))
         master_bytes = sum(m.nbytes for m in masters) if precision.master_weight else 0
         measured.append(DeviceMemory(weights=sum(p.nbytes for p in params),
-                                     gradients=sum(p.grad.nbytes for p in params),
+                                     gradients=sum(g.nbytes for g in grads),
                                      optimizer=master_bytes + moments,
-                                     activations=int(pipe.timeline.peak_memory[s])))
+                                     activations=int(timeline.peak_memory[s])))
     return measured
 
 

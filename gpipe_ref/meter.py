@@ -24,12 +24,16 @@ import torch
 __all__ = ["ActivationMeter"]
 
 
+_UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin")  # a lazy module's parameter
+
+
 class _Saved:
     """What autograd stores instead of the tensor: the tensor plus a release on deletion."""
 
     __slots__ = ("tensor", "meter", "key", "version")
 
-    def __init__(self, tensor: torch.Tensor, meter: "ActivationMeter", key: int, version: int = 0) -> None:
+    def __init__(self, tensor: torch.Tensor, meter: "ActivationMeter", key: tuple[int, int] | None,
+                 version: int = 0) -> None:
         self.tensor, self.meter, self.key, self.version = tensor, meter, key, version
 
     def __del__(self) -> None:
@@ -46,7 +50,7 @@ class ActivationMeter:
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
         # views such as weight.t() share the address; a lazy module's parameter has no storage before its first forward
-        self._ignore = {t.data_ptr() for t in ignore if not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)}
+        self._ignore = {t.data_ptr() for t in ignore if not isinstance(t, _UNINITIALIZED)}
         self._refs: dict[tuple[int, int], int] = {}  # (address, bytes) -> live references
         self._bytes: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
@@ -85,7 +89,7 @@ class ActivationMeter:
     def recording(self) -> Iterator[None]:
         """Count every tensor autograd saves inside the block until it is freed."""
 
-        def pack(tensor: torch.Tensor):
+        def pack(tensor: torch.Tensor) -> _Saved:
             # detach(): a node that saves its own output would otherwise hold the
             # output, whose grad_fn is the node: a cycle that outlives the graph.
             return _Saved(tensor.detach(), self, self._acquire(tensor), tensor._version)

@@ -27,9 +27,9 @@ def batch_size(batch: Batch, name: str = "batch") -> int:
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(f"{name} must be a tensor or a tuple of tensors, got {type(batch).__name__}"
                         + (f" holding {[type(t).__name__ for t in tensors]}" if isinstance(batch, tuple) else ""))
-    sizes = {t.shape[0] if t.dim() else None for t in tensors}
-    if None in sizes:
+    if any(t.dim() == 0 for t in tensors):
         raise ValueError(f"{name} must have a batch dimension (dim 0); got a 0-d tensor")
+    sizes = {t.shape[0] for t in tensors}
     if len(sizes) != 1:
         raise ValueError(f"{name}'s tensors must share the batch size (dim 0), got sizes "
                          f"{[t.shape[0] for t in tensors]}")
@@ -53,7 +53,7 @@ def gather(outputs: Sequence[Batch]) -> Batch:
         raise ValueError("outputs must hold at least one micro-batch output, got none")
     if isinstance(outputs[0], tuple):
         return tuple(torch.cat(parts) for parts in zip(*outputs))
-    return torch.cat(list(outputs))
+    return torch.cat([out for out in outputs if isinstance(out, torch.Tensor)])  # all tensors, as the first
 
 
 def sizes(batch: Batch, chunks: int) -> list[int]:

@@ -52,7 +52,7 @@ class SelfAttention(nn.Module):
 def attend(qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """Scaled dot-product attention over ``heads`` heads packed as [q | k | v] in the last dim."""
     b, t, _ = qkv.shape
-    q, k, v = (z.reshape(b, t, heads, head_dim).transpose(1, 2) for z in qkv.split(heads * head_dim, dim=-1))
+    q, k, v = (z.reshape(b, t, heads, head_dim).transpose(1, 2) for z in torch.split(qkv, heads * head_dim, dim=-1))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     return out.transpose(1, 2).reshape(b, t, heads * head_dim)
 
@@ -130,7 +130,8 @@ class CoreAttention(nn.Module):
     def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
         b, s, three_width = qkv.shape
         width = three_width // 3
-        q, k, v = (z.reshape(b, s, self.heads, width // self.heads).transpose(1, 2) for z in qkv.split(width, -1))
+        q, k, v = (z.reshape(b, s, self.heads, width // self.heads).transpose(1, 2)
+                   for z in torch.split(qkv, width, -1))
         if self.fused:  # its output is laid out (b, s, heads, d): the reshape below is a view, not a copy
             return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, width)
         weights = self.dropout(self.softmax(self.scores(q, k)))

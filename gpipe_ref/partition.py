@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, cast
 
 import torch
 from torch import nn
@@ -59,9 +59,10 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     The stages share the layer objects with ``module``."""
     _check_sequential(module)
     balance = check_balance(module, balance)
-    stages, start = [], 0
+    stages: list[nn.Sequential] = []
+    start = 0
     for count in balance:
-        stages.append(module[start:start + count])
+        stages.append(cast(nn.Sequential, module[start:start + count]))  # a slice of a Sequential is one
         start += count
     return stages
 
@@ -85,7 +86,8 @@ def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
     def cut(limit: float) -> list[int] | None:
         """Greedy: grow each part while its sum stays within ``limit``, leaving a layer for
         each part still to come. Part sums come from ``prefix``, exactly as the candidates do."""
-        sizes, start = [], 0
+        sizes: list[int] = []
+        start = 0
         while start < n:
             end = start + 1  # at least one layer
             if prefix[end] - prefix[start] > limit:
@@ -106,6 +108,7 @@ def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
         else:
             lo = mid + 1
     sizes = cut(candidates[lo])
+    assert sizes is not None  # the search ends on a limit that fits: the largest candidate, the total, always does
     # Split the largest parts further until there are exactly `partitions` non-empty parts.
     while len(sizes) < partitions:
         k = max((i for i in range(len(sizes)) if sizes[i] > 1), key=lambda i: sizes[i])
@@ -171,7 +174,7 @@ def _forward_on_leaves(piece: nn.Module, x) -> tuple[tuple, object]:
 
 
 def _forward_backward_time(piece: nn.Module, x: torch.Tensor, repeats: int, warmup: int,
-                           loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, torch.Tensor]:
+                           loss: Callable[[object], torch.Tensor] | None = None) -> tuple[float, torch.Tensor]:
     """Median time of ``piece``'s forward + backward on ``x`` over ``repeats`` runs after
     ``warmup`` untimed ones (the first call pays one-time costs), and its output; with ``loss``,
     the time of ``loss(output)`` and its backward too. Gradients are computed with

@@ -110,6 +110,9 @@ class GPipe(nn.Module):
     a time (see :meth:`forward`); :meth:`step` runs the schedule.
     """
 
+    _timeline: Timeline | None
+    _last_run: _Placement | None
+
     def __init__(
         self,
         module: nn.Sequential,
@@ -317,6 +320,7 @@ class GPipe(nn.Module):
         for i, x in enumerate(micro):
             recompute = training and rematerializes(mode, i, m)
             for s, stage in enumerate(self._stages):
+                assert stage is not None  # one process holds every stage (PipelineParallel has its own forward)
                 device = self.stage_device(s)
                 x = to_device(x, device)
                 meter = meters[self.schedule.stage_to_device[s]] if meters else None

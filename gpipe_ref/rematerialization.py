@@ -124,17 +124,16 @@ class _Frame:
         return self.saved - 1
 
     def unpack(self, position: int) -> torch.Tensor:
-        if self.recomputed is None:
-            self._recompute()
-        kept = self.recomputed[position]
+        recomputed = self.recomputed if self.recomputed is not None else self._recompute()
+        kept = recomputed[position]
         if kept is None:
             raise RuntimeError("a re-materialized micro-batch backpropagates once: its recomputed activations are "
                                "freed as the first backward uses them. For backward(retain_graph=True) twice, build "
                                "the pipe with checkpoint=\"never\" (or call pipe.eval() for a forward without it)")
-        self.recomputed[position] = None  # the backward holds it now; the meter's count goes with it
+        recomputed[position] = None  # the backward holds it now; the meter's count goes with it
         return kept[0]
 
-    def _recompute(self) -> None:
+    def _recompute(self) -> list:
         """The stage again from its input, with the forward's random draws, buffers and autocast state, building a
         graph only so that the same tensors are saved, in the same order; the meter counts them."""
         recomputed: list = []
@@ -143,14 +142,17 @@ class _Frame:
             tensor = tensor.detach()
             recomputed.append((tensor, self.meter.hold(tensor) if self.meter is not None else None))
 
+        assert self.snapshot is not None  # taken by the forward (rematerialized), before any backward
+        # the unpack hook hands back what keep packed (None): nothing unpacks, the recomputed graph is dropped
         with replayed(self.stage, self.device, self.snapshot), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None):
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda packed: packed):
             self.stage(self.inputs)
         if len(recomputed) != self.saved:
             raise RuntimeError(f"stage {self.index}'s recomputation saved {len(recomputed)} tensors for the backward "
                                f"where its forward saved {self.saved}: a re-materialized stage must run the same "
                                f"operations again (checkpoint=\"never\" keeps its activations instead)")
         self.recomputed = recomputed
+        return recomputed
 
 
 def rematerialized(stage: nn.Module, x: Batch, device: torch.device, meter: ActivationMeter | None = None,

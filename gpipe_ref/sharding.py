@@ -114,7 +114,7 @@ def sharding_plan(kind: str, tp: int, batch: int, seq_len: int, hidden: int,
                          f"(each rank keeps seq_len/tp tokens), got seq_len={seq_len}")
     k, tokens = inner // tp, (batch, seq_len)
 
-    def collective(direction, collective_kind, operator, tensor, width):
+    def collective(direction: str, collective_kind: str, operator: str, tensor: str, width: int) -> Collective:
         size = batch * seq_len * width * bytes_per_element
         return Collective(direction, collective_kind, operator, tensor, (*tokens, width), size,
                           ring_bytes_per_rank(collective_kind, size, tp))
@@ -141,6 +141,7 @@ def sharding_plan(kind: str, tp: int, batch: int, seq_len: int, hidden: int,
             placements.append(Placement(r, up + down, TensorShard("X", (batch, s, hidden), own_tokens),
                                         TensorShard("Y", (batch, s, hidden), own_tokens)))
 
+    collectives: tuple[Collective, ...]
     if kind == "column":
         collectives = (collective("forward", "all-gather", "gather output", "Y", inner),
                        collective("backward", "all-reduce", "f", "dL/dX", hidden))

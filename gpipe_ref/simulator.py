@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
 from operator import attrgetter
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int, probability
 from .measure import gc_paused
@@ -160,8 +160,8 @@ def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel
             end[f] = start[b] = start[f] + (block_end - start[f]) * (per_key[f] / whole if whole else 0.5)
             end[b] = block_end
 
-    timeline, ran = _place(encoded, priced, cost.comm, cost.unit, versions=versions, pairs_as_blocks=overlapped,
-                           adjust=split_blocks if overlapped else lambda ran: None)
+    timeline, ran = _place_walk(encoded, priced, cost.comm, cost.unit, versions=versions,
+                                pairs_as_blocks=overlapped, adjust=split_blocks if overlapped else None)
     owner = encoded.schedule.stage_to_device
     timeline.pairs = [(owner[f.stage], ran.start[k], ran.end[j])
                       for (f, _), (k, j) in zip(encoded.schedule.overlap_pairs, keys)]
@@ -198,7 +198,7 @@ def place(schedule: Schedule, durations: Mapping[Action, float], comm: float = 0
 
 
 def time_one_at_a_time(schedule: Schedule, run: Callable[[Action], None], *,
-                       sync: Callable[[Action], None] | None = None, **place_options) -> Timeline:
+                       sync: Callable[[Action], None] | None = None, **place_options: Any) -> Timeline:
     """The simulated-devices executor's skeleton: run every action in a valid global
     order with ``run(action)`` (then ``sync(action)``, to wait for a GPU), time each,
     and :func:`place` the measured durations on the devices' clocks."""
@@ -214,9 +214,15 @@ def time_one_at_a_time(schedule: Schedule, run: Callable[[Action], None], *,
 
 def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: str = "cost",
            peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None,
-           pairs_as_blocks: bool = False, adjust: Callable[[Walk], None] | None = None):
-    """The walk's times as a Timeline; with ``adjust`` (which may move times in the walk's lists first), the
-    Timeline and the walk."""
+           pairs_as_blocks: bool = False) -> Timeline:
+    """The walk's times as a Timeline."""
+    return _place_walk(encoded, per_key, comm, unit, peak_memory, versions, pairs_as_blocks)[0]
+
+
+def _place_walk(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: str = "cost",
+                peak_memory: Mapping[int, int] | None = None, versions: Mapping[Action, int] | None = None,
+                pairs_as_blocks: bool = False, adjust: Callable[[Walk], None] | None = None) -> tuple[Timeline, Walk]:
+    """The walk's times as a Timeline, and the walk; ``adjust`` may move times in the walk's lists first."""
     schedule = encoded.schedule
     ran = walk(encoded, per_key, comm, pairs_as_blocks=pairs_as_blocks)
     if adjust is not None:
@@ -230,7 +236,7 @@ def _place(encoded: EncodedSchedule, per_key: list[float], comm: float, unit: st
                repeat(0) if versions is None else map(versions.__getitem__, actions))
     events = list(map(_new_event, zip(*columns)))
     timeline = Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
-    return timeline if adjust is None else (timeline, ran)
+    return timeline, ran
 
 
 _STAGE, _OP, _MICROBATCH = attrgetter("stage"), attrgetter("op"), attrgetter("microbatch")

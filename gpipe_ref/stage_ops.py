@@ -7,13 +7,19 @@ gradient is what flows back to the previous stage. Zero bubble's split of the ba
 
 from __future__ import annotations
 
+from typing import Optional, Union, cast
+
 import torch
 
 from .microbatch import Batch
 from .split_backward import ForwardMarks
 
-__all__ = ["backward_into", "check_activation", "check_loss", "detached", "differentiable", "input_grads",
-           "received", "requires_grad", "run_layers", "to_device"]
+__all__ = ["Gradient", "backward_into", "check_activation", "check_loss", "detached", "differentiable",
+           "input_grads", "received", "requires_grad", "run_layers", "to_device"]
+
+# The gradient of a stage's input or output, as stages hand it back: None where none flows back, a tuple for a
+# tuple (None for a tensor of it that has none).
+Gradient = Union[torch.Tensor, tuple[Optional[torch.Tensor], ...], None]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -27,7 +33,7 @@ def received(batch: Batch, device: torch.device) -> Batch:
     """A stage's input: a fresh leaf on its device (each tensor of a tuple), so autograd stops at the
     stage boundary."""
     if isinstance(batch, tuple):
-        return tuple(received(t, device) for t in batch)
+        return tuple(cast(torch.Tensor, received(t, device)) for t in batch)
     x = batch.detach().to(device)
     return x.requires_grad_(x.is_floating_point())
 
@@ -37,7 +43,7 @@ def detached(batch: Batch) -> Batch:
     return tuple(t.detach() for t in batch) if isinstance(batch, tuple) else batch.detach()
 
 
-def input_grads(inputs: Batch) -> Batch:
+def input_grads(inputs: Batch) -> Gradient:
     """The gradient of a stage's input, what ``send_gradient`` hands back: ``None`` for a tensor that has
     none (an integer mask, or an input the stage ignored), a tuple for a tuple."""
     if isinstance(inputs, tuple):
@@ -46,7 +52,7 @@ def input_grads(inputs: Batch) -> Batch:
     return inputs.grad
 
 
-def differentiable(outputs: Batch, grads: Batch) -> tuple[tuple, tuple]:
+def differentiable(outputs: Batch, grads: torch.Tensor | tuple[torch.Tensor | None, ...]) -> tuple[tuple, tuple]:
     """The (output, gradient) pairs a backward starts from: a tuple's tensors that require grad and
     received a gradient (``None`` for a tensor stands for "no gradient")."""
     if not isinstance(outputs, tuple):
@@ -91,10 +97,11 @@ def check_activation(x: object, stage: int) -> None:
 # without their argument checks (about 5 us a call, a few percent of a small model's step). The checks
 # cannot fail here: ``grad`` is the gradient of the next stage's input, a tensor of ``root``'s shape and
 # dtype, or None for the loss, checked to be a scalar (check_loss).
-def backward_into(root: Batch, grad: Batch | None, keep_graph: bool = False) -> None:
+def backward_into(root: Batch, grad: Gradient, keep_graph: bool = False) -> None:
     """``torch.autograd.backward(root, grad, retain_graph=keep_graph)``: accumulate into the leaves' ``.grad``.
     A tuple ``root`` starts from each of its tensors that has a gradient in the tuple ``grad``."""
     if isinstance(root, tuple):
+        assert grad is not None  # a tuple is a stage's output, never the loss: its B got the next stage's gradients
         roots, grads = differentiable(root, grad)
         if roots:
             torch.autograd.Variable._execution_engine.run_backward(roots, grads, keep_graph, False, (), True, True)

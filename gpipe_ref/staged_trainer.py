@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -137,6 +137,7 @@ class _TrainerStep:
         # each micro-batch's share of the micro-batches one update sums (the step under a flush), so a summed
         # gradient is their mean
         group = schedule.num_microbatches if schedule.flush else policy.updates_every
+        assert group is not None  # weight_versions refused a policy without updates_every
         sizes = [sum(len(x) for x in inputs[k:k + group]) for k in range(0, len(inputs), group)]
         self.scale = [len(x) / sizes[i // group] for i, x in enumerate(inputs)]
         # absolute version = the stage's version when the run starts + the step's relative version
@@ -146,7 +147,7 @@ class _TrainerStep:
         self.accumulated: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
         self.in_flight: list[dict[int, int]] = [{} for _ in range(p)]  # stage -> {mb: version held}
         self.awaiting: list[dict[int, int]] = [{} for _ in range(p)]  # vertical sync: versions stage 0 handed out
-        self.record = StepRecord({}, {}, [0] * p, None)
+        self.record = StepRecord({}, {}, [0] * p, cast(Timeline, None))  # run() sets the timeline after the step
 
     def run(self, action: Action) -> None:
         (self.forward if action.op == "F" else self.backward)(action.stage, action.microbatch)
@@ -216,6 +217,7 @@ class _TrainerStep:
         else:
             staleness = trainer.version[s] - forward_version
             every = trainer.policy.updates_every
+            assert every is not None  # weight_versions refused a policy without updates_every
             if i % every == every - 1:  # the last backward of an update's micro-batches makes the next version
                 trainer._update(s, accumulated)
                 self.accumulated[s] = {}

@@ -19,7 +19,7 @@ import math
 import operator
 import os
 from operator import attrgetter
-from typing import Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from .checks import integer, one_of, positive_int
 from .chrome_trace import US_PER_UNIT, read_chrome_trace, write_chrome_trace
@@ -41,7 +41,7 @@ def _is_finite(value: object) -> bool:
 class _Index(NamedTuple):
     """What the per-device methods read, built once per Timeline (:meth:`Timeline._index`)."""
 
-    key: tuple  # the ids and lengths of the lists it was built from
+    key: tuple[int, ...]  # the ids and lengths of the lists it was built from
     events: dict[int, list[Event]]  # device -> its compute events in start order
     comm: dict[int, list[Transfer]]  # device -> its transfers in start order
     origin: float
@@ -104,7 +104,7 @@ class Timeline:
                 self._check_span(t, "transfer")
         self._cache: _Index | None = None
 
-    def _all_plain(self, items: list, record: type) -> bool:
+    def _all_plain(self, items: list[Any], record: type) -> bool:
         """The quick test every valid record passes, in C loops (zip, set, sum, map): the
         right type, an op for an Event, int devices in range, finite times, start <= end.
         False sends the caller through the slow checks that say what is wrong."""
@@ -250,7 +250,8 @@ class Timeline:
         changes = [(t, +1) for t in held_from.values()]
         changes += [(t, -1) for key, t in released_at.items() if key in held_from]
         changes.sort()  # (t, -1) sorts before (t, +1)
-        curve, count = [], 0
+        curve: list[tuple[float, int]] = []
+        count = 0
         for t, delta in changes:
             count += delta
             if curve and curve[-1][0] == t:
@@ -299,7 +300,8 @@ class Timeline:
 
         grids, hidden = [], 0
         for d in range(self.num_devices):
-            grid, owner = ["." * (label_width - 1)] * cells, [None] * cells
+            grid = ["." * (label_width - 1)] * cells
+            owner: list[int | None] = [None] * cells
             events = self.on_device(d)
             for i, e in enumerate(events):
                 first = min(cell(e.start), cells - 1)
@@ -319,13 +321,13 @@ class Timeline:
         return header + "\n" + "\n".join(rows)
 
     # -- Chrome trace (Perfetto, chrome://tracing): the file format is chrome_trace's ----------------------
-    def to_chrome_trace(self, path: str | os.PathLike) -> None:
+    def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write a Chrome trace JSON file: one track (thread) per device for compute,
         and one more per device that communicates (after every compute track)."""
         write_chrome_trace(path, self.events, self.comm, self.num_devices, self.unit, self.origin)
 
     @classmethod
-    def from_chrome_trace(cls, path: str | os.PathLike) -> "Timeline":
+    def from_chrome_trace(cls, path: str | os.PathLike[str]) -> "Timeline":
         """Read a trace written by :meth:`to_chrome_trace` (or any Chrome trace
         whose complete events are named like ``1F0``); comm tracks come back as ``comm``.
 

@@ -7,7 +7,7 @@ stage; the micro-batch is written in the bar where it fits.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 from .checks import instance, integer, positive_int
 from .timeline import Timeline
@@ -32,7 +32,8 @@ def microbatch_color(microbatch: int) -> tuple[float, float, float]:
 
     integer("microbatch", microbatch, 0)
 
-    return colormaps["tab10"].colors[microbatch % 10]
+    palette: Sequence[tuple[float, float, float]] = getattr(colormaps["tab10"], "colors")  # a ListedColormap's
+    return palette[microbatch % 10]
 
 
 def hex_color(rgb: Sequence[float]) -> str:
@@ -88,7 +89,7 @@ def stage_colors(num_stages: int) -> list[str]:
     from matplotlib import colormaps
 
     positive_int("num_stages", num_stages)
-    palette = colormaps["tab20"].colors
+    palette: Sequence[tuple[float, float, float]] = getattr(colormaps["tab20"], "colors")  # a ListedColormap's
     return [hex_color(palette[(2 * s) % 20 + (2 * s) // 20 % 2]) for s in range(num_stages)]
 
 
@@ -109,7 +110,8 @@ def timeline_bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[lis
                 for e in timeline.events]
         ops = [k for k in KINDS if any(e.op == k for e in timeline.events)]
         names = {"F": "F forward", "B": "B backward" + (" (input grad)" if "W" in ops else ""), "W": "W weight grad"}
-        legend = [(colors[s], f"stage {s}") for s in stages] + [("white", "letters: " + ", ".join(map(names.get, ops)))]
+        letters = ", ".join(names[k] for k in ops)
+        legend = [(colors[s], f"stage {s}") for s in stages] + [("white", "letters: " + letters)]
     elif color_by == "microbatch":  # the weight version only where versions differ (asynchronous schedules, 06)
         versioned = any(e.weight_version for e in timeline.events)
         bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, KIND_COLORS[e.op],
@@ -121,11 +123,11 @@ def timeline_bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[lis
                  "W": "weight grad"}
         legend = [(KIND_COLORS[k], names[k]) for k in KINDS if k in kinds]
     else:
-        colors = version_colors([e.weight_version or 0 for e in timeline.events])
-        bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, colors[e.weight_version or 0],
+        fills = version_colors([e.weight_version or 0 for e in timeline.events])
+        bars = [Bar(row_of[(e.device, "compute")], e.start, e.end, e.op, fills[e.weight_version or 0],
                      (f"v{e.weight_version or 0}", f"{e.weight_version or 0}"),
                      f"{e.label} (weights v{e.weight_version})") for e in timeline.events]
-        legend = [(fill, f"weights v{v}") for v, fill in colors.items()]
+        legend = [(fill, f"weights v{v}") for v, fill in fills.items()]
     for d in sorted({t.device for t in timeline.comm}):
         for k, t in enumerate(timeline.on_comm(d)):
             size = "" if t.bytes is None else f", {t.bytes} bytes"
@@ -148,7 +150,7 @@ def check_timeline(timeline: object) -> None:
     instance("timeline", timeline, Timeline)
 
 
-def pair_style(timeline: Timeline) -> tuple[str, str]:
+def pair_style(timeline: Timeline) -> tuple[Literal["solid", "dashed"], str]:
     """The border of an F&B pair and its legend name: solid when priced overlapped, dashed when summed."""
     return (("solid", "F&B pair, overlapped") if timeline.pairs_overlapped
             else ("dashed", "F&B pair, one after the other"))

@@ -129,7 +129,9 @@ def _svg_axis(left: int, axis_y: int, span: float, scale: float, factor: float =
 def _svg_legend(legend: list[tuple[str, str]], left: int, width: int, y: int, idle: str) -> tuple[list[str], int]:
     """A swatch per colour drawn, in the bars' own colours, then the idle hatching, wrapped onto
     as many lines as the width needs. Returns the SVG pieces and the height they take."""
-    out, x, line = [], left, 0
+    out: list[str] = []
+    x: float = left
+    line = 0
     for fill, name in [*legend, (f"url(#{idle})", "idle (bubble)")]:
         step = 22 + svg_text_width(name)
         if x > left and x + step > width:

@@ -80,7 +80,7 @@ def cuda_event_seconds(run: StepRun, order: list[Action], events: list) -> list[
     stage_devices, ops, used = run.stage_devices, run.ops, 0
     streams = {device: torch.cuda.current_stream(device) for device in dict.fromkeys(stage_devices)}
 
-    def recorded(device) -> object:
+    def recorded(device) -> torch.cuda.Event:
         nonlocal used
         if used == len(events):
             events.append(torch.cuda.Event(enable_timing=True))
@@ -88,10 +88,11 @@ def cuda_event_seconds(run: StepRun, order: list[Action], events: list) -> list[
         event.record(streams[device])
         return event
 
-    marks, previous, end = [], None, None
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    previous, end = None, None
     for action in order:
         device = stage_devices[action.stage]
-        start = end if device == previous else recorded(device)
+        start = end if end is not None and device == previous else recorded(device)
         ops[action.op](action.stage, action.microbatch)
         end = recorded(device)
         marks.append((start, end))
@@ -120,7 +121,7 @@ def run_threads(run: StepRun, timeout: float = 600.0) -> Timeline:
     done = {a: threading.Event() for _, a in schedule.actions()}
     after = tied_weight_order(run)
     abort = threading.Event()
-    errors: list[tuple[int, Action, BaseException, str]] = []
+    errors: list[tuple[int, Action | None, BaseException, str]] = []  # None: failed before its first action
     events: list[Event] = []
     origin = time.perf_counter()
     deadline = origin + timeout

@@ -6,6 +6,7 @@ import statistics
 import time
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -26,7 +27,7 @@ def result_row(name: str, config: dict, ours: list[float], peer: list[float] | N
     o = summary(ours)
     p = summary(peer) if peer else None
     quartiles = None
-    if ratio is None and p:  # sides timed in alternation: the median of each round's ratio, which a slow
+    if ratio is None and p and peer:  # sides timed in alternation: the median of each round's ratio, which a slow
         # spell of the machine (it slows both sides of its round) moves less than a ratio of medians
         paired = [a / b for a, b in zip(ours, peer)] if len(ours) == len(peer) else None
         ratio = statistics.median(paired) if paired else o["median"] / p["median"]
@@ -43,7 +44,7 @@ def result_row(name: str, config: dict, ours: list[float], peer: list[float] | N
 
 def alternate(sides: list[Callable[[], float]], repeats: int) -> list[list[float]]:
     """Time each side once per round, A B A B; round 0 warms up."""
-    samples = [[] for _ in sides]
+    samples: list[list[float]] = [[] for _ in sides]
     for r in range(repeats + 1):
         for k, side in enumerate(sides):
             t = side()
@@ -60,10 +61,11 @@ def timed_ranks(fn: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-def accumulate_gradients(model: nn.Module, x, y, chunks: int) -> None:
+def accumulate_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int) -> None:
     """The plain model on ``chunks`` micro-batches in turn, each mean loss weighted by its share of the rows."""
     n = x.shape[0]
     for xi, yi in zip(scatter(x, chunks), scatter(y, chunks)):
+        assert isinstance(xi, torch.Tensor) and isinstance(yi, torch.Tensor)  # a tensor scatters into tensors
         (nn.functional.mse_loss(model(xi), yi) * (xi.shape[0] / n)).backward()
 
 

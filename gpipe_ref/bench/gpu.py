@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -78,7 +79,7 @@ def gpu_cases(quick: bool) -> list[dict]:
         for schedule in GPU_SCHEDULES:
             pipe = gpu_pipe(width, blocks, dtype, schedule, ["cuda:0", "cuda:0"], checkpoint="never",
                             track_memory=False)
-            sides[schedule] = lambda pipe=pipe: _cuda_seconds(lambda: pipe.step(x, y, nn.MSELoss()))
+            sides[schedule] = partial(_cuda_seconds, partial(pipe.step, x, y, nn.MSELoss()))
         if torchgpipe is not None:
             peer_model = mlp(width=width, depth=blocks, seed=0).to("cuda", dtype)
             peer = torchgpipe.GPipe(peer_model, balance=[len(peer_model) // 2] * 2, devices=["cuda:0", "cuda:0"],

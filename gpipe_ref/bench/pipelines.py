@@ -123,7 +123,7 @@ def pipeline_cases(quick: bool) -> list[dict]:
         rows_out.append(row)
         # the round with the median speedup (the lower middle one): its timeline, profile and wall time
         middle = sorted(range(len(speedups)), key=speedups.__getitem__)[(len(speedups) - 1) // 2]
-        timelines[(schedule, m)] = Timeline([Event(*e, 0) for e in events[middle]], 2, unit="s")
+        timelines[(schedule, m)] = Timeline([Event._make((*e, 0)) for e in events[middle]], 2, unit="s")
         row["profile"] = speedup_profile(peer[middle], ours[middle], timelines[(schedule, m)], m)
     rows_out.append(concurrency_case(width, rows // 8, repeats * 2))
     # Case 3: a CostModel calibrated from each run's measured F and B per stage, and the transfer time from the
@@ -188,8 +188,8 @@ def torch_pipelining_sides(rank: int, schedule: str, width: int, m: int):
     theirs = getattr(pipelining, TORCH_PIPELINING_PEERS[schedule])(
         torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=nn.MSELoss())
 
-    def torch_step(x, y) -> list:  # the micro-batches' losses on the last stage's rank, [] on the other
-        losses = []
+    def torch_step(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:  # the micro-batches' losses on the
+        losses: list[torch.Tensor] = []  # last stage's rank, [] on the other
         theirs.step(*([x] if 0 in mine else []), **({"target": y, "losses": losses} if stages - 1 in mine else {}))
         return losses
 

@@ -7,7 +7,7 @@ import platform
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -50,7 +50,7 @@ def run(quick: bool = False, only: list[str] | None = None, progress: bool = Tru
     if unknown:
         raise ValueError(f"only must name cases from {list(CASES)}, got {unknown}")
     torch.set_num_threads(1)
-    results = {"machine": f"{platform.machine()}, {torch.get_num_threads()} thread per process, "
+    results: dict[str, Any] = {"machine": f"{platform.machine()}, {torch.get_num_threads()} thread per process, "
                           f"Python {platform.python_version()}, torch {torch.__version__}",
                "date": time.strftime("%Y-%m-%d"), "quick": quick, "cases": []}
     for name in names:

@@ -108,6 +108,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         requests = [dist.isend(chunks[send_index].contiguous(), right, group=group),
                     dist.irecv(incoming, left, group=group)]
         for request in requests:
+            assert request is not None  # None only on a rank outside the group, and this rank is in it
             request.wait()
         sent += chunks[send_index].numel() * chunks[send_index].element_size()
         return incoming
@@ -128,6 +129,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
     requests = [dist.isend(send.contiguous(), right), dist.irecv(recv, left)]
     for request in requests:
+        assert request is not None  # None only on a rank outside the world, and this rank is in it
         request.wait()
 
 

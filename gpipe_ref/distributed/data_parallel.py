@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import Node
 
 from ..checks import positive
 from ..timeline import Event, Timeline, Transfer
@@ -81,6 +82,8 @@ class DataParallel(nn.Module):
     starts its all-reduces: the others wait (``launch``'s timeout reports it).
     """
 
+    _works: list[dist.Work]  # this backward's collectives, in the order they were issued
+
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
                  find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
         super().__init__()
@@ -130,7 +133,8 @@ class DataParallel(nn.Module):
 
     def _bucket_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One flat buffer per bucket, and each parameter's view into it (its ``.grad`` once it has one)."""
-        flats, views = [], [None] * len(self._params)
+        flats: list[torch.Tensor] = []
+        views: list[torch.Tensor | None] = [None] * len(self._params)
         for bucket in self.buckets:
             params = [self._params[i] for i in bucket]
             kinds = {(p.dtype, p.device) for p in params}
@@ -143,7 +147,7 @@ class DataParallel(nn.Module):
                 views[i] = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
             flats.append(flat)
-        return flats, views
+        return flats, cast(list[torch.Tensor], views)  # every parameter is in a bucket
 
     @property
     def bucket_names(self) -> list[list[str]]:
@@ -187,7 +191,7 @@ class DataParallel(nn.Module):
         self._used.add(i)
         view = self._views[i]
         if param.grad is not view:  # a fresh .grad (the first, or after zero_grad(set_to_none=True)): into the bucket
-            view.copy_(param.grad)
+            view.copy_(cast(torch.Tensor, param.grad))  # the hook runs once the gradient is there
             param.grad = view
         if not self._sync:
             return
@@ -324,7 +328,8 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[tuple[torch.Tenso
     total, mean_loss = sum(sizes), 0.0
     for k, ((inputs, targets), size) in enumerate(zip(micro_batches, sizes)):
         last = k == len(micro_batches) - 1
-        quiet = model.no_sync() if no_sync and not last and hasattr(model, "no_sync") else contextlib.nullcontext()
+        quiet = (getattr(model, "no_sync")() if no_sync and not last and hasattr(model, "no_sync")
+                 else contextlib.nullcontext())
         with quiet:
             loss = loss_fn(model(inputs), targets) * (size / total)
             loss.backward()
@@ -352,7 +357,8 @@ def parameters_reached(outputs: list[torch.Tensor]) -> set[int]:
     ``variable`` is the leaf (Li et al. 2020, sec. 3.2.3; torch's DDP docs).
     """
     reached = {id(t) for t in outputs if t.grad_fn is None and t.requires_grad}  # a leaf returned as is
-    stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+    stack: list[Node | None] = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen = set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -373,7 +379,9 @@ def assign_buckets(sizes_in_bytes: list[int], bucket_cap_mb: float) -> list[list
     parameter first and closes the bucket once it reaches the cap (so a bucket may
     pass it), and keeps its first bucket small (1 MB by default)."""
     cap = bucket_cap_mb * 2 ** 20
-    buckets, current, filled = [], [], 0
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
     for i in reversed(range(len(sizes_in_bytes))):
         if current and filled + sizes_in_bytes[i] > cap:
             buckets.append(current)

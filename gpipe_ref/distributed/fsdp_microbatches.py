@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["counted_sharding_bytes", "stage_step"]
 
@@ -53,7 +56,7 @@ def counted_sharding_bytes(world_size: int) -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
-def stage_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+def stage_step(model: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
                once_per_step: bool) -> dict:
     """One step of ``model`` (an ``nn.Sequential``; each child and the root wrapped with ``fully_shard`` on the
     default group, on the CPU) over ``microbatches`` micro-batches of this rank's ``inputs``, mean-squared-error
@@ -67,6 +70,7 @@ def stage_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, mi
     mesh = init_device_mesh("cpu", (world,))
     for module in [*model, model]:  # each block, then the root
         fully_shard(module, mesh=mesh, reshard_after_forward=not once_per_step)
+    sharded = cast("FSDPModule", model)  # fully_shard made the root an FSDPModule
     held = []
     with counted_sharding_bytes(world) as sent, warnings.catch_warnings():
         # FSDP2's backward hooks fire on a stage whose input asks for no gradient; torch says so every time
@@ -74,12 +78,12 @@ def stage_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, mi
         for k, (x, y) in enumerate(zip(inputs.chunk(microbatches), targets.chunk(microbatches))):
             if once_per_step:  # keep the weights gathered and the gradients unsharded until the last micro-batch
                 last = k == microbatches - 1
-                model.set_requires_gradient_sync(last)
-                model.set_reshard_after_backward(last)
+                sharded.set_requires_gradient_sync(last)
+                sharded.set_reshard_after_backward(last)
             (nn.functional.mse_loss(model(x), y) / microbatches).backward()
             params = list(model.parameters())  # FSDP2 swaps in plain tensors while a module is gathered
             held.append({"weights": sum(p.nbytes for p in params if not isinstance(p, DTensor)),
                          "gradients": sum(p.grad.nbytes for p in params
                                           if p.grad is not None and not isinstance(p.grad, DTensor))})
-    shards = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+    shards = torch.cat([cast(DTensor, p.grad).to_local().reshape(-1) for p in model.parameters()])
     return {"sent": dict(sent), "held": held, "gradient shards": shards}

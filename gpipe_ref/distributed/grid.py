@@ -22,9 +22,9 @@ class ProcessGrid:
     tp: int
     pp: int
     rank: int
-    dp_group: object
-    tp_group: object
-    pp_group: object
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
     dp_ranks: list[int]
     tp_ranks: list[int]
     pp_ranks: list[int]

@@ -113,8 +113,9 @@ def _installed(module_name: str) -> bool:
 
 
 if rank_start_method() == "forkserver":
+    # typeshed's multiprocessing.context leaves out reduction, which popen_forkserver imports from it too
     from multiprocessing import forkserver, popen_forkserver, spawn, util
-    from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
+    from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen  # type: ignore[attr-defined]
 
     class _RankPopen(popen_forkserver.Popen):
         """multiprocessing's forkserver Popen less one step: the rank does not run the caller's

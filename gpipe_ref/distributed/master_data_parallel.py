@@ -6,7 +6,7 @@ optimizer and broadcasts the new weights. Every byte goes through rank 0: that i
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,13 @@ def _scatter_batch(inputs: torch.Tensor | None, traffic: dict) -> tuple[torch.Te
     """Step 1: rank 0 scatters the batch, sizes and feature shape first so uneven splits work.
     Returns this rank's slice and every rank's slice size."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    x_parts: list[torch.Tensor] | None
+    feature_shape: torch.Tensor | None
     if rank == 0:
-        x_parts = list(torch.tensor_split(inputs, world))
+        batch = cast(torch.Tensor, inputs)  # rank 0 is given the batch
+        x_parts = list(torch.tensor_split(batch, world))
         sizes = torch.tensor([len(p) for p in x_parts])
-        feature_shape = torch.tensor(list(inputs.shape[1:]))
+        feature_shape = torch.tensor(list(batch.shape[1:]))
     else:
         x_parts, sizes, feature_shape = None, torch.empty(world, dtype=torch.long), None
     dist.broadcast(sizes, 0)
@@ -37,7 +40,7 @@ def _scatter_batch(inputs: torch.Tensor | None, traffic: dict) -> tuple[torch.Te
     dist.broadcast(feature_shape, 0)
     local = torch.empty(int(sizes[rank]), *feature_shape.tolist())
     dist.scatter(local, x_parts, src=0)
-    if rank == 0:
+    if x_parts is not None:  # rank 0
         traffic["sent"] += _nbytes(x_parts[1:])
     else:
         traffic["received"] += _nbytes([local])
@@ -49,7 +52,7 @@ def _gather_outputs(output: torch.Tensor, sizes: torch.Tensor, traffic: dict) ->
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered = [torch.empty(int(sizes[r]), *output.shape[1:]) for r in range(world)] if rank == 0 else None
     dist.gather(output.detach().contiguous(), gathered, dst=0)
-    if rank == 0:
+    if gathered is not None:  # rank 0
         traffic["received"] += _nbytes(gathered[1:])
     else:
         traffic["sent"] += _nbytes([output])
@@ -63,10 +66,11 @@ def _scatter_output_grads(gathered: list[torch.Tensor] | None, targets: torch.Te
     rank, world = dist.get_rank(), dist.get_world_size()
     grad_parts, loss = None, None
     if rank == 0:
+        assert gathered is not None  # _gather_outputs gathered every output on rank 0
         everything = torch.cat(gathered).requires_grad_(True)
         loss = loss_fn(everything, targets)
         loss.backward()
-        grad_parts = list(torch.tensor_split(everything.grad, world))
+        grad_parts = list(torch.tensor_split(cast(torch.Tensor, everything.grad), world))
         traffic["sent"] += _nbytes(grad_parts[1:])
     grad_output = torch.empty_like(output)
     dist.scatter(grad_output, grad_parts, src=0)
@@ -81,8 +85,9 @@ def reduce_grads_on_master_and_step(model: nn.Module, optimizer: torch.optim.Opt
     rank, world = dist.get_rank(), dist.get_world_size()
     peers = world - 1 if rank == 0 else 1  # rank 0 exchanges with every other rank, the others with rank 0
     for p in model.parameters():
-        dist.reduce(p.grad, dst=0)
-        traffic["received" if rank == 0 else "sent"] += peers * _nbytes([p.grad])
+        grad = cast(torch.Tensor, p.grad)  # the backward gave every parameter its gradient
+        dist.reduce(grad, dst=0)
+        traffic["received" if rank == 0 else "sent"] += peers * _nbytes([grad])
     if rank == 0:
         optimizer.step()
     for p in model.parameters():
@@ -108,7 +113,7 @@ def naive_data_parallel_step(model: nn.Module, inputs: torch.Tensor | None, targ
     optimizer.zero_grad(set_to_none=False)
     output.backward(grad_output)
     reduce_grads_on_master_and_step(model, optimizer, traffic)
-    result = dict(traffic)
+    result: dict[str, float] = dict(traffic)
     if loss is not None:
         result["loss"] = loss.item()
     return result

@@ -47,7 +47,8 @@ def pack_tuple(items: tuple, device: torch.device) -> torch.Tensor:
 
 def unpack_tuple(payload: torch.Tensor) -> tuple:
     """The tuple :func:`pack_tuple` packed, its tensors views into ``payload``."""
-    items, offset = [], 0
+    items: list[torch.Tensor | None] = []
+    offset = 0
     while offset < payload.numel():
         code, ndim, nbytes, *dims = payload[offset:offset + HEADER_BYTES].view(torch.long).tolist()
         offset += HEADER_BYTES

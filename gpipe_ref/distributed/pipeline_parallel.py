@@ -76,7 +76,7 @@ class _TiedBucket:
     """The tied parameters of one dtype shared by the same ranks: one all-reduce per step."""
 
     ranks: tuple[int, ...]  # the ranks that hold them
-    group: object  # the process group that reduces them
+    group: dist.ProcessGroup | None  # the process group that reduces them
     joins: bool  # whether this rank takes part in the collective
     src: int  # global rank of the lowest sharing rank, broadcast at construction
     params: list  # the parameter, or None on a rank that holds no stage using it
@@ -151,6 +151,7 @@ class PipelineParallel(GPipe):
             run = RankStepRun(self, *prepared)
             earlier = self._take_tied_grads()
             run.run_rank()
+            assert run.loss_broadcast is not None  # run_rank started it: at once, or once every loss was in
             work, loss = run.loss_broadcast
             work.wait()
         self._reduce_tied_grads(earlier)

@@ -11,13 +11,29 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from ..executor import StepRun
+from ..microbatch import Batch
+from ..stage_ops import Gradient
 from ..timeline import Event, Timeline
 from .messages import DTYPES, HEADER_BYTES, NO_TENSOR, TUPLE_CODE, header_fields, pack_tuple, unpack_tuple
+
+if TYPE_CHECKING:
+    from ..pipeline import GPipe
+
+    class _RankPipe(GPipe):
+        """What a rank's step reads of its PipelineParallel (which imports this module, so is not imported here)."""
+
+        rank: int
+        group: dist.ProcessGroup | None
+        records_timeline: bool
+        _message_bytes: dict[int, int]
+
+        def _global_rank(self, rank: int) -> int: ...
 
 __all__ = ["RankStepRun"]
 
@@ -34,6 +50,7 @@ class RankStepRun(StepRun):
     """
 
     receives_ahead: int | None = None  # receives in flight at most; None: see receive_bound
+    pipe: _RankPipe
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -58,13 +75,13 @@ class RankStepRun(StepRun):
     def _tag(self, kind: int, stage: int, microbatch: int) -> int:
         return ((kind * self.schedule.num_stages + stage) * self.schedule.num_microbatches + microbatch) * 2
 
-    def _send(self, tensor: torch.Tensor | None, stage_to: int, tag: int) -> None:
+    def _send(self, tensor: Gradient, stage_to: int, tag: int) -> None:
         """One message of the remembered size: header, tensor, padding; or the header alone
         and the tensor on ``tag + 1`` when it does not fit. ``None`` (no gradient flows back:
         the stage ignored its input) is a header with dtype code -1."""
         peer, group = self._peer(stage_to), self.pipe.group
         size = self.sizes.get(tag, HEADER_BYTES)
-        code = None
+        code: int | None = None
         if isinstance(tensor, tuple):  # a tuple travels as one uint8 tensor with its own headers
             tensor, code = pack_tuple(tensor, self._device_of(tensor)), TUPLE_CODE
         if tensor is None:
@@ -95,7 +112,7 @@ class RankStepRun(StepRun):
         work = dist.irecv(buffer, self._peer(sender), group=self.pipe.group, tag=tag)
         self.posted[key] = (work, buffer, tag, sender)
 
-    def _take(self, key: tuple[int, int, int]) -> torch.Tensor | None:
+    def _take(self, key: tuple[int, int, int]) -> Gradient:
         """Wait for the receive of ``key`` (posting it now if it was not) and return its tensor."""
         waiting_since = time.perf_counter()
         if key not in self.posted:
@@ -110,7 +127,9 @@ class RankStepRun(StepRun):
         dtype, shape = (torch.uint8 if code == TUPLE_CODE else DTYPES[code]), dims[:ndim]
         if follows:
             tensor = torch.empty(shape, dtype=dtype, device=buffer.device)
-            dist.irecv(tensor, self._peer(sender), group=self.pipe.group, tag=tag + 1).wait()
+            work = dist.irecv(tensor, self._peer(sender), group=self.pipe.group, tag=tag + 1)
+            assert work is not None  # None only on a rank outside the group, and this rank is in it
+            work.wait()
         else:
             nbytes = math.prod(shape) * dtype.itemsize
             tensor = buffer[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).view(shape)
@@ -122,22 +141,22 @@ class RankStepRun(StepRun):
         tensors = [t for t in items if t is not None]
         return tensors[0].device if tensors else self.pipe.devices[self.pipe.rank]
 
-    def receive_activation(self, stage: int, microbatch: int) -> torch.Tensor:
+    def receive_activation(self, stage: int, microbatch: int) -> Batch:
         if self.pipe.owns(stage - 1):
             return super().receive_activation(stage, microbatch)
-        return self._take((0, stage, microbatch))
+        return cast(Batch, self._take((0, stage, microbatch)))  # an activation, never None
 
-    def send_activation(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
+    def send_activation(self, stage: int, microbatch: int, output: Batch) -> None:
         if self.pipe.owns(stage + 1):
             return super().send_activation(stage, microbatch, output)
         self._send(output, stage + 1, self._tag(0, stage + 1, microbatch))
 
-    def receive_gradient(self, stage: int, microbatch: int) -> torch.Tensor:
+    def receive_gradient(self, stage: int, microbatch: int) -> Gradient:
         if self.pipe.owns(stage + 1):
             return super().receive_gradient(stage, microbatch)
         return self._take((1, stage, microbatch))
 
-    def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
+    def send_gradient(self, stage: int, microbatch: int, grad: Gradient) -> None:
         if self.pipe.owns(stage - 1):
             return super().send_gradient(stage, microbatch, grad)
         self._send(grad, stage - 1, self._tag(1, stage - 1, microbatch))
@@ -190,7 +209,7 @@ class RankStepRun(StepRun):
         if timed:
             dist.barrier(group=group)
         origin = time.perf_counter()  # clocks aligned at the barrier
-        events = []
+        events: list[Event] = []
         holds_losses = self.pipe.owns(self.schedule.num_stages - 1)
         if not holds_losses:
             self._broadcast_loss()
@@ -212,7 +231,7 @@ class RankStepRun(StepRun):
         self.pending = []
         if not timed:
             return
-        gathered = [None] * dist.get_world_size(group)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
         peak = self.meters[rank].peak if self.pipe.track_memory else None
         dist.all_gather_object(gathered, (events, peak), group=group)
         all_events = [e for part, _ in gathered for e in part]

@@ -23,6 +23,8 @@ names are importable from here too.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -173,7 +175,7 @@ class ParallelMLP(nn.Module):
         for p in self.replicated_parameters():  # watch each replicated bias once (from_dense replaces them)
             if not getattr(p, "_gpipe_ref_watched", False):
                 p.register_post_accumulate_grad_hook(self._mark_unsummed)
-                p._gpipe_ref_watched = True
+                setattr(p, "_gpipe_ref_watched", True)
         return self.down(self.activation(self.up(x)))
 
     def _mark_unsummed(self, param: nn.Parameter) -> None:
@@ -309,9 +311,9 @@ class ParallelMLPSubBlock(nn.Module):
                 and isinstance(inner[0], nn.LayerNorm) and isinstance(inner[2], SeededDropout)):
             raise TypeError(f"block must be mlp_sub_block(...): Residual(Sequential(LayerNorm, mlp_block, "
                             f"SeededDropout)), got {block!r}")
-        norm, dense_mlp, dropout = inner
-        layer = cls(norm.normalized_shape[0], dense_mlp[0].out_features, dropout.p, dropout.seed, group,
-                    sequence_parallel)
+        norm, dense_mlp, dropout = cast(tuple[nn.LayerNorm, nn.Sequential, SeededDropout], inner)
+        layer = cls(norm.normalized_shape[0], cast(nn.Linear, dense_mlp[0]).out_features, dropout.p, dropout.seed,
+                    group, sequence_parallel)
         layer.norm.load_state_dict(norm.state_dict())
         layer.mlp = ParallelMLP.from_dense(dense_mlp, group, sequence_parallel)
         return layer
@@ -338,11 +340,12 @@ def sum_grads_over_group(params: list[nn.Parameter], group) -> None:
     params = [p for p in params if p.grad is not None]
     if not params:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in params])
     record_collective("step", "all-reduce", flat.nbytes)
     dist.all_reduce(flat, group=group)
     for p, summed in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(summed.view_as(p.grad))
+        grad = cast(torch.Tensor, p.grad)
+        grad.copy_(summed.view_as(grad))
 
 
 def saved_bytes_by_child(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:

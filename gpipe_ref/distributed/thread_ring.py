@@ -7,6 +7,7 @@ one link: send a tensor to the right neighbour, receive the left neighbour's (as
 from __future__ import annotations
 
 import threading
+from typing import Any, cast
 
 import torch
 
@@ -33,7 +34,10 @@ def run_ring(answer, world: int, chunk: int, seed: int):
     neighbour's. Returns ``{"shards": each rank's result, "sent": elements each rank sent}``, or a text saying
     what went wrong."""
     buffers = ring_buffers(world, chunk, seed)
-    slots, sent, results, errors = [None] * world, [0] * world, [None] * world, [None] * world
+    slots: list[torch.Tensor | None] = [None] * world
+    results: list[Any] = [None] * world
+    errors: list[str | BaseException | None] = [None] * world
+    sent = [0] * world
     barrier = threading.Barrier(world, timeout=EXCHANGE_WAIT)
 
     def rank_main(rank: int) -> None:
@@ -43,7 +47,7 @@ def run_ring(answer, world: int, chunk: int, seed: int):
             slots[rank] = tensor.detach().clone()
             sent[rank] += tensor.numel()
             barrier.wait()
-            received = slots[(rank - 1) % world].clone()
+            received = cast(torch.Tensor, slots[(rank - 1) % world]).clone()  # set before the barrier
             barrier.wait()
             return received
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ class _AsyncAllReduceLinear(torch.autograd.Function):
         grad_x = grad_out @ weight
         computed = clock()
         work = dist.all_reduce(grad_x, group=layer.group, async_op=True)
-        finished: list[float] = []  # the moment the all-reduce completes, whether or not the rank waits then
+        finished = []  # the moment the all-reduce completes, whether or not the rank waits then
         work.get_future().add_done_callback(lambda _: finished.append(clock()))
         if not layer.overlap:
             work.wait()
@@ -86,6 +86,8 @@ class OverlapLinear(nn.Module):
     """``Linear(in, out)``, output features split over the ranks of ``group``, that takes the same input on every
     rank (operator f fused in): its backward all-reduces the input's gradient, asynchronously beside the weight's
     gradient when ``overlap``. Every backward appends its :class:`BackwardPieces` to ``pieces``."""
+
+    pieces: list[BackwardPieces]
 
     def __init__(self, linear: nn.Linear, group=None, overlap: bool = True) -> None:
         super().__init__()
@@ -122,6 +124,7 @@ def measure_backward(rank: int, world_size: int, width: int = 1024, rows: int = 
     x = torch.randn(rows, width)
     reference = x.clone().requires_grad_()
     dense(reference).square().sum().backward()
+    reference_grad, dense_grad = cast(torch.Tensor, reference.grad), cast(torch.Tensor, dense.weight.grad)
     layers = {name: OverlapLinear(dense, overlap=name == "overlapped") for name in ("sequential", "overlapped")}
     local = width // world_size
     correct = {}
@@ -133,8 +136,9 @@ def measure_backward(rank: int, world_size: int, width: int = 1024, rows: int = 
             output = layer(inputs)
             # The loss's gradient for this rank's slice, 2 y; the full dY is the dense one's slice.
             output.backward(2 * output.detach())
-            correct[name] = (torch.allclose(inputs.grad, reference.grad, rtol=1e-4, atol=1e-4)
-                             and torch.allclose(layer.weight.grad, dense.weight.grad[rank * local:(rank + 1) * local],
+            input_grad, weight_grad = cast(torch.Tensor, inputs.grad), cast(torch.Tensor, layer.weight.grad)
+            correct[name] = (torch.allclose(input_grad, reference_grad, rtol=1e-4, atol=1e-4)
+                             and torch.allclose(weight_grad, dense_grad[rank * local:(rank + 1) * local],
                                                 rtol=1e-4, atol=1e-4))
     result = {}
     for name, layer in layers.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -56,13 +56,14 @@ def flush_schedules() -> tuple[str, ...]:
 
 def flush_schedule(name: str, value: object) -> str:
     """``value`` if it names a flush schedule (or an alias of one, such as "zb_h1"), else ValueError."""
-    schedule_spec(value, flush=True)
-    return value
+    spec_name = cast(str, value)  # schedule_spec refuses anything but a schedule's name
+    schedule_spec(spec_name, flush=True)
+    return spec_name
 
 
 def seed_value(name: str, value: object) -> int:
     """An integer in [0, MAX_SEED]."""
-    integer(name, value, 0)
+    value = integer(name, value, 0)
     if value > MAX_SEED:
         raise ValueError(f"{name} must be an integer in [0, 2**64 - 2], got {value!r}")
     return value
@@ -168,7 +169,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> tuple[list[
     pp_index, dp_index, _ = grid.coords
     model = build_model(config)
     if config.tp > 1:
-        model = nn.Sequential(*[Residual(ParallelMLP.from_dense(block.inner, group=grid.tp_group))
+        model = nn.Sequential(*[Residual(ParallelMLP.from_dense(cast(nn.Sequential, block.inner), group=grid.tp_group))
                                 for block in model])
     stages = config.pp * config.stages_per_rank
     pipe = PipelineParallel(model, [config.blocks // stages] * stages, chunks=config.microbatches,
@@ -196,6 +197,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> tuple[list[
         loss = pipe.step(xb, yb, nn.MSELoss())
         if config.dp > 1:  # average the replicas' gradients and losses
             for p in params:
+                assert p.grad is not None  # every block of build_model's model is used: the step gave it a gradient
                 dist.all_reduce(p.grad, group=grid.dp_group)
                 p.grad /= config.dp
             dist.all_reduce(loss, group=grid.dp_group)

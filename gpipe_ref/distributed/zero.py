@@ -30,6 +30,7 @@ stage 3 sends 1.5x (sec. 7.2).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,8 @@ class ZeRO:
     untouched by the step, as DDP (``find_unused_parameters``) and Adam leave it. ``traffic`` holds the bytes
     this rank sent since the last ``zero_grad``, by collective; ``held_bytes()`` the bytes it keeps between steps.
     """
+
+    _stepped: list[Unit]  # the units this step's _average chose (read while _averaged)
 
     def __init__(self, module: nn.Module, stage: int, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, collectives: str = "torch") -> None:
@@ -210,7 +213,8 @@ class ZeRO:
             return
         unit.ready = 0
         flat = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
-        torch.cat([p.grad.reshape(-1) for p in unit.params], out=flat[:unit.numel])
+        # every parameter's hook has fired: each p.grad holds its full gradient
+        torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in unit.params], out=flat[:unit.numel])
         for p in unit.params:  # the full gradient is freed: only the shard stays; p.grad now refuses to be read
             p.grad = sharded_gradient(p)
         unit.guarded = True
@@ -335,7 +339,7 @@ class ZeRO:
             raise ValueError(f"norm_type must be a positive number or math.inf, got {norm_type!r}")
         used = self._average()
         local = torch.zeros(1, device=self.units[0].device)
-        for g in (unit.shard.grad for unit in used):
+        for g in (cast(torch.Tensor, unit.shard.grad) for unit in used):  # _average gave each its gradient
             if norm_type == math.inf:
                 local = torch.maximum(local, g.abs().max().float())
             else:
@@ -345,7 +349,7 @@ class ZeRO:
         total = local[0] if norm_type == math.inf else local[0] ** (1.0 / norm_type)
         scale = min(1.0, max_norm / (float(total) + 1e-6))
         for unit in used:
-            unit.shard.grad.mul_(scale)
+            cast(torch.Tensor, unit.shard.grad).mul_(scale)
             if self.stage == 1:  # the local gradient too (the same factor on every rank): a second step on this
                 unit.grad.mul_(scale)  # backward averages it again and must find it clipped, as torch's .grad
             if self.stage <= 1:

@@ -16,6 +16,13 @@ class Unit:
     """The parameters one module owns, as one flat buffer of ``padded`` elements (N shards of ``shard_size``).
     A parameter shared by two modules (tied weights) belongs to the first that owns it."""
 
+    # set by ZeRO._shard: the flat buffers and the tensor Adam steps
+    full: torch.Tensor
+    shard: nn.Parameter
+    grad: torch.Tensor
+    views: list[torch.Tensor]
+    shard_grad: torch.Tensor
+
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], world_size: int) -> None:
         self.name, self.module, self.params = name, module, params
         dtypes = {p.dtype for p in params}
@@ -29,7 +36,7 @@ class Unit:
         self.ready = 0  # parameters whose gradient this backward has produced
         self.received: set[int] = set()  # parameters (by index) that got a gradient since the last zeroing
         self.reduced = False
-        self.version = None  # stages 0-1: the gradient buffer's version when the backward left it
+        self.version: int | None = None  # stages 0-1: the gradient buffer's version when the backward left it
         self.guarded = False  # stages 2-3: the parameters' .grad hold ShardedGradient stand-ins
 
     def label(self) -> str:

@@ -168,9 +168,9 @@ def forbidden_use(answer: Any, forbidden: Sequence[str]) -> str | None:
             continue
     attributes = {dotted.rpartition(".")[2]: dotted for dotted in forbidden}
     for code in _code_objects(answer):
-        namespace = getattr(answer, "__globals__", None)
+        namespace: dict[str, Any] | None = getattr(answer, "__globals__", None)
         if namespace is None:  # a class: look its methods' globals up
-            namespace = next((getattr(v, "__globals__", None) for v in vars(answer).values()
+            namespace = next((getattr(v, "__globals__") for v in vars(answer).values()
                               if getattr(v, "__globals__", None) is not None), {})
         names = set(code.co_names)
         for name in names:

@@ -73,17 +73,17 @@ def _slips(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
     if isinstance(node, ast.Compare):
         for i, op in enumerate(node.ops):
             if type(op) in COMPARISONS:
-                changed = copy.copy(node)
-                changed.ops = [*node.ops[:i], COMPARISONS[type(op)](), *node.ops[i + 1:]]
-                yield f"{SYMBOLS[type(op)]} -> {SYMBOLS[COMPARISONS[type(op)]]}", changed
+                compared = copy.copy(node)
+                compared.ops = [*node.ops[:i], COMPARISONS[type(op)](), *node.ops[i + 1:]]
+                yield f"{SYMBOLS[type(op)]} -> {SYMBOLS[COMPARISONS[type(op)]]}", compared
     elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in OPERATORS:
-        changed = copy.copy(node)
-        changed.op = OPERATORS[type(node.op)]()
-        yield f"{SYMBOLS[type(node.op)]} -> {SYMBOLS[type(changed.op)]}", changed
+        arithmetic = copy.copy(node)
+        arithmetic.op = OPERATORS[type(node.op)]()
+        yield f"{SYMBOLS[type(node.op)]} -> {SYMBOLS[type(arithmetic.op)]}", arithmetic
     elif isinstance(node, ast.BoolOp):
-        changed = copy.copy(node)
-        changed.op = BOOLEANS[type(node.op)]()
-        yield f"{SYMBOLS[type(node.op)]} -> {SYMBOLS[type(changed.op)]}", changed
+        logic = copy.copy(node)
+        logic.op = BOOLEANS[type(node.op)]()
+        yield f"{SYMBOLS[type(node.op)]} -> {SYMBOLS[type(logic.op)]}", logic
     elif isinstance(node, ast.Constant) and type(node.value) is int:
         for moved in (node.value + 1, node.value - 1):
             yield f"{node.value} -> {moved}", ast.copy_location(ast.Constant(moved), node)
@@ -109,7 +109,7 @@ def mutants(exercise: str, source: str) -> list[Mutant]:
     inside = _solution_lines(source)
     found = []
     for index, node in enumerate(ast.walk(tree)):
-        if getattr(node, "lineno", None) not in inside:
+        if not isinstance(node, (ast.expr, ast.stmt)) or node.lineno not in inside:  # every slip is in one of those
             continue
         for slip, (change, _) in enumerate(_slips(node)):
             copied = copy.deepcopy(tree)  # walked in the same order, so its node number ``index`` is this one
@@ -131,13 +131,14 @@ class Outcome:
 def solution_notebook(path: str | Path) -> tuple[list[str], dict[str, str]]:
     """A solution notebook's code: the cells a namespace needs (all but the checks), and each exercise's cell."""
     nb = nbformat.read(Path(path), as_version=4)
-    setup, cells = [], {}
+    setup: list[str] = []
+    cells: dict[str, str] = {}
     for cell in nb.cells:
         if cell.cell_type != "code" or "check(" in cell.source:
             continue
         setup.append(cell.source)
-        if exercise_of(cell):
-            cells[exercise_of(cell)] = cell.source
+        if name := exercise_of(cell):
+            cells[name] = cell.source
     return setup, cells
 
 

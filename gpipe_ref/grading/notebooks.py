@@ -76,7 +76,7 @@ def check_of(cell) -> str | None:
     return match.group(1) if match else None
 
 
-def read(path: str | Path, data: bytes | None = None) -> tuple[nbformat.NotebookNode, str]:
+def read(path: str | os.PathLike[str], data: bytes | None = None) -> tuple[nbformat.NotebookNode, str]:
     """Read an exercise notebook (from ``data``, its bytes read earlier, when given); return it and its course
     notebook name ("04_gpipe")."""
     import nbformat
@@ -159,8 +159,8 @@ def answers_in(path: Path, built: nbformat.NotebookNode) -> str | None:
     except Exception:  # a folder, invalid JSON, not a notebook: nothing tells us it is safe to replace
         return "not a readable notebook"
     stubs = {exercise_of(cell): cell.source for cell in built.cells if exercise_of(cell)}
-    answered = [exercise_of(cell) for cell in cells if exercise_of(cell)
-                and cell.get("source") != stubs.get(exercise_of(cell)) and not _still_a_stub(cell.get("source", ""))]
+    answered = [name for cell in cells if (name := exercise_of(cell))
+                and cell.get("source") != stubs.get(name) and not _still_a_stub(cell.get("source", ""))]
     return f"answers to {', '.join(answered)}" if answered else None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, cast
 
 from ..checks import integer, non_negative, positive_int
 from .ir import Action, Schedule, ScheduleError
@@ -41,7 +41,8 @@ class EncodedSchedule:
         p, m = schedule.num_stages, schedule.num_microbatches
         self.rows = [[(_OP_CODE[a.op] * p + a.stage) * m + a.microbatch for a in acts]
                      for acts in schedule.per_device]
-        self.action_of: list[Action | None] = [None] * (3 * p * m)
+        # A key no row holds (W where the schedule has none) stays None; a key from a row always has its Action.
+        self.action_of: list[Action] = cast("list[Action]", [None] * (3 * p * m))
         for acts, row in zip(schedule.per_device, self.rows):
             for a, key in zip(acts, row):
                 self.action_of[key] = a
@@ -280,10 +281,11 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
                 ready.extend(woken)
         cursor[d], free_at[d] = c, t
         if c < length:
-            if waiting[dep] is None:
+            blocked = waiting[dep]
+            if blocked is None:
                 waiting[dep] = [d]
             else:
-                waiting[dep].append(d)
+                blocked.append(d)
     if len(order) != sum(len(row) for row in rows):
         raise DeadlockError(_deadlock_report(encoded, cursor, end))
     return Walk(encoded, order, start, end)
@@ -311,7 +313,8 @@ def _check_walk(encoded: EncodedSchedule, durations: Sequence[float] | None, com
             non_negative(f"durations[{key}]", x)
 
 
-def _receive_delays(encoded: EncodedSchedule, comm: float, pairs_as_blocks: bool):
+def _receive_delays(encoded: EncodedSchedule, comm: float,
+                    pairs_as_blocks: bool) -> tuple[list[float], list[float], dict[int, tuple[int, float]]]:
     """Per stage, the ``comm`` an F pays receiving from stage s-1 and a B from stage s+1 (0 on one device); with
     ``pairs_as_blocks``, each paired F's key -> (its B's dependency on the next stage, that B's comm)."""
     schedule = encoded.schedule

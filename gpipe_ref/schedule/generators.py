@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from ..checks import positive_int
 from .ir import Action, Schedule
 
@@ -16,7 +18,8 @@ __all__ = ["check_interleaved_sizes", "gpipe", "one_f_one_b", "zero_bubble_h1", 
            "interleaved_zero_bubble", "looped_bfs"]
 
 
-def _one_stage_per_device(name, num_stages, num_microbatches, per_device, flush=True) -> Schedule:
+def _one_stage_per_device(name: str, num_stages: int, num_microbatches: int,
+                          per_device: Iterable[Iterable[Action]], flush: bool = True) -> Schedule:
     return Schedule(
         name=name,
         num_stages=num_stages,
@@ -146,9 +149,11 @@ def interleaved_1f1b(num_devices: int, num_microbatches: int, stages_per_device:
     )
 
 
-def check_interleaved_sizes(name: str):
+def check_interleaved_sizes(name: str) -> Callable[[int, int, int], None]:
     """``check(p, m, v)`` raising ``name``'s refusal for the micro-batch counts its rounds do not split."""
-    return lambda p, m, v: _interleaved_rounds(p, m, name)
+    def check(p: int, m: int, v: int) -> None:
+        _interleaved_rounds(p, m, name)
+    return check
 
 
 def _interleaved_rounds(p: int, m: int, name: str = "interleaved_1f1b") -> int:
@@ -156,7 +161,9 @@ def _interleaved_rounds(p: int, m: int, name: str = "interleaved_1f1b") -> int:
     split, naming the schedule (``name``) and the nearest counts that work."""
     rounds = max(1, m // p)
     if m % rounds != 0:
-        splits = lambda n: n % max(1, n // p) == 0  # noqa: E731
+        def splits(n: int) -> bool:
+            return n % max(1, n // p) == 0
+
         below = next(n for n in range(m - 1, 0, -1) if splits(n))  # n = p always splits
         above = next(n for n in range(m + 1, m + p + 1) if splits(n))  # so does the next multiple of p
         raise ValueError(

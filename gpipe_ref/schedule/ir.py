@@ -42,7 +42,7 @@ class Action:
         return f"Action({self.op!r}, {self.stage}, {self.microbatch})"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: object) -> "Action":
         """``Action.parse("1F0") == Action("F", 1, 0)``."""
         match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if match is None:
@@ -162,7 +162,7 @@ class Schedule:
         if not lines:
             raise ValueError("text must hold at least one line of actions, got an empty text")
         per_device: list[tuple[Action, ...]] = []
-        pairs: list[tuple[Action, ...]] = []
+        pairs: list[tuple[Action, Action]] = []
         for number, line in enumerate(lines):
             acts = _parse_line(number, line, pairs)
             per_device.append(acts)
@@ -199,7 +199,7 @@ class Schedule:
 
 
 
-def _parse_line(number: int, line: str, pairs: list) -> tuple[Action, ...]:
+def _parse_line(number: int, line: str, pairs: list[tuple[Action, Action]]) -> tuple[Action, ...]:
     """Device ``number``'s actions from its line; its overlapped pairs are appended to ``pairs``."""
     if ":" in line:
         label, line = line.split(":", 1)
@@ -212,6 +212,6 @@ def _parse_line(number: int, line: str, pairs: list) -> tuple[Action, ...]:
             if len(parts) != 2 or (parts[0].op, parts[1].op) != ("F", "B"):
                 raise ValueError(f"an overlapped pair must look like <F action>&<B action>, e.g. '0F7&7B3', "
                                  f"got {token!r}")
-            pairs.append(tuple(parts))
+            pairs.append((parts[0], parts[1]))
         acts += parts
     return tuple(acts)

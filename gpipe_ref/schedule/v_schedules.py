@@ -120,7 +120,9 @@ def _dualpipe_v_order(d: int, p: int, m: int) -> tuple[tuple[Action, ...], list[
     for _ in range(d + 1):
         forward(down), forward(up)
     for _ in range(p - 1 - d):
-        backward(up, full=False), oldest_weight(), forward(up)
+        backward(up, full=False)
+        oldest_weight()
+        forward(up)
     for i in range(m - 2 * p + d + 1):
         if i == 0 and d == p - 1:  # the turn of the V: apart, so the B can start as soon as its F ends
             forward(down), backward(up)
@@ -135,7 +137,8 @@ def _dualpipe_v_order(d: int, p: int, m: int) -> tuple[tuple[Action, ...], list[
         backward(up, full=i < half or (i == half and d % 2 == 0))
         backward(down, full=i < half)
     for _ in range(p - 1 - d):
-        oldest_weight(), backward(down, full=False)
+        oldest_weight()
+        backward(down, full=False)
     while deferred:
         oldest_weight()
     return tuple(order), pairs

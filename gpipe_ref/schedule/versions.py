@@ -164,6 +164,7 @@ def weight_versions(schedule: Schedule, policy: WeightPolicy | None = None) -> d
     if schedule.flush:
         return {a: 0 for _, a in schedule.actions()}
     if policy.lag:
+        assert policy.updates_every is not None  # check() refuses None
         return _lagged_versions(schedule, policy.updates_every, policy.lag)
     return _newest_versions(schedule, policy)
 
@@ -173,6 +174,7 @@ def _newest_versions(schedule: Schedule, policy: WeightPolicy) -> dict[Action, i
     versions: dict[Action, int] = {}
     updates = [0] * schedule.num_stages
     every, vertical_sync, stashed = policy.updates_every, policy.vertical_sync, policy.stashes
+    assert every is not None  # check() refuses None
     # A stage's F, B and W share one device, so each device's own order decides its versions;
     # vertical sync reads stage 0's choice, which needs a global order.
     order = execution_order(schedule) if vertical_sync else schedule.actions()

@@ -13,7 +13,7 @@ import html
 from dataclasses import dataclass
 
 from ..checks import instance, integer
-from ..partition import balance_report, partition_costs, uniform_balance
+from ..partition import BalanceReport, balance_report, partition_costs, uniform_balance
 from ..viz import timeline_svg
 from .base import Dashboard
 
@@ -144,7 +144,7 @@ class BalanceExplorer(Dashboard):
         self.table = w.HTML()
         self.table.add_class("gpipe-balance-table")
         self.picture = w.HTML()
-        self.report = None
+        self.report: BalanceReport | None = None
         self.preset.observe(self._new_model, names="value")
         self.method.observe(self._new_method, names="value")
         for control in (self.stages, self.manual, self.microbatches):

@@ -8,6 +8,7 @@ import time
 from ..placement import placement_svg
 from ..schedule import make_schedule, schedule_spec
 from ..simulator import CostModel, bubble_formula, simulate
+from ..timeline import Timeline
 from ..viz import timeline_svg
 from .base import Dashboard, schedule_choices
 
@@ -67,7 +68,7 @@ class BubbleExplorer(Dashboard):
         self.picture = w.HTML()
         self.placement = w.HTML()
         self.last_redraw_s = 0.0
-        self.timeline = None
+        self.timeline: Timeline | None = None
         controls = [self.schedule, self.stages, self.microbatches, self.pair_pricing, self.stages_per_device,
                     self.backward_ratio, self.comm, self.all_to_all]
         for control in controls:

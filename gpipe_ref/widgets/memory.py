@@ -152,7 +152,8 @@ class MemoryExplorer(Dashboard):
         self.readout.add_class("gpipe-memory-readout")
         self.picture = w.HTML()
         self.picture.add_class("gpipe-memory-picture")
-        self.setup, self.anatomy = self.base, []
+        self.setup = self.base
+        self.anatomy: list[DeviceMemory] = []
         controls = [self.dp, self.tp, self.pp, self.microbatches, self.schedule, self.recompute, self.precision,
                     self.zero_stage, self.memory]
         for control in controls:

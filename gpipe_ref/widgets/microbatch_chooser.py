@@ -17,6 +17,7 @@ from ..checks import integer
 from ..microbatch_size import (
     LinearCost,
     MeasuredCost,
+    MicrobatchChoice,
     best_choice,
     fit_linear_cost,
     linear_optimum,
@@ -101,7 +102,7 @@ class MicrobatchChooser(Dashboard):
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
         integer("stages", stages, 1, 16)
-        self.measured = None
+        self.measured: MeasuredCost | None = None
         if measured is not None:
             self.measured = MeasuredCost({b: (f * 1e3, bwd * 1e3) for b, (f, bwd) in dict(measured).items()})
             fitted = fit_linear_cost(self.measured.table)
@@ -137,7 +138,7 @@ class MicrobatchChooser(Dashboard):
         self.readout.add_class("gpipe-microbatch-readout")
         self.picture = w.HTML()
         self.picture.add_class("gpipe-microbatch-plot")
-        self.choices = []
+        self.choices: list[MicrobatchChoice] = []
         self._updating = False
         self._resize_options(preferred=micro_batch)
         for control in (self.global_batch, self.data_parallel, self.cost):
@@ -159,6 +160,7 @@ class MicrobatchChooser(Dashboard):
         """The b's that divide B/d (and, with the measured cost, were measured)."""
         sizes = micro_batch_sizes(self.global_batch.value, self.data_parallel.value)
         if self.cost.value == "measured":
+            assert self.measured is not None  # the "measured" option is offered only with a measurement
             sizes = [b for b in sizes if b in self.measured.table]
         return sizes
 
@@ -184,6 +186,7 @@ class MicrobatchChooser(Dashboard):
         B, d, p, b = self.global_batch.value, self.data_parallel.value, self.stages.value, self.micro_batch.value
         if not self.usable_sizes():
             self.choices = []
+            assert self.measured is not None  # only a measured cost can leave no usable size
             self.readout.value = (f"<span style='color:#b00'>no measured micro-batch size divides B/d = {B}/{d}; "
                                   f"measured: {list(self.measured.table)}</span>")
             self.picture.value = ""

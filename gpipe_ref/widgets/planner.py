@@ -12,6 +12,7 @@ from ..planner import (
     ClusterConfig,
     ModelConfig,
     NothingFits,
+    Plan,
     candidates,
     pipeline_timeline,
     plan,
@@ -56,7 +57,8 @@ class PlannerExplorer(Dashboard):
         self.ranking.add_class("gpipe-planner-ranking")
         self.memory_bars = w.HTML()
         self.picture = w.HTML()
-        self.plans, self.cluster = [], None
+        self.plans: list[Plan] = []
+        self.cluster: ClusterConfig | None = None
         for control in (self.model, self.gpus, self.memory, self.batch):
             control.observe(lambda _change: self.search(), names="value")
         self.choice.observe(lambda _change: self.show(), names="value")
@@ -96,11 +98,12 @@ class PlannerExplorer(Dashboard):
 
     def show(self) -> None:
         """The chosen configuration's memory per GPU and its pipeline timeline."""
-        if self.choice.value is None or not self.plans:
+        cluster = self.cluster
+        if self.choice.value is None or not self.plans or cluster is None:  # plans come with their cluster
             return
         chosen = self.plans[self.choice.value]
         budget = self.memory.value * 1e9
-        usable = self.cluster.usable_bytes
+        usable = cluster.usable_bytes
         parts = [(STATE_MEMORY, "#4e79a7"), (ACTIVATION_MEMORY, "#f28e2b")]
         bar = "".join(f"<div title='{name}: {chosen.memory[name] / 1e9:.1f} GB' style='display:inline-block;"
                       f"height:18px;background:{color};width:{min(100, 100 * chosen.memory[name] / budget):.1f}%'>"
@@ -109,7 +112,7 @@ class PlannerExplorer(Dashboard):
                  f"border-left:2px dashed #b00' title='usable: {usable / 1e9:.1f} GB'></div>")
         self.memory_bars.value = (f"<div>memory per GPU: {chosen.memory[TOTAL_MEMORY] / 1e9:.1f} of "
                                   f"{self.memory.value} GB, {usable / 1e9:.1f} GB usable (dashed line: "
-                                  f"usable_memory = {self.cluster.usable_memory:g}; "
+                                  f"usable_memory = {cluster.usable_memory:g}; "
                                   f"blue: weights, gradients, optimizer; "
                                   f"orange: activations)</div><div style='width:600px;border:1px solid #888;"
                                   f"position:relative'>{bar}{limit}</div>")

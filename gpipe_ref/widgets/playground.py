@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from ..placement import placement_svg
-from ..playground import analyse, builtin_text, run_on_executor
+from ..playground import Analysis, analyse, builtin_text, run_on_executor
 from ..viz import timeline_svg
 from .base import Dashboard, schedule_choices
 
@@ -42,7 +42,7 @@ class SchedulePlayground(Dashboard):
                             layout=w.Layout(width="auto"))  # the default width cuts the label
         self.run_result = w.HTML()
         self.run_result.add_class("gpipe-playground-run")
-        self.analysis = None
+        self.analysis: Analysis | None = None
         self.load.on_click(lambda _b: self._load())
         self.run.on_click(lambda _b: self.run_executor())
         self.text.observe(lambda _change: self.redraw(), names="value")
@@ -69,11 +69,11 @@ class SchedulePlayground(Dashboard):
             self.verdict.value = f"<b style='color:#b00'>&#10007; {html.escape(result.verdict())}</b>"
             return
         self.marked.value = ""
-        several = result.schedule.stages_per_device > 1
-        self.placement.value = placement_svg(result.schedule) if several else ""
-        self.picture.value = timeline_svg(result.timeline, title="your schedule",
-                                          color_by="stage" if several else "microbatch")
-        t = result.timeline
+        schedule, t = result.schedule, result.timeline
+        assert schedule is not None and t is not None  # a valid schedule was simulated
+        several = schedule.stages_per_device > 1
+        self.placement.value = placement_svg(schedule) if several else ""
+        self.picture.value = timeline_svg(t, title="your schedule", color_by="stage" if several else "microbatch")
         rows = [("yours", t.bubble_fraction, [t.peak_in_flight(d) for d in range(t.num_devices)])]
         rows += [(name, bubble, peaks) for name, (bubble, peaks) in result.comparison.items()]
         self.table.value = ("<table><tr><th>schedule</th><th>bubble</th><th>peak in flight per device</th></tr>"
@@ -83,7 +83,7 @@ class SchedulePlayground(Dashboard):
 
     def run_executor(self) -> float | None:
         """Run the typed schedule on GPipe (simulated devices); show the gradient difference from one device."""
-        if not self.analysis or not self.analysis.valid:
+        if not self.analysis or not self.analysis.valid or self.analysis.schedule is None:  # valid: has one
             return None
         try:
             diff = run_on_executor(self.analysis.schedule)

@@ -11,9 +11,13 @@ an all-gather of ``n-1`` steps. Each step a rank sends ``1/n`` of its buffer, so
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from ..checks import integer
 from .base import Dashboard
+
+if TYPE_CHECKING:
+    from ..distributed.collectives import RingState
 
 __all__ = ["RingAllReduceExplorer", "ring_explorer", "ring_values", "ring_readout", "ring_table"]
 
@@ -98,7 +102,7 @@ class RingAllReduceExplorer(Dashboard):
         self.readout.add_class("gpipe-ring-readout")
         self.table = w.HTML()
         self.table.add_class("gpipe-ring-table")
-        self.states = []
+        self.states: list[RingState] = []
         self.world_size.observe(self._resize, names="value")
         self.step.observe(lambda _change: self.redraw(), names="value")
         self.seed.observe(lambda _change: self.resimulate(), names="value")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from ..schedule import (
     PER_MICROBATCH_BASELINE,
@@ -17,8 +18,12 @@ from ..schedule import (
 )
 from ..simulator import simulate
 from ..svg import svg_root
+from ..timeline import Timeline
 from ..viz import running_mean, timeline_svg
 from .base import Dashboard
+
+if TYPE_CHECKING:
+    from ..staleness import StepRecord
 
 __all__ = ["StalenessExplorer", "staleness_explorer", "loss_chart_svg", "staleness_readout", "per_batch_readout"]
 
@@ -65,8 +70,8 @@ class StalenessExplorer(Dashboard):
         self.steps = steps
         self._cache: dict = {}
         self.last_redraw_s = 0.0
-        self.record = None
-        self.timeline = None  # the drawn timeline, each event with its weight version
+        self.record: StepRecord | None = None
+        self.timeline: Timeline | None = None  # the drawn timeline, each event with its weight version
         controls = [self.stages, self.microbatches, self.lr, self.schedule, self.weight_stashing, self.vertical_sync]
         for control in controls:
             control.observe(lambda _change: self.redraw(), names="value")

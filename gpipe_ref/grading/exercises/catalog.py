@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from ..cases import Exercise
-from . import (ex01_data_parallel, ex02_tensor_parallel, ex03_model_parallel, ex04_gpipe, ex05_rematerialization,
-               ex06_pipedream, ex07_beyond, ex08_zero, ex09_v_schedules)
+from . import (
+    ex01_data_parallel,
+    ex02_tensor_parallel,
+    ex03_model_parallel,
+    ex04_gpipe,
+    ex05_rematerialization,
+    ex06_pipedream,
+    ex07_beyond,
+    ex08_zero,
+    ex09_v_schedules,
+)
 
 __all__ = ["EXERCISES", "NOTEBOOKS", "exercise"]
 

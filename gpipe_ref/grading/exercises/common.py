@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ... import schedule
-from ...schedule import generators, v_schedules
-from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, validate
+from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, generators, v_schedules, validate
 from ..judge import short_repr
 
 __all__ = ["dict_or_type", "gradient_gap", "judge_one_stage_per_device", "schedule_generators"]

@@ -7,6 +7,7 @@ import queue
 import random
 import threading
 import types
+from typing import Any
 
 import torch
 from torch import nn
@@ -333,7 +334,8 @@ def measure_traffic(world: int, numel: int, element_size: int) -> dict[str, dict
     each rank handed to a send (``"measured"``) and what the library's own counter says (``"counted"``)."""
     out = {}
     for method, rank_main in (("master", _master_rank), ("ring", _ring_rank)):
-        inboxes = {(s, d): queue.Queue() for s in range(world) for d in range(world)}
+        inboxes: dict[tuple[int, int], queue.Queue[Any]] = {(s, d): queue.Queue() for s in range(world)
+                                                             for d in range(world)}
         sent, counted, errors = [0] * world, [0] * world, []
 
         def run(rank: int) -> None:
@@ -374,8 +376,8 @@ def _traffic_problem(actual, world: int, numel: int, element_size: int, expected
         for rank, (value, right) in enumerate(zip(actual[method], expected[method])):
             if value == right:
                 continue
-            said = f'{"the master method" if method == "master" else "the ring"}: rank {rank} sends {short_repr(int(value), 40)} B, ' \
-                   f"too {'many' if value > right else 'few'}"
+            who = "the master method" if method == "master" else "the ring"
+            said = f"{who}: rank {rank} sends {short_repr(int(value), 40)} B, too {'many' if value > right else 'few'}"
             if method == "master" and rank == 0 and value == 0:
                 return said + ": rank 0 also sends: the result goes back to every other rank"
             if method == "master" and rank > 0 and value == 0:

@@ -135,8 +135,10 @@ def _f_rank(rank: int, world: int, answer, seed: int, width: int, hidden: int):
     from ...distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     dense = _dense_mlp(seed, width, hidden)
-    column = ColumnParallelLinear.from_dense(dense[0])
-    row = RowParallelLinear.from_dense(dense[2])
+    first, last = dense[0], dense[2]
+    assert isinstance(first, nn.Linear) and isinstance(last, nn.Linear)  # _dense_mlp: Linear, GELU, Linear
+    column = ColumnParallelLinear.from_dense(first)
+    row = RowParallelLinear.from_dense(last)
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_()
     copied = answer.apply(x)
     incoming = []  # the gradient handed to f's backward, and a copy of it taken before f runs
@@ -198,7 +200,7 @@ def _collectives_seen(rank: int, world: int, batch: int, seq_len: int, hidden: i
              ("all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"): "all-gather",
              ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"):
                  "reduce-scatter"}
-    seen = {}
+    seen: dict[str, list[tuple[str, str, int]] | None] = {}
     for mode, sequence_parallel in MODES.items():
         if sequence_parallel and seq_len % world:
             seen[mode] = None
@@ -208,7 +210,8 @@ def _collectives_seen(rank: int, world: int, batch: int, seq_len: int, hidden: i
         if sequence_parallel:
             x = x.chunk(world, dim=1)[rank]
         x = x.clone().requires_grad_()
-        calls, phase, originals = [], ["forward"], {name: getattr(dist, name) for name in names}
+        calls: list[tuple[str, str, int]] = []
+        phase, originals = ["forward"], {name: getattr(dist, name) for name in names}
 
         def wrapped(name, kind):
             def call(*args, **kwargs):
@@ -281,7 +284,8 @@ def _prediction_case(batch: int, seq_len: int, hidden: int, tp: int, element: in
                 if not _is_number(yours):
                     return f"{mode} {direction}: expected a number of bytes, got {short_repr(yours, 60)}"
                 if not _agrees(yours, run):
-                    return f"{mode} {direction}: you predicted {_bytes(yours)} bytes per rank, the run sent {_bytes(run)}"
+                    return (f"{mode} {direction}: you predicted {_bytes(yours)} bytes per rank, "
+                            f"the run sent {_bytes(run)}")
         return None
 
     return Case(f"batch={batch}, seq_len={seq_len}, hidden={hidden}, tp={tp}, bytes_per_element={element}",

@@ -226,7 +226,8 @@ def _fit_case(costs: list[float], memory: list[float], stages: int, microbatches
         held = _stage_sums(memory, actual)
         over = next((k for k, m in enumerate(held) if m > memory_limit + 1e-9), None)
         if over is not None:
-            return f"your balance {list(actual)} puts {held[over]:g} memory on stage {over}, over the limit {memory_limit:g}"
+            return (f"your balance {list(actual)} puts {held[over]:g} memory on stage {over}, "
+                    f"over the limit {memory_limit:g}")
         step = _gpipe_step(costs, list(actual), microbatches)
         if step > step_target + 1e-9:
             return (f"your balance {list(actual)} fits in memory but its simulated step takes {step:g}, over the "
@@ -299,6 +300,7 @@ def _boundary_inputs(balance: list[int], seed: int):
     from ...partition import split
 
     model = mlp(width=5, depth=(sum(balance) + 1) // 2, seed=seed)[:sum(balance)]
+    assert isinstance(model, torch.nn.Sequential)  # a slice of a Sequential is one
     generator = torch.Generator().manual_seed(seed + 1)
     x, y = torch.randn(6, 5, generator=generator), torch.randn(6, 5, generator=generator)
     return model, split(model, balance), x, y

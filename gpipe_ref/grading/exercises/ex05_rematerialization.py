@@ -5,15 +5,15 @@ The last asks for a design under a memory budget and a step-time target.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import dataclasses
 import functools
 import random
+from typing import Any, Callable
 
-from ...memory import (PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch,
-                      state_bytes)
+import torch
+from torch import nn
+
+from ...memory import PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch, state_bytes
 from ...microbatch_size import LinearCost
 from ...models import mlp, regression_data
 from ...schedule import Action, Schedule, make_schedule, schedule_spec, validate
@@ -38,8 +38,20 @@ def measured_peaks(schedule: str, checkpoint: str, p: int, m: int, blocks: int) 
     pipe = GPipe(mlp(width=WIDTH, depth=p * blocks, seed=0), balance=[2 * blocks] * p, chunks=m,
                  checkpoint=checkpoint, schedule=schedule)
     pipe.step(x, y, nn.MSELoss())
+    timeline = pipe.timeline
+    assert timeline is not None and timeline.peak_memory is not None  # a step with track_memory records both
     one = ROWS * WIDTH * 4
-    return [pipe.timeline.peak_memory[d] / one for d in range(p)]
+    return [timeline.peak_memory[d] / one for d in range(p)]
+
+
+def _measured_peak(schedule: str, checkpoint: str, p: int, m: int, blocks: int, device: int) -> Callable[[], int]:
+    """``expected`` for a case: the peak measured on ``device``."""
+    return lambda: int(measured_peaks(schedule, checkpoint, p, m, blocks)[device])
+
+
+def _ask(*arguments: object) -> Callable[[Callable[..., Any]], Any]:
+    """``run`` for a case: call the answer with ``arguments``."""
+    return lambda answer: answer(*arguments)
 
 
 def _peak_cases(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> list[Case]:
@@ -50,8 +62,8 @@ def _peak_cases(schedule: str, checkpoint: str, p: int, m: int, blocks: int) -> 
         saved = blocks + 1 + (1 if d == p - 1 else 0)  # Linear inputs and ReLU outputs (+ the loss target)
         cases.append(Case(f"checkpoint={checkpoint!r}, held={held}, per_microbatch={saved} "
                           f"(measured: {schedule}, p={p}, m={m}, device {d})",
-                          lambda answer, c=checkpoint, h=held, a=saved: answer(c, h, a),
-                          lambda d=d: int(measured_peaks(schedule, checkpoint, p, m, blocks)[d]),
+                          _ask(checkpoint, held, saved),
+                          _measured_peak(schedule, checkpoint, p, m, blocks, d),
                           hint="At the moment of the peak, which micro-batches have only their input saved, and which "
                                "have everything? What changes when the only held micro-batch is the last one?"))
     return cases
@@ -344,7 +356,8 @@ def _describe(setup: MemorySetup, cost: LinearCost, budget: int, target: float) 
     if setup.dp > 1 or setup.tp > 1:
         model += f", dp={setup.dp}, tp={setup.tp}"
     ratio = "" if cost.backward_ratio == 2.0 else f", backward_ratio={cost.backward_ratio:g}"
-    return (f"{model}, batch {setup.batch}, {setup.precision}; LinearCost({cost.overhead:g}, {cost.per_sample:g}{ratio}); "
+    return (f"{model}, batch {setup.batch}, {setup.precision}; "
+            f"LinearCost({cost.overhead:g}, {cost.per_sample:g}{ratio}); "
             f"budget {budget:,} bytes, target {target * 1e3:.6g} ms")
 
 
@@ -367,7 +380,8 @@ def _seeded(seed: int) -> Case:
     pp = rng.choice((1, 2, 3, 4))
     dp = rng.choice((1, 2))
     setup = _setup(hidden=rng.choice((64, 128)), layers=pp * rng.choice((1, 2, 3)),
-                   batch=dp * rng.choice((8, 12, 18, 30, 48, 64)), dp=dp, pp=pp, precision=rng.choice(("fp32", "mixed")))
+                   batch=dp * rng.choice((8, 12, 18, 30, 48, 64)), dp=dp, pp=pp,
+                   precision=rng.choice(("fp32", "mixed")))
     cost = LinearCost(overhead=rng.choice((0.0, 1e-4, 1e-3)), per_sample=rng.choice((1e-5, 1e-4)),
                       backward_ratio=rng.choice((1.5, 2.0, 3.0)))
     designs = _designs(setup)
@@ -397,7 +411,8 @@ def _design_hidden() -> list[Case]:
             _design("wide, a budget under the model states", WIDE, WIDE_COST, 16_000_000, 1.0),
             _design("8 stages", deep, COST, 5_000_000, 0.032),
             # stage 0 fits with 1,000 bytes to spare; the last stage (it keeps the loss's tensors) does not
-            _design("the last stage is the fullest", SETUP, LinearCost(0.1, 2e-5), 8_934_376, 0.33072)] + [_seeded(seed) for seed in range(3)]
+            _design("the last stage is the fullest", SETUP, LinearCost(0.1, 2e-5), 8_934_376, 0.33072),
+            ] + [_seeded(seed) for seed in range(3)]
 
 
 def _design_drawn(rng: random.Random) -> list[Case]:

@@ -250,7 +250,8 @@ def _per_batch_case(p: int, batch: int, batches: int) -> Case:
                 return f"versions of device {device}: expected one per action ({len(theirs)}), got {yours!r}"
             for a, v, w in zip(acts, yours, theirs):
                 if v != w:
-                    return f"{a} (micro-batch {a.microbatch} of batch {a.microbatch // batch}): version {v!r}, 2BW uses {w}"
+                    return (f"{a} (micro-batch {a.microbatch} of batch {a.microbatch // batch}): version {v!r}, "
+                            f"2BW uses {w}")
             yours, theirs = actual["staleness"][device], expected["staleness"][device]
             backwards = [a for a in acts if a.op == "B"]
             if not isinstance(yours, list) or len(yours) != len(theirs):
@@ -289,7 +290,8 @@ TWO_BW = Exercise(
              _per_batch_case(4, 3, 3), _per_batch_case(4, 4, 3), _per_batch_case(8, 8, 2), _per_batch_case(8, 7, 2),
              _per_batch_case(8, 11, 2)] + _random_per_batch_cases(17, 6),
     forbidden=("gpipe_ref.schedule.WeightPolicy", "gpipe_ref.staleness.version_table",
-               "gpipe_ref.staleness.StagedTrainer", "gpipe_ref.schedule.weight_versions", "gpipe_ref.simulator.simulate"),
+               "gpipe_ref.staleness.StagedTrainer", "gpipe_ref.schedule.weight_versions",
+               "gpipe_ref.simulator.simulate"),
     category="build", drawn=_per_batch_drawn)
 
 EXERCISES = [WARMUP, ONE_F_ONE_B, STASHED, PREDICT_VERSIONS, TWO_BW]

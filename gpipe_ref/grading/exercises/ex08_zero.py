@@ -221,8 +221,8 @@ RING = Exercise(
     "08.3", "Fix the reduce-scatter", "reduce_scatter_mean", 3,
     lambda: [_ring_case(4, 3, 1), _ring_case(2, 2, 2)],
     lambda: [_ring_case(1, 4, 3), _ring_case(3, 1, 4), _ring_case(5, 2, 5), _ring_case(8, 6, 6)],
-    forbidden=("gpipe_ref.distributed.collectives.ring_reduce_scatter", "gpipe_ref.distributed.zero.ring_reduce_scatter",
-               "gpipe_ref.distributed.collectives.ring_all_reduce"),
+    forbidden=("gpipe_ref.distributed.collectives.ring_reduce_scatter",
+               "gpipe_ref.distributed.zero.ring_reduce_scatter", "gpipe_ref.distributed.collectives.ring_all_reduce"),
     category="debug", drawn=_ring_drawn)
 
 EXERCISES = [SHARD_STEP, SIZING, RING]

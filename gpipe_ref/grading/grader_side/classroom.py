@@ -46,6 +46,8 @@ PACKAGE = Path(__file__).resolve().parents[2]  # gpipe_ref/: every file of it is
 class PackageChanged(RuntimeError):
     """The grader's own files changed on disk while it graded (a learner's code wrote to them)."""
 
+    results: list[NotebookResult]  # what was graded before the change
+
 
 def preload() -> None:
     """Import every module of the package and what grading uses, so no worker reads code from disk later."""
@@ -156,7 +158,7 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
         raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     notebooks, bad = collect(paths)
     results: list[NotebookResult] = list(bad)
-    submissions = []
+    submissions: list[Submission] = []
     for path in notebooks:  # every submission is read before any kernel runs
         try:
             data = path.read_bytes()
@@ -173,7 +175,7 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
         return results
     preload()
     hashes = package_hashes()
-    limits = {"cell_timeout": cell_timeout, "case_timeout": case_timeout, "notebook_timeout": notebook_timeout,
+    options = {"cell_timeout": cell_timeout, "case_timeout": case_timeout, "notebook_timeout": notebook_timeout,
               "sandbox": sandbox, "limits": limits}
     from tqdm.auto import tqdm
 
@@ -181,7 +183,7 @@ def grade_paths(paths: Iterable[str | os.PathLike], *, jobs: int | None = None,
     bar = tqdm(total=len(submissions), desc="grading", unit="notebook",
                disable=not progress or len(submissions) < 2, file=sys.stderr)
     try:
-        for result in _run_workers(submissions, limits, jobs, notebook_timeout, hashes):
+        for result in _run_workers(submissions, options, jobs, notebook_timeout, hashes):
             results.append(result)
             bar.update(1)
             if on_result is not None:

@@ -51,10 +51,10 @@ MAX_TIMEOUT = 86_400.0  # a day; the kernel's signal.setitimer overflows near 1e
 
 def timeout_seconds(name: str, value: object) -> float:
     """A time limit: a finite number of seconds in (0, MAX_TIMEOUT]."""
-    positive(name, value)
-    if value > MAX_TIMEOUT:
+    seconds = positive(name, value)
+    if seconds > MAX_TIMEOUT:
         raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
-    return value
+    return seconds
 
 
 @dataclass
@@ -75,7 +75,7 @@ class NotebookResult:
 
     @property
     def max_points(self) -> int:
-        return sum(ex.points for ex in NOTEBOOKS.get(self.notebook, []))
+        return sum(ex.points for ex in NOTEBOOKS.get(self.notebook or "", []))
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "notebook": self.notebook, "points": self.points, "max_points": self.max_points,
@@ -144,7 +144,7 @@ def _blame(ex: Exercise, status: str, feedback: str) -> Verdict:
 
 
 def _not_attempted_error(text: str | None) -> bool:
-    return bool(text) and text.startswith("NotImplementedError") and "Exercise" in text
+    return text is not None and text.startswith("NotImplementedError") and "Exercise" in text
 
 
 def shown(path: os.PathLike | str) -> str:
@@ -184,6 +184,7 @@ def grade_notebook(path: str | os.PathLike, *, data: bytes | None = None, cell_t
     except NotebookError as error:
         result.error = str(error)
         return result
+    assert data is not None  # read() refuses a notebook it could not read
     result.notebook = name
     result.warnings += suspicious(nb)
     with tempfile.TemporaryDirectory(prefix="gpipe-grade-", ignore_cleanup_errors=True) as root:
@@ -212,8 +213,8 @@ class _Grading:
         self.cell_timeout, self.case_timeout, self.deadline = cell_timeout, case_timeout, deadline
         self.kernel_name, self.token = kernel_name, token
         self.exercises = {ex.id: ex for ex in exercises}
-        self.cell_of = {exercise_of(cell): index for index, cell in _code_cells(nb)
-                        if exercise_of(cell) in self.exercises}
+        self.cell_of = {ex_id: index for index, cell in _code_cells(nb)
+                        if (ex_id := exercise_of(cell)) is not None and ex_id in self.exercises}
         for ex_id in self.exercises:
             if ex_id not in self.cell_of:
                 warnings.append(f"the cell of exercise {ex_id} (starting '# Exercise {ex_id}') is missing")

@@ -104,7 +104,8 @@ def confine(uid: int, gid: int, memory: int, processes: int, file_size: int, cpu
 def main(argv: list[str]) -> None:
     if len(argv) < 11 or argv[8] != "--":
         raise SystemExit("usage: confine.py UID GID MEMORY PROCESSES FILE_SIZE CPU FILES TMPFS -- COMMAND...")
-    confine(*(int(value) for value in argv[:7]), [p for p in argv[7].split(":") if p])
+    uid, gid, memory, processes, file_size, cpu, files = (int(value) for value in argv[:7])
+    confine(uid, gid, memory, processes, file_size, cpu, files, [p for p in argv[7].split(":") if p])
     os.execvp(argv[9], argv[9:])
 
 

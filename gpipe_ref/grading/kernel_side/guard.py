@@ -110,7 +110,7 @@ class Guard:
             code = frame.f_code
             name = self.codes.get(code) or self.copies.get(_likeness(code))
         elif event == "c_call":
-            name = self.builtins.get(getattr(arg, "__name__", None))
+            name = self.builtins.get(getattr(arg, "__name__", ""))
         else:
             return
         if name is not None:
