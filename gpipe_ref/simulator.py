@@ -145,7 +145,7 @@ def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel
     """Place a schedule with overlapped pairs: summed, each pair's F then B as any two actions; overlapped, each
     pair one block (its F given the block's time and its B none for the walk, then the block drawn as an F part
     and a B part in the ratio of their costs). The timeline keeps every pair's span (``Timeline.pairs``)."""
-    keys = [(encoded.key(f), encoded.key(b)) for f, b in encoded.schedule.overlap_pairs]
+    keys = encoded.pair_keys
     overlapped = cost.pair_pricing == "overlap"
     priced = list(per_key)
     if overlapped:
@@ -235,7 +235,8 @@ def _place_walk(encoded: EncodedSchedule, per_key: list[float], comm: float, uni
                map(_MICROBATCH, actions), map(ran.start.__getitem__, ran.order), map(ran.end.__getitem__, ran.order),
                repeat(0) if versions is None else map(versions.__getitem__, actions))
     events = list(map(_new_event, zip(*columns)))
-    timeline = Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory)
+    # valid by construction: devices and ops from a validated schedule, finite non-negative durations
+    timeline = Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory, check=False)
     return timeline, ran
 
 

@@ -46,6 +46,7 @@ class EncodedSchedule:
         for acts, row in zip(schedule.per_device, self.rows):
             for a, key in zip(acts, row):
                 self.action_of[key] = a
+        self.pair_keys: list[tuple[int, int]] = []  # each overlapped pair's (F, B) keys, once they are checked
 
     def key(self, action: Action) -> int:
         p, m = self.schedule.num_stages, self.schedule.num_microbatches
@@ -123,6 +124,7 @@ def _check_overlap_pairs(encoded: EncodedSchedule) -> None:
         for k, key in enumerate(row):
             device_of[key], place_of[key] = d, k
     paired: set[int] = set()
+    pair_keys = encoded.pair_keys
     for pair in schedule.overlap_pairs:
         if len(pair) != 2 or not all(isinstance(a, Action) for a in pair) or (pair[0].op, pair[1].op) != ("F", "B"):
             raise ScheduleError(f"overlap_pairs must hold (F action, B action) pairs, got {pair!r}")
@@ -144,6 +146,7 @@ def _check_overlap_pairs(encoded: EncodedSchedule) -> None:
             raise ScheduleError(f"overlapped pair {forward}&{backward}: the B must come right after the F on the "
                                 f"same device, got {forward} at device {d} place {place_of[f]}, {backward} at device "
                                 f"{device_of[b]} place {place_of[b]}")
+        pair_keys.append((f, b))
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -323,9 +326,9 @@ def _receive_delays(encoded: EncodedSchedule, comm: float,
     recv_bwd = [comm if s < p - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(p)]
     block_wait: dict[int, tuple[int, float]] = {}
     if pairs_as_blocks:
-        for forward, backward in schedule.overlap_pairs:
+        for (_, backward), (f, b) in zip(schedule.overlap_pairs, encoded.pair_keys):
             if backward.stage < p - 1:
-                block_wait[encoded.key(forward)] = (encoded.key(backward) + m, recv_bwd[backward.stage])
+                block_wait[f] = (b + m, recv_bwd[backward.stage])
     return recv_fwd, recv_bwd, block_wait
 
 
