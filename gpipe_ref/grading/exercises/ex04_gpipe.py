@@ -5,6 +5,7 @@ The last asks for a micro-batch size chosen under a step-time target and a memor
 
 from __future__ import annotations
 
+import math
 import random
 
 from ...microbatch import sizes
@@ -293,6 +294,8 @@ def _seeded_designs(count: int, seed: int) -> list[tuple]:
         times = sorted(set(step.values()))
         k = rng.randrange(len(times))
         target = round(times[k] if k == len(times) - 1 else (times[k] + times[k + 1]) / 2, 3)
+        if target < times[k]:  # rounded under the time it was drawn to admit: up to the next thousandth instead
+            target = math.ceil(times[k] * 1000) / 1000
         fast = [b for b, t in step.items() if t <= target]
         budget = min(batch // (b := rng.choice(fast)), stages) * b - (rng.random() < 0.3)
         rows.append((batch, stages, overhead, per_sample, budget, target, ratio))
