@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import re
 
 import pytest
@@ -319,6 +321,43 @@ def test_a_bad_overlapped_pair_is_named(pairs, message):
                       plain.per_device, overlap_pairs=pairs)
     with pytest.raises(ScheduleError, match=message):
         validate(broken)
+
+
+def test_the_quick_pair_check_agrees_with_the_one_that_names_the_broken_pair():
+    """The quick check (C loops) accepts exactly the pairs the pair-by-pair check accepts, with the same keys."""
+    from gpipe_ref.schedule.engine import _pair_keys_checked, _pair_keys_quick
+    rng = random.Random(0)
+    verdicts = set()
+    for case in range(300):
+        p, m = rng.choice([(2, 4), (2, 6), (3, 6), (4, 8)])
+        schedule = make_schedule("dualpipe_v", p, m)
+        pairs = list(schedule.overlap_pairs)
+        mutation = case % 6
+        if mutation == 1:  # a pair's halves from different pairs
+            i, j = rng.sample(range(len(pairs)), 2)
+            pairs[i] = (pairs[i][0], pairs[j][1])
+        elif mutation == 2:  # one action in two pairs
+            pairs.append(rng.choice(pairs))
+        elif mutation == 3:  # an action that is not in the schedule, or its own F's B
+            f, b = rng.choice(pairs)
+            pairs[pairs.index((f, b))] = (f, Action("B", f.stage, f.microbatch)) if rng.random() < 0.5 else \
+                (f, Action("B", b.stage, b.microbatch + m))
+        elif mutation == 4:  # B then F
+            i = rng.randrange(len(pairs))
+            pairs[i] = pairs[i][::-1]
+        elif mutation == 5:  # a pair dropped: still valid
+            pairs.pop(rng.randrange(len(pairs)))
+        changed = dataclasses.replace(schedule, overlap_pairs=tuple(pairs))
+        encoded = encode(dataclasses.replace(changed, overlap_pairs=()))
+        encoded.schedule = changed
+        quick = _pair_keys_quick(encoded)
+        try:
+            checked = _pair_keys_checked(encoded)
+        except ScheduleError:
+            checked = None
+        assert quick == checked, (case, pairs)
+        verdicts.add(quick is None)
+    assert verdicts == {True, False}
 
 
 @pytest.mark.parametrize("token", ["0F1&0F2", "0B1&0F2", "0F1&1B0&2B0"])
