@@ -14,7 +14,7 @@ from collections import abc
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, sub
 from typing import Any, Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int, probability
@@ -228,16 +228,24 @@ def _place_walk(encoded: EncodedSchedule, per_key: list[float], comm: float, uni
     ran = walk(encoded, per_key, comm, pairs_as_blocks=pairs_as_blocks)
     if adjust is not None:
         adjust(ran)
-    # One column per Event field, then the records: every loop here runs in C (map, zip), as this builds one
-    # record per action (10^5 of them at 64 devices x 1024 micro-batches).
-    actions = list(map(encoded.action_of.__getitem__, ran.order))
-    stages = list(map(_STAGE, actions))
-    columns = (map(schedule.stage_to_device.__getitem__, stages), stages, map(_OP, actions),
-               map(_MICROBATCH, actions), map(ran.start.__getitem__, ran.order), map(ran.end.__getitem__, ran.order),
-               repeat(0) if versions is None else map(versions.__getitem__, actions))
-    events = list(map(_new_event, zip(*columns)))
-    # valid by construction: devices and ops from a validated schedule, finite non-negative durations
-    timeline = Timeline(events, schedule.num_devices, unit=unit, peak_memory=peak_memory, check=False)
+    starts, ends = list(map(ran.start.__getitem__, ran.order)), list(map(ran.end.__getitem__, ran.order))
+
+    def build_events() -> list[Event]:
+        # One column per Event field, then the records: every loop here runs in C (map, zip), as this builds one
+        # record per action (10^5 of them at 64 devices x 1024 micro-batches).
+        actions = list(map(encoded.action_of.__getitem__, ran.order))
+        stages = list(map(_STAGE, actions))
+        columns = (map(schedule.stage_to_device.__getitem__, stages), stages, map(_OP, actions),
+                   map(_MICROBATCH, actions), starts, ends,
+                   repeat(0) if versions is None else map(versions.__getitem__, actions))
+        with gc_paused():
+            return list(map(_new_event, zip(*columns)))
+
+    # valid by construction (devices and ops from a validated schedule, finite non-negative durations), so built
+    # only when read; the totals are the ones Timeline would sum over those events, in the same order
+    first, busy = min(starts, default=0.0), sum(map(sub, ends, starts))
+    timeline = Timeline.deferred(build_events, len(starts), first, max(ends, default=first), busy,
+                                 schedule.num_devices, unit=unit, peak_memory=peak_memory)
     return timeline, ran
 
 

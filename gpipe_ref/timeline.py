@@ -19,7 +19,7 @@ import math
 import operator
 import os
 from operator import attrgetter
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from .checks import integer, one_of, positive_int
 from .chrome_trace import US_PER_UNIT, read_chrome_trace, write_chrome_trace
@@ -79,7 +79,9 @@ class Timeline:
                  check: bool = True) -> None:
         positive_int("num_devices", num_devices)
         one_of("unit", unit, tuple(US_PER_UNIT))
-        self.events = list(events)
+        self._events: list[Event] | None = list(events)
+        self._build_events: Callable[[], list[Event]] | None = None  # set by deferred(): builds the events once read
+        self._deferred_totals: tuple[int, float, float, float] | None = None  # count, origin, makespan, busy
         self.comm = list(comm)
         self.num_devices = num_devices
         self.unit = unit
@@ -105,6 +107,43 @@ class Timeline:
                     raise TypeError(f"comm must hold Transfer records, got {type(t).__name__}")
                 self._check_span(t, "transfer")
         self._cache: _Index | None = None
+
+    @classmethod
+    def deferred(cls, build_events: Callable[[], list[Event]], count: int, origin: float, last: float, busy: float,
+                 num_devices: int, *, unit: str = "s", peak_memory: Mapping[int, int] | None = None) -> "Timeline":
+        """A timeline whose ``count`` events ``build_events()`` makes on their first read; until then its length,
+        origin, makespan and bubble fraction come from the totals given (the first start, the last end, the compute
+        time summed over events). For the simulator, whose events are valid by construction and which a sweep often
+        asks only for the makespan: 4 x 10^5 records are built only when something reads them."""
+        timeline = cls((), num_devices, unit=unit, peak_memory=peak_memory)
+        timeline._events, timeline._build_events = None, build_events
+        timeline._deferred_totals = (count, origin, last - origin, busy)
+        return timeline
+
+    @property
+    def events(self) -> list[Event]:
+        """The compute events, in the order they were given (a deferred timeline builds them now)."""
+        if self._events is None:
+            assert self._build_events is not None  # a deferred timeline holds its builder until it has run
+            self._events, self._build_events = self._build_events(), None
+        return self._events
+
+    @events.setter
+    def events(self, events: list[Event]) -> None:
+        self._events, self._build_events = events, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its events built (a builder may be a closure pickle cannot carry)."""
+        state = dict(self.__dict__, _events=self.events, _build_events=None)
+        return state
+
+    def _totals(self) -> tuple[int, float, float, float]:
+        """(events, origin, makespan, compute time): a deferred timeline's own, until its events are built."""
+        if self._events is None and not self.comm:
+            assert self._deferred_totals is not None
+            return self._deferred_totals
+        index = self._index()
+        return len(self.events), index.origin, index.makespan, index.busy
 
     def _all_plain(self, items: list[Any], record: type) -> bool:
         """The quick test every valid record passes, in C loops (zip, set, sum, map): the
@@ -158,11 +197,11 @@ class Timeline:
 
     def __repr__(self) -> str:
         comm = f", {len(self.comm)} transfers" if self.comm else ""
-        return (f"Timeline({len(self.events)} events{comm}, {self.num_devices} devices, "
+        return (f"Timeline({len(self)} events{comm}, {self.num_devices} devices, "
                 f"makespan={self.makespan:.4g} {self.unit}, bubble={self.bubble_fraction:.1%})")
 
     def __len__(self) -> int:
-        return len(self.events)
+        return self._totals()[0] if self._events is None else len(self._events)
 
     @property
     def num_microbatches(self) -> int:
@@ -183,13 +222,13 @@ class Timeline:
     @property
     def origin(self) -> float:
         """The first start, of compute or communication."""
-        return self._index().origin
+        return self._totals()[1]
 
     @property
     def makespan(self) -> float:
         """Time from the first start to the last end, communication included (a step
         ends when its last all-reduce does)."""
-        return self._index().makespan
+        return self._totals()[2]
 
     def on_device(self, device: int) -> list[Event]:
         """The device's compute events in start order."""
@@ -208,10 +247,10 @@ class Timeline:
     def bubble_fraction(self) -> float:
         """Device-time not computing / (num_devices x makespan): time a device only
         communicates, or waits for communication, counts as bubble."""
-        index = self._index()
-        if not index.makespan:
+        _, _, makespan, busy = self._totals()
+        if not makespan:
             return 0.0
-        return 1.0 - index.busy / (self.num_devices * index.makespan)
+        return 1.0 - busy / (self.num_devices * makespan)
 
     # -- communication -------------------------------------------------------------
     def on_comm(self, device: int) -> list[Transfer]:

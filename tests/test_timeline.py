@@ -100,6 +100,28 @@ def test_per_device_answers_follow_a_replaced_event_list():
     assert t.busy(0) == 1.0 and t.busy(1) == 0.0 and t.makespan == 1.0 and t.on_device(0) == t.events
 
 
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 3, 5, None), ("zero_bubble_h1", 4, 6, None),
+                                           ("interleaved_1f1b", 2, 4, 2), ("dualpipe_v", 3, 6, None)])
+def test_a_deferred_timeline_answers_as_the_one_built_from_its_events(name, p, m, v):
+    from gpipe_ref.schedule import make_schedule
+    from gpipe_ref.simulator import CostModel
+    deferred = simulate(make_schedule(name, p, m, v), CostModel(1.3, 0.7, 0.9, comm=0.1))
+    before = (len(deferred), deferred.origin, deferred.makespan, deferred.bubble_fraction)
+    assert deferred._events is None  # nothing above built the events
+    built = Timeline(deferred.events, deferred.num_devices, unit=deferred.unit)
+    assert before == (len(built), built.origin, built.makespan, built.bubble_fraction)
+    assert before == (len(deferred), deferred.origin, deferred.makespan, deferred.bubble_fraction)
+
+
+def test_a_deferred_timeline_pickles_with_its_events_and_follows_a_replaced_list():
+    import pickle
+    deferred = simulate(gpipe(2, 3))
+    copy = pickle.loads(pickle.dumps(deferred))
+    assert copy.events == deferred.events and copy.makespan == deferred.makespan
+    deferred.events = deferred.events[:1]
+    assert len(deferred) == 1 and deferred.makespan == 1.0
+
+
 def test_to_text_refuses_what_is_too_large_to_read():
     from gpipe_ref.timeline import TEXT_MAX_ACTIONS, TEXT_MAX_DEVICES
 
