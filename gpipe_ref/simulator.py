@@ -14,7 +14,7 @@ from collections import abc
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
-from operator import attrgetter, sub
+from operator import attrgetter, floordiv, sub
 from typing import Any, Callable, Mapping
 
 from .checks import integer, non_negative, one_of, positive, positive_int, probability
@@ -145,16 +145,16 @@ def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel
     """Place a schedule with overlapped pairs: summed, each pair's F then B as any two actions; overlapped, each
     pair one block (its F given the block's time and its B none for the walk, then the block drawn as an F part
     and a B part in the ratio of their costs). The timeline keeps every pair's span (``Timeline.pairs``)."""
-    keys = encoded.pair_keys
+    forwards, backwards = encoded.pair_keys
     overlapped = cost.pair_pricing == "overlap"
-    priced = list(per_key)
+    priced = list(per_key) if overlapped else per_key
     if overlapped:
-        for f, b in keys:
+        for f, b in zip(forwards, backwards):
             priced[f], priced[b] = cost.pair_factor * (per_key[f] + per_key[b]), 0.0
 
     def split_blocks(ran: Walk) -> None:  # in the walk's own lists, before the events are built from them
         start, end = ran.start, ran.end
-        for f, b in keys:
+        for f, b in zip(forwards, backwards):
             whole = per_key[f] + per_key[b]
             block_end = end[f]
             end[f] = start[b] = start[f] + (block_end - start[f]) * (per_key[f] / whole if whole else 0.5)
@@ -162,9 +162,9 @@ def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel
 
     timeline, ran = _place_walk(encoded, priced, cost.comm, cost.unit, versions=versions,
                                 pairs_as_blocks=overlapped, adjust=split_blocks if overlapped else None)
-    forwards, backwards = zip(*keys)  # in C loops: 10^5 pairs at 64 devices
-    owner, action_of = encoded.schedule.stage_to_device, encoded.action_of
-    devices = map(owner.__getitem__, map(_STAGE, map(action_of.__getitem__, forwards)))
+    m = encoded.schedule.num_microbatches  # an F's key // m is its stage
+    devices = map(encoded.schedule.stage_to_device.__getitem__, map(floordiv, forwards, repeat(m)))
+    # in C loops: 10^5 pairs at 64 devices
     timeline.pairs = list(zip(devices, map(ran.start.__getitem__, forwards), map(ran.end.__getitem__, backwards)))
     timeline.pairs_overlapped = overlapped
     return timeline

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import chain, islice
 from operator import attrgetter, eq, sub
 from typing import Sequence, cast
@@ -32,6 +33,7 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
 
 
 _OP_CODE = {"F": 0, "B": 1, "W": 2}
+_OP, _STAGE, _MICROBATCH = attrgetter("op"), attrgetter("stage"), attrgetter("microbatch")
 
 
 class EncodedSchedule:
@@ -43,12 +45,19 @@ class EncodedSchedule:
         p, m = schedule.num_stages, schedule.num_microbatches
         self.rows = [[(_OP_CODE[a.op] * p + a.stage) * m + a.microbatch for a in acts]
                      for acts in schedule.per_device]
-        # A key no row holds (W where the schedule has none) stays None; a key from a row always has its Action.
-        self.action_of: list[Action] = cast("list[Action]", [None] * (3 * p * m))
-        for acts, row in zip(schedule.per_device, self.rows):
+        # the overlapped pairs' F keys and B keys, in the schedule's pair order (set by encode, which checks them)
+        self.pair_keys: tuple[list[int], list[int]] = ([], [])
+
+    @cached_property
+    def action_of(self) -> list[Action]:
+        """Each key's Action, built on first use (the simulator's walk needs only the keys). A key no row holds
+        (W where the schedule has none) stays None; a key from a row always has its Action."""
+        action_of: list[Action] = cast("list[Action]", [None] * (3 * self.schedule.num_stages
+                                                                * self.schedule.num_microbatches))
+        for acts, row in zip(self.schedule.per_device, self.rows):
             for a, key in zip(acts, row):
-                self.action_of[key] = a
-        self.pair_keys: list[tuple[int, int]] = []  # each overlapped pair's (F, B) keys (set by encode's check)
+                action_of[key] = a
+        return action_of
 
     def key(self, action: Action) -> int:
         p, m = self.schedule.num_stages, self.schedule.num_microbatches
@@ -79,16 +88,19 @@ def encode(schedule: Schedule) -> EncodedSchedule:
             f"per_device must have one list per device ({n}), got {len(schedule.per_device)}"
         )
     owner = schedule.stage_to_device
-    for d, acts in enumerate(schedule.per_device):
-        if not all(isinstance(a, Action) for a in acts):
+    for d, acts in enumerate(schedule.per_device):  # C loops (map, set): a big schedule holds 10^5 actions
+        if not acts:
+            continue
+        if not set(map(type, acts)) <= {Action} and not all(isinstance(a, Action) for a in acts):
             bad = next(a for a in acts if not isinstance(a, Action))
             raise ScheduleError(f"device {d} lists {bad!r}, which is not an Action")
-        if acts and (max(a.stage for a in acts) >= p or max(a.microbatch for a in acts) >= m):
+        stages = list(map(_STAGE, acts))
+        if max(stages) >= p or max(map(_MICROBATCH, acts)) >= m:
             bad = next(a for a in acts if a.stage >= p or a.microbatch >= m)
             raise ScheduleError(
                 f"device {d} runs {bad}, but stages are 0..{p - 1} and micro-batches 0..{m - 1}"
             )
-        if not all(owner[a.stage] == d for a in acts):
+        if set(map(owner.__getitem__, stages)) != {d}:
             bad = next(a for a in acts if owner[a.stage] != d)
             raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
     encoded = EncodedSchedule(schedule)
@@ -116,7 +128,7 @@ def encode(schedule: Schedule) -> EncodedSchedule:
     raise AssertionError("unreachable: counts differ but no action is missing or doubled")
 
 
-def _overlap_pair_keys(encoded: EncodedSchedule) -> list[tuple[int, int]]:
+def _overlap_pair_keys(encoded: EncodedSchedule) -> tuple[list[int], list[int]]:
     """Each overlapped pair's (F, B) keys, after checking that each pair is an F and a B of one device, the B right
     after the F, and no action is in two pairs. The quick check runs in C loops (a DualPipeV step at 64 devices
     holds 10^5 pairs); when it fails, the slow one names the first broken pair."""
@@ -124,10 +136,7 @@ def _overlap_pair_keys(encoded: EncodedSchedule) -> list[tuple[int, int]]:
     return keys if keys is not None else _pair_keys_checked(encoded)
 
 
-_OP, _STAGE, _MICROBATCH = attrgetter("op"), attrgetter("stage"), attrgetter("microbatch")
-
-
-def _pair_keys_quick(encoded: EncodedSchedule) -> list[tuple[int, int]] | None:
+def _pair_keys_quick(encoded: EncodedSchedule) -> tuple[list[int], list[int]] | None:
     """The pairs' keys if every pair passes every rule, else None (then :func:`_pair_keys_checked` says why)."""
     schedule = encoded.schedule
     p, m, pairs = schedule.num_stages, schedule.num_microbatches, schedule.overlap_pairs
@@ -154,10 +163,10 @@ def _pair_keys_quick(encoded: EncodedSchedule) -> list[tuple[int, int]] | None:
         return None  # a B not right after its F on one device (or either in no list)
     if p * m in set(map(sub, b_keys, f_keys)):
         return None  # a pair of one stage and micro-batch: the B needs the F's result
-    return list(zip(f_keys, b_keys))
+    return f_keys, b_keys
 
 
-def _pair_keys_checked(encoded: EncodedSchedule) -> list[tuple[int, int]]:
+def _pair_keys_checked(encoded: EncodedSchedule) -> tuple[list[int], list[int]]:
     """The pairs' keys, checked one pair at a time: raises :class:`ScheduleError` naming the first broken pair."""
     schedule = encoded.schedule
     p, m = schedule.num_stages, schedule.num_microbatches
@@ -166,7 +175,7 @@ def _pair_keys_checked(encoded: EncodedSchedule) -> list[tuple[int, int]]:
         for k, key in enumerate(row):
             device_of[key], place_of[key] = d, k
     paired: set[int] = set()
-    pair_keys = []
+    f_keys, b_keys = [], []
     for pair in schedule.overlap_pairs:
         if len(pair) != 2 or not all(isinstance(a, Action) for a in pair) or (pair[0].op, pair[1].op) != ("F", "B"):
             raise ScheduleError(f"overlap_pairs must hold (F action, B action) pairs, got {pair!r}")
@@ -188,8 +197,9 @@ def _pair_keys_checked(encoded: EncodedSchedule) -> list[tuple[int, int]]:
             raise ScheduleError(f"overlapped pair {forward}&{backward}: the B must come right after the F on the "
                                 f"same device, got {forward} at device {d} place {place_of[f]}, {backward} at device "
                                 f"{device_of[b]} place {place_of[b]}")
-        pair_keys.append((f, b))
-    return pair_keys
+        f_keys.append(f)
+        b_keys.append(b)
+    return f_keys, b_keys
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -371,7 +381,7 @@ def _receive_delays(encoded: EncodedSchedule, comm: float,
     recv_bwd = [comm if s < p - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(p)]
     block_wait: dict[int, tuple[int, float]] = {}
     if pairs_as_blocks:
-        for (_, backward), (f, b) in zip(schedule.overlap_pairs, encoded.pair_keys):
+        for (_, backward), f, b in zip(schedule.overlap_pairs, *encoded.pair_keys):
             if backward.stage < p - 1:
                 block_wait[f] = (b + m, recv_bwd[backward.stage])
     return recv_fwd, recv_bwd, block_wait
