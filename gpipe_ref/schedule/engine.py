@@ -87,22 +87,7 @@ def encode(schedule: Schedule) -> EncodedSchedule:
         raise ScheduleError(
             f"per_device must have one list per device ({n}), got {len(schedule.per_device)}"
         )
-    owner = schedule.stage_to_device
-    for d, acts in enumerate(schedule.per_device):  # C loops (map, set): a big schedule holds 10^5 actions
-        if not acts:
-            continue
-        if not set(map(type, acts)) <= {Action} and not all(isinstance(a, Action) for a in acts):
-            bad = next(a for a in acts if not isinstance(a, Action))
-            raise ScheduleError(f"device {d} lists {bad!r}, which is not an Action")
-        stages = list(map(_STAGE, acts))
-        if max(stages) >= p or max(map(_MICROBATCH, acts)) >= m:
-            bad = next(a for a in acts if a.stage >= p or a.microbatch >= m)
-            raise ScheduleError(
-                f"device {d} runs {bad}, but stages are 0..{p - 1} and micro-batches 0..{m - 1}"
-            )
-        if set(map(owner.__getitem__, stages)) != {d}:
-            bad = next(a for a in acts if owner[a.stage] != d)
-            raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
+    _check_actions(schedule)
     encoded = EncodedSchedule(schedule)
     if schedule.overlap_pairs:
         encoded.pair_keys = _overlap_pair_keys(encoded)
@@ -126,6 +111,27 @@ def encode(schedule: Schedule) -> EncodedSchedule:
                         f"{'/'.join(ops)} for every micro-batch)"
                     )
     raise AssertionError("unreachable: counts differ but no action is missing or doubled")
+
+
+def _check_actions(schedule: Schedule) -> None:
+    """Every listed item an Action of a stage and micro-batch the schedule has, on the device that owns its stage."""
+    p, m = schedule.num_stages, schedule.num_microbatches
+    owner = schedule.stage_to_device
+    for d, acts in enumerate(schedule.per_device):  # C loops (map, set): a big schedule holds 10^5 actions
+        if not acts:
+            continue
+        if not set(map(type, acts)) <= {Action} and not all(isinstance(a, Action) for a in acts):
+            bad = next(a for a in acts if not isinstance(a, Action))
+            raise ScheduleError(f"device {d} lists {bad!r}, which is not an Action")
+        stages = list(map(_STAGE, acts))
+        if max(stages) >= p or max(map(_MICROBATCH, acts)) >= m:
+            bad = next(a for a in acts if a.stage >= p or a.microbatch >= m)
+            raise ScheduleError(
+                f"device {d} runs {bad}, but stages are 0..{p - 1} and micro-batches 0..{m - 1}"
+            )
+        if set(map(owner.__getitem__, stages)) != {d}:
+            bad = next(a for a in acts if owner[a.stage] != d)
+            raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
 
 
 def _overlap_pair_keys(encoded: EncodedSchedule) -> tuple[list[int], list[int]]:
