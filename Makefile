@@ -47,13 +47,17 @@ sandbox:
 	  else echo "no bwrap: grading refuses unless run with --no-sandbox (apt-get install bubblewrap)"; fi; \
 	fi
 
-# Jupyter, IPython and matplotlib write under $HOME: tests get a throw-away one.
+# Jupyter, IPython and matplotlib write under $HOME: tests get a throw-away one. The tests run in TEST_JOBS
+# processes (pytest-xdist; default one per core, 0 for one process), each test file whole in one of them so that
+# the fixtures a file shares (a graded class, a JupyterLab server) are built once.
+TEST_JOBS ?= auto
 test: $(STAMP) browser sandbox
 	@tmp=$$(mktemp -d); \
 	GPIPE_TEST_HOME=$$tmp HOME=$$tmp MPLCONFIGDIR=$$tmp/matplotlib IPYTHONDIR=$$tmp/ipython \
 	JUPYTER_CONFIG_DIR=$$tmp/jupyter/config JUPYTER_DATA_DIR=$$tmp/jupyter/data \
 	JUPYTER_RUNTIME_DIR=$$tmp/jupyter/runtime \
-	$(PY) -m pytest tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS); \
+	$(PY) -m pytest tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	  -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$tmp; exit $$rc
 
 # Learners answer in work/, their copy of exercises/: `exercises start` copies only the notebooks work/
