@@ -70,13 +70,11 @@ class Timeline:
     ``unit`` is ``"s"`` for measured seconds or ``"cost"`` for simulated cost
     units. ``comm`` lists the transfers, each drawn on its device's comm
     track. ``peak_memory`` (device -> bytes of saved activations at the peak)
-    comes with measured runs. ``check=False`` skips the checks of each record, for a caller whose records are
-    valid by construction (the simulator's, placed from a validated schedule).
+    comes with measured runs. The simulator's timelines come from :meth:`deferred`.
     """
 
     def __init__(self, events: Iterable[Event], num_devices: int, *, unit: str = "s",
-                 peak_memory: Mapping[int, int] | None = None, comm: Iterable[Transfer] = (),
-                 check: bool = True) -> None:
+                 peak_memory: Mapping[int, int] | None = None, comm: Iterable[Transfer] = ()) -> None:
         positive_int("num_devices", num_devices)
         one_of("unit", unit, tuple(US_PER_UNIT))
         self._events: list[Event] | None = list(events)
@@ -93,7 +91,7 @@ class Timeline:
         for d, size in self.peak_memory.items():
             self._device(d, "peak_memory's device")
             integer(f"peak_memory[{d}]", size, 0)
-        if check and not self._all_plain(self.events, Event):
+        if not self._all_plain(self.events, Event):
             for e in self.events:
                 if not isinstance(e, Event):
                     raise TypeError(f"events must hold Event records, got {type(e).__name__}")
@@ -101,7 +99,7 @@ class Timeline:
                     raise ValueError(f"event {e} has op {e.op!r}, but ops are {OPS} "
                                      f"(communication goes in comm, as a Transfer)")
                 self._check_span(e, "event")
-        if check and not self._all_plain(self.comm, Transfer):
+        if not self._all_plain(self.comm, Transfer):
             for t in self.comm:
                 if not isinstance(t, Transfer):
                     raise TypeError(f"comm must hold Transfer records, got {type(t).__name__}")
@@ -134,8 +132,7 @@ class Timeline:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled with its events built (a builder may be a closure pickle cannot carry)."""
-        state = dict(self.__dict__, _events=self.events, _build_events=None)
-        return state
+        return dict(self.__dict__, _events=self.events, _build_events=None)
 
     def _totals(self) -> tuple[int, float, float, float]:
         """(events, origin, makespan, compute time): a deferred timeline's own, until its events are built."""
