@@ -1,6 +1,7 @@
-"""JupyterLab in a real browser: open 04_gpipe, run all cells, move the micro-batch
+"""JupyterLab in a real browser: run the cells of 04_gpipe that its bubble explorer needs, move the micro-batch
 slider, and check the bubble readout follows the formula (and the same for 01 and 07). The other
-notebooks' widgets have a file each, tests/test_browser_<widget>.py, built on the helpers here.
+notebooks' widgets have a file each, tests/test_browser_<widget>.py, built on the helpers here. Each test runs
+its lesson's slice (tests/notebook_slice.py): nbval runs every cell of every lesson already.
 
 Every check waits for the state it asserts, never for a fixed time nor for a neighbouring
 sign: a widget's readout, its picture and its highlights are separate widgets that the
@@ -19,6 +20,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from notebook_slice import widget_slice
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -113,6 +117,32 @@ def open_and_run_all(page, sync_api, url: str, notebook: str, readout_class: str
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=NOTEBOOK_MS)
 
 
+def put_notebook(url: str, name: str, notebook: dict) -> None:
+    """Write ``notebook`` into the Lab server's folder as ``name``, through its contents API."""
+    body = json.dumps({"type": "notebook", "format": "json", "content": notebook}).encode()
+    request = urllib.request.Request(f"{url}/api/contents/{name}", data=body, method="PUT",
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=30).close()
+
+
+def run_widget_cells(page, sync_api, url: str, lesson: str, calls: tuple[str, ...], readout_class: str,
+                     marker: str) -> None:
+    """Open, in Lab, the slice of ``lesson`` that makes ``calls`` (its widgets), Run All, and wait for the readout."""
+    name = f"{Path(lesson).stem}.{calls[0].rstrip('(')}.ipynb"
+    put_notebook(url, name, widget_slice(ROOT / "notebooks" / lesson, calls))
+    open_and_run_all(page, sync_api, url, name, readout_class, marker)
+
+
+def press_slider(page, label: str, key: str, times: int = 1):
+    """Focus the slider whose label holds ``label`` and press ``key`` ``times`` times; returns its handle."""
+    handle = page.locator(".widget-hslider", has_text=label).locator(".noUi-handle")
+    handle.scroll_into_view_if_needed()
+    handle.focus()
+    for _ in range(times):
+        handle.press(key)
+    return handle
+
+
 @contextlib.contextmanager
 def lab_page(artifacts_dir: Path, name: str):
     """A headless Chromium page on JupyterLab; on failure a screenshot ``browser_<name>_failure.png`` is kept."""
@@ -131,7 +161,8 @@ def lab_page(artifacts_dir: Path, name: str):
 
 def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     with lab_page(artifacts_dir, "04_gpipe") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-bubble-readout", "simulated bubble")
+        run_widget_cells(page, sync_api, jupyter_lab, "04_gpipe.ipynb", ("bubble_explorer(",),
+                         "gpipe-bubble-readout", "simulated bubble")
 
         def initial_readout():
             p, m, simulated, formula = _readout(page)
@@ -141,11 +172,7 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
 
         eventually(initial_readout)
 
-        slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        for _ in range(4):
-            slider.press("ArrowRight")
+        press_slider(page, "micro-batches m", "ArrowRight", 4)
 
         def readout_after_four_steps():
             p, m, simulated, formula = _readout(page)
@@ -164,13 +191,10 @@ def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """01's ring all-reduce opens at step 2 (mid-way, as the site saves it); one step on, the reduce-scatter is done and
     every rank holds one complete chunk; three more, and every rank holds the sum."""
     with lab_page(artifacts_dir, "01_ring") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", "gpipe-ring-readout",
-                          "bytes sent per rank so far: 2/4")
+        run_widget_cells(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", ("ring_explorer(",),
+                         "gpipe-ring-readout", "bytes sent per rank so far: 2/4")
         readout, table = page.locator(".gpipe-ring-readout"), page.locator(".gpipe-ring-table")
-        slider = page.locator(".widget-hslider", has_text="ring step k").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        slider.press("ArrowRight")
+        slider = press_slider(page, "ring step k", "ArrowRight")
 
         def reduce_scatter_done():  # the readout and the table are two widgets: wait for both
             said = readout.inner_text()
@@ -196,8 +220,8 @@ def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
 def test_schedule_playground_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Type a deadlocking schedule into 07's playground: the verdict names the cycle and marks its actions."""
     with lab_page(artifacts_dir, "07_playground") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-playground-verdict",
-                          "valid: bubble 33.33%")
+        run_widget_cells(page, sync_api, jupyter_lab, "07_beyond.ipynb", ("schedule_playground(",),
+                         "gpipe-playground-verdict", "valid: bubble 33.33%")
         text = page.locator(".gpipe-playground-text textarea")
         text.scroll_into_view_if_needed()
         text.fill("0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1")

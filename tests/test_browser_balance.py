@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, press_slider, pytestmark, run_widget_cells  # noqa: F401
 
 
 def _stages_and_idle(text: str) -> tuple[int, list[int], float]:
@@ -18,8 +18,8 @@ def _stages_and_idle(text: str) -> tuple[int, list[int], float]:
 def test_balance_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Two steps right on the stages slider: four stages, a four-part cut of the 10 layers, idle share 3/4."""
     with lab_page(artifacts_dir, "03_balance") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "03_model_parallel.ipynb", "gpipe-balance-readout",
-                          "p=2, balance")
+        run_widget_cells(page, sync_api, jupyter_lab, "03_model_parallel.ipynb", ("balance_explorer(",),
+                         "gpipe-balance-readout", "p=2, balance")
         readout, table = page.locator(".gpipe-balance-readout"), page.locator(".gpipe-balance-table")
 
         def two_stages():
@@ -29,11 +29,7 @@ def test_balance_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert table.locator("tr").count() == 3  # the header and one row per stage
 
         eventually(two_stages)
-        slider = page.locator(".widget-hslider", has_text="stages p").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        for _ in range(2):
-            slider.press("ArrowRight")
+        press_slider(page, "stages p", "ArrowRight", 2)
 
         def four_stages():  # the readout, the table and the picture are separate widgets: wait for each
             p, balance, idle = _stages_and_idle(readout.inner_text())

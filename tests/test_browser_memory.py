@@ -4,7 +4,7 @@ test_browser.py for the shared pieces)."""
 
 from __future__ import annotations
 
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, press_slider, pytestmark, run_widget_cells  # noqa: F401
 
 from gpipe_ref.memory import MemorySetup, memory_anatomy
 from gpipe_ref.widgets.memory import format_bytes, schedule_labels
@@ -20,14 +20,10 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     """pp 1 -> 4 (three steps of the slider: 1, 2, 3, 4), then 1F1B: the fullest stage moves from the last to
     the first."""
     with lab_page(artifacts_dir, "05_memory") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "05_rematerialization.ipynb", "gpipe-memory-readout",
-                          "1 x 1 x 1 = 1 devices")
+        run_widget_cells(page, sync_api, jupyter_lab, "05_rematerialization.ipynb", ("memory_explorer(",),
+                         "gpipe-memory-readout", "1 x 1 x 1 = 1 devices")
         readout = page.locator(".gpipe-memory-readout")
-        slider = page.locator(".widget-hslider", has_text="pipeline stages pp").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        for _ in range(3):
-            slider.press("ArrowRight")
+        press_slider(page, "pipeline stages pp", "ArrowRight", 3)
         base = dict(hidden=2048, layers=24, batch=16384, microbatches=8)
 
         def four_stages_gpipe():
@@ -55,7 +51,8 @@ def test_memory_explorer_zero_stage_in_jupyterlab(jupyter_lab, artifacts_dir):
     """Notebook 08 (ZeRO runs on gloo ranks first): pick ZeRO stage 3 and the readout names it and shows the
     library's total for 8 data-parallel ranks sharding weights, gradients and optimizer state."""
     with lab_page(artifacts_dir, "08_zero") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "08_zero.ipynb", "gpipe-memory-readout", "8 x 1 x 1 = 8 devices")
+        run_widget_cells(page, sync_api, jupyter_lab, "08_zero.ipynb", ("memory_explorer(",),
+                         "gpipe-memory-readout", "8 x 1 x 1 = 8 devices")
         readout = page.locator(".gpipe-memory-readout")
         base = dict(hidden=2048, layers=24, batch=16384, microbatches=8, dp=8, precision="mixed")
         _, unsharded = _fullest(MemorySetup(**base))

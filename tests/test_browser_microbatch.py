@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, press_slider, pytestmark, run_widget_cells  # noqa: F401
 
 
 def _chooser_readout(page) -> tuple[int, int, int, int, float]:
@@ -22,8 +22,8 @@ def _chooser_readout(page) -> tuple[int, int, int, int, float]:
 
 def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
     with lab_page(artifacts_dir, "04_microbatch") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "04_gpipe.ipynb", "gpipe-microbatch-readout",
-                          "micro-batches")
+        run_widget_cells(page, sync_api, jupyter_lab, "04_gpipe.ipynb", ("microbatch_chooser(",),
+                         "gpipe-microbatch-readout", "micro-batches")
 
         def initial():
             B, d, b, m, bubble = _chooser_readout(page)
@@ -31,10 +31,7 @@ def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert bubble == pytest.approx(3 / 19, abs=5e-5)
 
         eventually(initial)
-        slider = page.locator(".widget-hslider", has_text="micro-batch size b").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        slider.press("ArrowRight")
+        press_slider(page, "micro-batch size b", "ArrowRight")
 
         def doubled_b():  # b = 64: half as many micro-batches, a larger bubble; the plot marks the new b
             B, d, b, m, bubble = _chooser_readout(page)

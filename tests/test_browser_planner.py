@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, pytestmark, run_widget_cells  # noqa: F401
 
 from gpipe_ref.planner import ClusterConfig, ModelConfig, candidates
 
@@ -20,8 +20,8 @@ def fit_line(memory_gb: int) -> str:
 
 def test_planner_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     with lab_page(artifacts_dir, "07_planner") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "07_beyond.ipynb", "gpipe-planner-ranking",
-                          "configurations fit")
+        run_widget_cells(page, sync_api, jupyter_lab, "07_beyond.ipynb", ("planner_explorer(",),
+                         "gpipe-planner-ranking", "configurations fit")
         ranking = page.locator(".gpipe-planner-ranking")
         titles = page.locator("svg text[font-size='14']", has_text="table: m = ")
 

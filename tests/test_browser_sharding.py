@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, press_slider, pytestmark, run_widget_cells  # noqa: F401
 
 from gpipe_ref.sharding import sharding_plan
 
@@ -21,8 +21,8 @@ def _sent_mb(text: str) -> float:
 
 def test_sharding_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     with lab_page(artifacts_dir, "02_sharding") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "02_tensor_parallel.ipynb", "gpipe-sharding-readout",
-                          "over n = 2 ranks")
+        run_widget_cells(page, sync_api, jupyter_lab, "02_tensor_parallel.ipynb", ("sharding_explorer(",),
+                         "gpipe-sharding-readout", "over n = 2 ranks")
         readout, table = page.locator(".gpipe-sharding-readout"), page.locator(".gpipe-sharding-table")
 
         def megatron_mlp_on(n):
@@ -35,11 +35,7 @@ def test_sharding_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             return check
 
         eventually(megatron_mlp_on(2))
-        slider = page.locator(".widget-hslider", has_text="tp degree n").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        for _ in range(2):
-            slider.press("ArrowRight")
+        press_slider(page, "tp degree n", "ArrowRight", 2)
         eventually(megatron_mlp_on(4))
         all_reduce_total = _sent_mb(readout.inner_text())
 

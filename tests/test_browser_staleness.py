@@ -3,7 +3,7 @@ rate and the schedule choice (PipeDream-2BW) each change the readout to the libr
 
 from __future__ import annotations
 
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, press_slider, pytestmark, run_widget_cells  # noqa: F401
 
 from gpipe_ref.schedule import POLICIES, pipedream_async
 from gpipe_ref.simulator import simulate
@@ -18,8 +18,8 @@ def _bubbles(p: int, m: int) -> tuple[str, str]:
 
 def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
     with lab_page(artifacts_dir, "06_staleness_vsync") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "06_pipedream.ipynb", "gpipe-staleness-readout",
-                          "weight stashing on")
+        run_widget_cells(page, sync_api, jupyter_lab, "06_pipedream.ipynb", ("staleness_explorer(",),
+                         "gpipe-staleness-readout", "weight stashing on")
         readout = page.locator(".gpipe-staleness-readout")
 
         def stashing():
@@ -53,11 +53,7 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "versions held per stage [4, 4, 4, 4]" in said
 
         eventually(vertical_sync)
-        slider = page.locator(".widget-hslider", has_text="micro-batches m").locator(".noUi-handle")
-        slider.scroll_into_view_if_needed()
-        slider.focus()
-        for _ in range(4):
-            slider.press("ArrowRight")
+        press_slider(page, "micro-batches m", "ArrowRight", 4)
 
         def twelve_microbatches():
             said = readout.inner_text()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import WAIT_MS, eventually, jupyter_lab, lab_page, pytestmark, run_widget_cells  # noqa: F401
 
 from gpipe_ref.schedule import make_schedule
 
@@ -14,7 +14,8 @@ from gpipe_ref.schedule import make_schedule
 def test_v_schedules_in_the_explorer_and_the_playground(jupyter_lab, artifacts_dir):
     pairs = len(make_schedule("dualpipe_v", 4, 8).overlap_pairs)
     with lab_page(artifacts_dir, "09_v_schedules") as (sync_api, page):
-        open_and_run_all(page, sync_api, jupyter_lab, "09_v_schedules.ipynb", "gpipe-bubble-readout", "p=4, m=8, v=2")
+        run_widget_cells(page, sync_api, jupyter_lab, "09_v_schedules.ipynb",
+                         ("bubble_explorer(", "schedule_playground("), "gpipe-bubble-readout", "p=4, m=8, v=2")
         readout = page.locator(".gpipe-bubble-readout")
         placement = page.locator("svg.gpipe-placement").first
 

@@ -4,10 +4,7 @@ per cell, the explorer and the playground also with a V schedule (placement pict
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
-from test_browser import eventually, jupyter_lab, lab_page, open_and_run_all, pytestmark  # noqa: F401
+from test_browser import eventually, jupyter_lab, lab_page, open_and_run_all, put_notebook, pytestmark  # noqa: F401
 
 NOTEBOOK = "widths_1280.ipynb"
 DASHBOARDS = [  # the calls the course's notebooks make
@@ -37,22 +34,16 @@ OVERFLOW = """(area) => {
 }"""
 
 
-def _put_notebook(url: str) -> None:
-    """The test notebook, written into the Lab server's folder through its contents API."""
-    cells = [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
-              "source": "from gpipe_ref.widgets import *"}]
-    cells += [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": call}
-              for call in DASHBOARDS]
-    notebook = {"nbformat": 4, "nbformat_minor": 5, "cells": cells,
-                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}}
-    body = json.dumps({"type": "notebook", "format": "json", "content": notebook}).encode()
-    request = urllib.request.Request(f"{url}/api/contents/{NOTEBOOK}", data=body, method="PUT",
-                                     headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(request, timeout=30).close()
+def _notebook() -> dict:
+    """The test notebook: the widgets' import, then one dashboard a cell."""
+    cells = [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": source}
+             for source in ["from gpipe_ref.widgets import *", *DASHBOARDS]]
+    return {"nbformat": 4, "nbformat_minor": 5, "cells": cells,
+            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}}
 
 
 def test_every_widget_picture_fits_at_1280_px_with_the_file_browser_open(jupyter_lab, artifacts_dir):
-    _put_notebook(jupyter_lab)
+    put_notebook(jupyter_lab, NOTEBOOK, _notebook())
     with lab_page(artifacts_dir, "widths_1280") as (sync_api, page):
         page.set_viewport_size({"width": 1280, "height": 900})
         open_and_run_all(page, sync_api, jupyter_lab, NOTEBOOK, "gpipe-bubble-readout", "simulated bubble")
