@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -13,6 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from gpipe_ref.__main__ import main
 from gpipe_ref.grading import NOTEBOOKS
 from gpipe_ref.grading.notebooks import AnswersWouldBeLost, build, exercise_of, start
 
@@ -34,8 +37,15 @@ def answer(path: Path, exercise_id: str = "04.2", source: str = ANSWER) -> str:
 
 
 def exercises_cli(*args, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpipe_ref", "exercises", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    """`python -m gpipe_ref exercises ARGS` run in ``cwd``, in this process: the command's parsing and messages (a
+    real process, from another folder: test_start_works_from_any_folder_and_takes_the_option_after_the_action)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd):
+        try:
+            code = main(["exercises", *map(str, args)])
+        except SystemExit as exit_:
+            code = exit_.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -282,9 +282,9 @@ def simulator_cases(quick: bool) -> list[dict]:
     from ..simulator import simulate
 
     one_stage = [name for name in schedule_names() if _stages_per_rank(name) == 1]
-    cases = [(name, 64, 1024, 1) for name in one_stage]  # the others (interleaved, V) hold 2 stages per device
-    cases += [(name, p, 1024, 2) for name in schedule_names() if name not in one_stage
-              for p in ((32,) if quick else (32, 64))]
+    devices, m = ((16,), 256) if quick else ((32, 64), 1024)  # the target is for 64 devices x 1024 micro-batches
+    cases = [(name, devices[-1], m, 1) for name in one_stage]  # the others (interleaved, V): 2 stages per device
+    cases += [(name, p, m, 2) for name in schedule_names() if name not in one_stage for p in devices]
     out = []
     for name, p, m, v in cases:
         schedule = make_schedule(name, p, m, v if schedule_spec(name).multi_stage else None)
@@ -296,7 +296,9 @@ def simulator_cases(quick: bool) -> list[dict]:
                 samples.append(time.perf_counter() - began)
         row = result_row("simulator scale", {"schedule": name, "devices": p, "microbatches": m, "stages_per_device": v,
                                              "actions": sum(len(a) for a in schedule.per_device)}, samples, None)
-        row["ratio"] = row["ours_s"] / 0.5
-        row["target"], row["met"] = "<= 0.5 s", row["ours_s"] <= 0.5
+        full_scale = 64 * 1024 / (p * m)  # smaller sizes: the ratio is to the target's pace, per action
+        row["ratio"] = row["ours_s"] * full_scale / 0.5
+        if (p, m) == (64, 1024):
+            row["target"], row["met"] = "<= 0.5 s", row["ours_s"] <= 0.5
         out.append(row)
     return out

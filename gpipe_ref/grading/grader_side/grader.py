@@ -347,10 +347,22 @@ class _KernelLost(Exception):
     """The kernel hung or died while answering a case."""
 
 
+_SANDBOX_ANSWERED: set[str] = set()  # "bwrap" once a sandboxed kernel answered in this process (and its forks)
+
+
 def check_sandbox(sandbox: str) -> None:
-    """``sandbox`` is one of :data:`.sandbox.SANDBOXES`, and "bwrap" can run here; else one line saying why."""
+    """``sandbox`` is one of :data:`.sandbox.SANDBOXES`, and "bwrap" can run here; else one line saying why.
+
+    A real kernel is started in the sandbox once per process; only if it fails is the slower probe run that names
+    the cause (:func:`.sandbox.sandbox_problem`)."""
     one_of("sandbox", sandbox, SANDBOXES)
-    problem = (sandbox_problem() or kernel_problem()) if sandbox == "bwrap" else None
+    if sandbox != "bwrap" or sandbox in _SANDBOX_ANSWERED:
+        return
+    failed = kernel_problem()
+    if failed is None:
+        _SANDBOX_ANSWERED.add(sandbox)
+        return
+    problem = sandbox_problem() or failed
     if problem:
         raise RuntimeError(f"grading runs each notebook's kernel in a sandbox, which cannot run here: {problem}; "
                            f"grade without it only knowingly (sandbox='none', the grade command's --no-sandbox; "

@@ -235,7 +235,8 @@ def sandbox_command(root: Path, limits: Limits = DEFAULT_LIMITS, user: tuple[int
 def sandbox_problem() -> str | None:
     """Why a kernel cannot be sandboxed here (None: it can): not Linux, bubblewrap missing, no namespaces, or a
     module a kernel needs that a Python started in the sandbox cannot import (named with where the grader has
-    it). The grader then also starts a real kernel there (:func:`.kernel.kernel_problem`)."""
+    it). The grader runs it only when a real kernel started there does not answer (:func:`.kernel.kernel_problem`),
+    to say why."""
     if not sys.platform.startswith("linux"):
         return f"bubblewrap needs Linux, this is {sys.platform}"
     bwrap = shutil.which("bwrap")
