@@ -102,12 +102,14 @@ class Mutant:
 @dataclass(frozen=True)
 class Contract:
     """One notebook's exercises: its solution notebook, the planted wrong answers (at least two per exercise),
-    other right answers and small mutants of them."""
+    other right answers, small mutants of them, and the exercises that must make the learner think (a design,
+    prediction, debugging or build, not a formula typed in: cases.THINKING)."""
 
     notebook: str
     planted: tuple[Planted, ...]
     right: tuple[Right, ...] = ()
     mutants: tuple[Mutant, ...] = ()
+    thinking: tuple[str, ...] = ()
 
 
 def planted(prelude: str, rows) -> tuple[Planted, ...]:
@@ -140,6 +142,17 @@ def planted_answers() -> dict[str, str]:
         for answer in contract.planted:
             firsts.setdefault(answer.exercise, answer.code)
     return firsts
+
+
+def stored_text(path: Path) -> str:
+    """What a notebook's stored outputs show as text (streams and text/plain), to check none prints an answer."""
+    nb = nbformat.read(path, as_version=4)
+    texts = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            texts.append(output.get("text", ""))
+            texts.append(str(output.get("data", {}).get("text/plain", "")))
+    return "\n".join(texts)
 
 
 def solutions_pass_every_case(name: str, capsys) -> None:

@@ -1,8 +1,9 @@
 """The exercise contract, for every exercise of every notebook (each tests/test_grading_exNN_*.py declares its
 CONTRACT: tests/planted.py): the solution notebook scores full marks with check() within its limit; every planted
 wrong answer scores 0, and the shown check() names the mistake where the contract says it does; every other right
-answer passes check() and grade() within the limits; every small mutant of a right answer is refused; and every
-exercise has at least two planted wrong answers."""
+answer passes check() and grade() within the limits; every small mutant of a right answer is refused; every
+exercise has at least two planted wrong answers; and the exercises declared thinking ones are in a thinking
+category."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import collections
 import pytest
 
 from gpipe_ref.grading import EXERCISES, FAILED_CHECKS, check, grade
+from gpipe_ref.grading.cases import THINKING
 from planted import contracts, passes_check_and_grade, run_answer, solutions_pass_every_case
 
 CONTRACTS = contracts()
 PLANTED = [answer for contract in CONTRACTS.values() for answer in contract.planted]
 RIGHT = [answer for contract in CONTRACTS.values() for answer in contract.right]
 MUTANTS = [mutant for contract in CONTRACTS.values() for mutant in contract.mutants]
+THINKERS = [exercise for contract in CONTRACTS.values() for exercise in contract.thinking]
 
 
 @pytest.mark.parametrize("notebook", [contract.notebook for contract in CONTRACTS.values()])
@@ -59,3 +62,8 @@ def test_every_exercise_has_at_least_two_planted_wrong_answers():
     for contract in CONTRACTS.values():  # each contract holds its own notebook's exercises only
         own = {exercise.id for exercise in NOTEBOOKS[contract.notebook]}
         assert {a.exercise for a in (*contract.planted, *contract.right, *contract.mutants)} <= own, contract.notebook
+
+
+@pytest.mark.parametrize("exercise_id", THINKERS)
+def test_an_exercise_declared_thinking_is_a_design_prediction_debugging_or_build(exercise_id):
+    assert EXERCISES[exercise_id].category in THINKING

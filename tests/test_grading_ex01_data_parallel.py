@@ -7,13 +7,12 @@ answer."""
 
 from __future__ import annotations
 
-import nbformat
 import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES
 from gpipe_ref.grading.exercises.ex01_data_parallel import measure_traffic
-from planted import Contract, mutants, planted, rights
+from planted import Contract, mutants, planted, rights, stored_text
 
 # -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
 
@@ -234,21 +233,11 @@ def test_hidden_cases_cover_the_edges():
 
 # -- 01.2: no stored output prints the answer (after a second blind learner) ----------------------------------------
 
-def _stored_text(path) -> str:
-    nb = nbformat.read(path, as_version=4)
-    texts = []
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            texts.append(output.get("text", ""))
-            texts.append(str(output.get("data", {}).get("text/plain", "")))
-    return "\n".join(texts)
-
-
 def test_lesson_01_does_not_print_01_2s_chunk_table():
     """Notebook 01's ring widget steps through one ring step at a time; no cell prints every rank's chunks."""
     from gpipe_ref.distributed.collectives import ring_chunk_to_send
 
-    text = _stored_text(ROOT / "notebooks" / "01_data_parallel.ipynb")
+    text = stored_text(ROOT / "notebooks" / "01_data_parallel.ipynb")
     for n in (2, 3, 4):
         for phase in ("reduce_scatter", "all_gather"):
             row = str([ring_chunk_to_send(1, step, n, phase) for step in range(n - 1)])

@@ -12,11 +12,10 @@ import pytest
 
 from conftest import ROOT
 from gpipe_ref.grading import EXERCISES
-from gpipe_ref.grading.cases import THINKING
 from gpipe_ref.grading.exercises.ex04_gpipe import design_held, design_step_time, judge_design, reference_design
 from gpipe_ref.memory import microbatches_in_flight
 from gpipe_ref.microbatch_size import LinearCost, megatron_step_time
-from planted import Contract, mutants, planted, rights
+from planted import Contract, mutants, planted, rights, stored_text
 
 # -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
 
@@ -380,10 +379,6 @@ def accumulate_gradients(model, loss_fn, x, y, m):
 ]
 
 
-@pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
-def test_the_exercise_makes_the_learner_think(exercise_id):
-    assert EXERCISES[exercise_id].category in THINKING
-
 
 CONTRACT = Contract(
     "04_gpipe",
@@ -394,25 +389,16 @@ CONTRACT = Contract(
     + rights(PRELUDE, {"04.5": search(schedules='("gpipe", "1f1b")')}, "a search over GPipe and 1F1B")
     + rights(PRELUDE, {"04.5": SIMULATOR_SEARCH}, "a search that judges with the simulator")
     + rights(ACCUMULATE_PRELUDE, SOLUTIONS, "the solution"),
-    mutants=mutants(PRELUDE, [("04.5", text, slip) for _, text, slip in MUTANTS], {"04.5": _solution_source()}))
+    mutants=mutants(PRELUDE, [("04.5", text, slip) for _, text, slip in MUTANTS], {"04.5": _solution_source()}),
+    thinking=tuple(sorted(SOLUTIONS)))
 
 
 # -- 04.1: no stored output prints the answer (after a second blind learner) ----------------------------------------
 
-def _stored_text(path) -> str:
-    nb = nbformat.read(path, as_version=4)
-    texts = []
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            texts.append(output.get("text", ""))
-            texts.append(str(output.get("data", {}).get("text/plain", "")))
-    return "\n".join(texts)
-
-
 def test_no_stored_output_prints_04_1s_schedule():
     from gpipe_ref.schedule import gpipe
 
-    text = _stored_text(ROOT / "solutions" / "04_gpipe.ipynb") + _stored_text(ROOT / "exercises" / "04_gpipe.ipynb")
+    text = stored_text(ROOT / "solutions" / "04_gpipe.ipynb") + stored_text(ROOT / "exercises" / "04_gpipe.ipynb")
     for p, m in ((2, 2), (3, 4), (4, 8)):
         first_device = gpipe(p, m).to_text().splitlines()[0]
         assert first_device not in text, f"solutions/04 prints GPipe's schedule for p={p}, m={m}"

@@ -71,11 +71,11 @@ def peak_held(actions):
 """),
     ("05.3", "the peak fixed, but a split backward frees its micro-batch twice (at B and at W)", """
 def peak_held(actions):
-    held = peak = 0
+    held, after_each = 0, [0]
     for action in actions:
         held += 1 if action.op == "F" else -1
-        peak = max(peak, held)
-    return peak
+        after_each.append(held)
+    return max(after_each)
 """),
     ("05.3", "frees at B, whether or not a W follows", """
 def peak_held(actions):

@@ -6,9 +6,6 @@ design passes."""
 
 from __future__ import annotations
 
-import pytest
-
-from gpipe_ref.grading import EXERCISES
 from planted import Contract, planted, rights
 
 # -- the contract (tests/test_grading_contract.py): plausible wrong answers lose the points ---------------------------
@@ -104,18 +101,17 @@ def pick_layout(model, cluster):
 """),
     ("07.3", "the layout with the least memory (deepest pipeline, widest tensor split)", """
 def pick_layout(model, cluster):
-    best = None
-    for tp in (1, 2, 4, 8):
-        for pp in range(1, cluster.gpus + 1):
-            if cluster.gpus % (tp * pp):
-                continue
-            try:
-                e = estimate(model, cluster, dp=cluster.gpus // (tp * pp), tp=tp, pp=pp, recompute=True)
-            except ValueError:
-                continue
-            if e.fits and (best is None or e.memory["total"] < best[0]):
-                best = (e.memory["total"], (e.dp, tp, pp))
-    return best and best[1]
+    layouts = [(cluster.gpus // (tp * pp), tp, pp) for tp in (1, 2, 4, 8) for pp in range(1, cluster.gpus + 1)
+               if cluster.gpus % (tp * pp) == 0]
+    fitting = []
+    for dp, tp, pp in layouts:
+        try:
+            e = estimate(model, cluster, dp=dp, tp=tp, pp=pp, recompute=True)
+        except ValueError:
+            continue
+        if e.fits:
+            fitting.append((e.memory["total"], (dp, tp, pp)))
+    return min(fitting)[1] if fitting else None
 """),
 ]
 
@@ -211,10 +207,6 @@ def zb_h1_orders(p, m):  # each W straight after its own B where the schedule ha
 }
 
 
-@pytest.mark.parametrize("exercise_id", sorted(RIGHT))
-def test_categories_are_thinking_ones(exercise_id):
-    assert EXERCISES[exercise_id].category in ("design", "predict", "debug", "build")
-
 
 # -- 07.3 after a second blind learner worked it --------------------------------------------------------------------
 
@@ -266,4 +258,5 @@ FOUND = [
 CONTRACT = Contract(
     "07_beyond",
     planted=planted(PLAUSIBLE_PRELUDE, PLAUSIBLE) + planted(PRELUDE, WRONG) + planted(FOUND_PRELUDE, FOUND),
-    right=rights(PRELUDE, RIGHT, grade_limit=None))
+    right=rights(PRELUDE, RIGHT, grade_limit=None),
+    thinking=tuple(sorted(RIGHT)))

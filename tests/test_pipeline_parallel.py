@@ -231,17 +231,23 @@ def _pipe_for(case: Case, model, balance, **kwargs):
                             checkpoint=case.checkpoint, **kwargs)
 
 
+def _stepped(case: Case, model, balance, batches, loss_fn, **kwargs):
+    """The case's pipeline built and stepped over ``batches`` (no zero_grad: gradients accumulate); returns it, the
+    gradients by name after each step, and the torch.distributed calls its building and steps made."""
+    with _counting() as counts:
+        pipe = _pipe_for(case, model, balance, **kwargs)
+        grads = []
+        for x, y in batches:
+            pipe.step(x, y, loss_fn)
+            grads.append(_named(model, pipe.parameters(), "grad"))
+    return pipe, grads, dict(counts)
+
+
 def _tied_two_ranks(rank, world_size):
     gradients = []
     for case in GRADIENT_CASES:  # two steps without zero_grad: the second accumulates onto the first
-        model, balance, batches, loss_fn = _build(case)
-        with _counting() as counts:
-            pipe = _pipe_for(case, model, balance)
-            grads = []
-            for x, y in batches:
-                pipe.step(x, y, loss_fn)
-                grads.append(_named(model, pipe.parameters(), "grad"))
-        gradients.append((pipe.tied, grads, dict(counts), pipe.extra_repr()))
+        pipe, grads, counts = _stepped(case, *_build(case))
+        gradients.append((pipe.tied, grads, counts, pipe.extra_repr()))
     trained = []
     for case, optimizer_name in TRAINING_CASES:
         model, balance, batches, loss_fn = _build(case)
@@ -347,14 +353,8 @@ def _tied_four_ranks(rank, world_size):
     for label, case in [("gpipe", Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), chunks=4)),
                         ("1f1b", Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), schedule="1f1b", chunks=3,
                                       checkpoint="always"))]:
-        model, balance, batches, loss_fn = _build(case)
-        with _counting() as counts:
-            pipe = _pipe_for(case, model, balance)
-            grads = []
-            for x, y in batches:
-                pipe.step(x, y, loss_fn)
-                grads.append(_named(model, pipe.parameters(), "grad"))
-        results[label] = (pipe.tied, grads, dict(counts))
+        pipe, grads, counts = _stepped(case, *_build(case))
+        results[label] = (pipe.tied, grads, counts)
     case = Case(uses=(0, 1, 2, 3, 0), balance=(2, 1, 1, 1), schedule="1f1b", chunks=3)
     model, balance, batches, loss_fn = _build(case)
     pipe = _pipe_for(case, model, balance)
@@ -376,13 +376,8 @@ def _tied_four_ranks(rank, world_size):
         if rank == 3:
             with torch.no_grad():
                 model[0].weight.add_(0.5)  # broadcast over: global rank 1's copy wins
-        with _counting() as counts:
-            pipe = _pipe_for(case, model, balance, group=pipeline_group)
-            grads = []
-            for x, y in batches:
-                pipe.step(x, y, loss_fn)
-                grads.append(_named(model, pipe.parameters(), "grad"))
-        results["subgroup"] = (pipe.tied, grads, dict(counts))
+        pipe, grads, counts = _stepped(case, model, balance, batches, loss_fn, group=pipeline_group)
+        results["subgroup"] = (pipe.tied, grads, counts)
     return results
 
 
