@@ -115,10 +115,8 @@ def split_into_stages(model, balance):
     ("03.3", "copies the layers", "not the model's own objects", """
 import copy
 def split_into_stages(model, balance):
-    out, start = [], 0
-    for n in balance:
-        out.append(copy.deepcopy(model[start:start + n])); start += n
-    return out
+    edges = [sum(balance[:k]) for k in range(len(balance) + 1)]
+    return [copy.deepcopy(model[a:b]) for a, b in zip(edges, edges[1:])]
 """),
 ]
 

@@ -119,23 +119,7 @@ def pick_layout(model, cluster):
 # -- 07.4: ZB-H1's orders -------------------------------------------------------------------------------------------
 
 PRELUDE = """
-from itertools import combinations
-from gpipe_ref import Action, gpipe, simulate
-from gpipe_ref.partition import stage_cost_model
-
-
-def _sums(values, balance):
-    out, start = [], 0
-    for size in balance:
-        out.append(sum(values[start:start + size]))
-        start += size
-    return out
-
-
-def _cuts(n, stages):
-    for cuts in combinations(range(1, n), stages - 1):
-        edges = (0, *cuts, n)
-        yield [edges[k + 1] - edges[k] for k in range(stages)]
+from gpipe_ref import Action
 """
 
 

@@ -94,11 +94,10 @@ WRONG = [
     return None""").replace("\n", "\n    "))),
     ("08.2", "the largest stage that fits on the fewest GPUs", "sends less than your",
      SIZING.format(op="<=", body=textwrap.dedent("""
-    for dp in range(1, max_gpus + 1):
-        ok = [s for s in range(4) if fits(s, dp)]
-        if ok:
-            return dp, max(ok)
-    return None""").replace("\n", "\n    "))),
+    fewest = next((dp for dp in range(1, max_gpus + 1) if any(fits(s, dp) for s in range(4))), None)
+    if fewest is None:
+        return None
+    return fewest, max(s for s in range(4) if fits(s, fewest))""").replace("\n", "\n    "))),
     ("08.3", "the draft as given", "rank 0's shard is not shard 0", RING.format(shift="", average="")),
     ("08.3", "only the average fixed", "rank 0's shard is not shard 0", RING.format(shift="", average=" / n")),
     ("08.3", "only the chunk order fixed", "rank 0's shard is not shard 0", RING.format(shift=" - 1", average="")),
