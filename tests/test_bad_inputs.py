@@ -78,6 +78,15 @@ class Net(nn.Module):
         return self.branch(h) if use_branch else h
 """
 
+def rank_1_then(failure: str, others: str = "dist.barrier()", world: int = 2) -> str:
+    """A launch whose rank 1 runs ``failure`` while the other ranks run ``others``."""
+    return f"""
+def f(rank, world_size):
+    if rank == 1: {failure}
+    {others}
+launch(f, {world}, timeout=60)"""
+
+
 ROWS = [
     # -- silent wrong results, now errors or right -------------------------------------------------------
     ("DataParallel, a parameter unused on one rank",
@@ -156,33 +165,14 @@ def f(rank, world_size):
 launch(f, 2, timeout=60)""",
      "RankError", "'0.weight' and '2.weight' are different tensors sharing one storage"),
     # -- launch: the failing rank named, nothing left behind --------------------------------------------
-    ("launch, rank 1 calls os._exit(3) while rank 0 waits in a barrier",
-     """
-def f(rank, world_size):
-    if rank == 1: os._exit(3)
-    dist.barrier()
-launch(f, 2, timeout=60)""",
+    ("launch, rank 1 calls os._exit(3) while rank 0 waits in a barrier", rank_1_then("os._exit(3)"),
      "RankError", "rank 1 of 2 exited with code 3 without returning a result"),
-    ("launch, rank 1 is killed",
-     """
-def f(rank, world_size):
-    if rank == 1: os.kill(os.getpid(), signal.SIGKILL)
-    dist.barrier()
-launch(f, 2, timeout=60)""",
+    ("launch, rank 1 is killed", rank_1_then("os.kill(os.getpid(), signal.SIGKILL)"),
      "RankError", "rank 1 of 2 was killed by SIGKILL without returning a result"),
-    ("launch, rank 1 calls os._exit(0): an error at once, not at the timeout",
-     """
-def f(rank, world_size):
-    if rank == 1: os._exit(0)
-    dist.barrier()
-launch(f, 2, timeout=60)""",
+    ("launch, rank 1 calls os._exit(0): an error at once, not at the timeout", rank_1_then("os._exit(0)"),
      "RankError", "rank 1 of 2 exited with code 0 without returning a result"),
     ("launch, a rank raises while the others wait in a collective",
-     """
-def f(rank, world_size):
-    if rank == 1: raise KeyError("the learner's bug")
-    dist.all_reduce(torch.ones(1))
-launch(f, 3, timeout=60)""",
+     rank_1_then("raise KeyError(\"the learner's bug\")", "dist.all_reduce(torch.ones(1))", world=3),
      "RankError", "rank 1 of 3 failed"),
     ("launch ends the processes a rank started",
      """

@@ -219,17 +219,22 @@ class _BiasOnly(nn.Linear):
         return x + self.bias
 
 
+def _refusal(step) -> str:
+    """What ``step()`` raised (a RuntimeError's message), or "no error"."""
+    try:
+        step()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def _half_used_module(rank: int, world: int, stage: int) -> str:
     """A module whose bias takes part in the loss but whose weight does not: one flat shard cannot leave half
     of itself untouched."""
     zero = ZeRO(nn.ModuleDict({"part": _BiasOnly(2, 2)}), stage)
     zero.zero_grad()
     zero.module["part"](torch.randn(4, 2)).sum().backward()
-    try:
-        zero.step()
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    return _refusal(zero.step)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -244,12 +249,12 @@ def _torch_clip(rank: int, world: int, stage: int) -> str:
     x, y = batches(0)[0]
     zero.zero_grad()
     nn.functional.mse_loss(zero(x), y).backward()
-    try:
+
+    def clip_then_step():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         zero.step()
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+
+    return _refusal(clip_then_step)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -270,11 +275,7 @@ def _stage3_reads(rank: int, world: int) -> dict:
     errors = {}
     for what, read in (("state_dict", model.state_dict), ("sum", lambda: float(model[0].weight.sum())),
                        ("print", lambda: repr(model[0].bias)), ("grad", lambda: model[0].weight.grad.sum())):
-        try:
-            read()
-            errors[what] = "no error"
-        except RuntimeError as error:
-            errors[what] = str(error)
+        errors[what] = _refusal(read)
     state = zero.state_dict()
     return {"errors": errors, "state": state, "full": zero.full_parameters(), "shape": tuple(model[0].weight.shape),
             "after_forward": float(zero(x).sum())}
