@@ -6,16 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checks import positive_int
-from .generators import (
-    check_interleaved_sizes,
-    gpipe,
-    interleaved_1f1b,
-    interleaved_zero_bubble,
-    looped_bfs,
-    one_f_one_b,
-    pipedream_async,
-    zero_bubble_h1,
-)
+from . import generators
 from .ir import Schedule
 from .v_schedules import check_dualpipe_v_sizes, dualpipe_v, zero_bubble_v
 
@@ -152,28 +143,28 @@ def _interleaved_peak(p: int, m: int, v: int) -> float:
 
 
 register(ScheduleSpec(
-    "gpipe", gpipe, "GPipe (fill-drain)", flush=True, bubble=_fill_drain_bubble, formula="(p-1)/(m+p-1)",
+    "gpipe", generators.gpipe, "GPipe (fill-drain)", flush=True, bubble=_fill_drain_bubble, formula="(p-1)/(m+p-1)",
     peak_held=lambda p, m, v: m, source="Huang et al. 2019, sec. 2.3"))
 register(ScheduleSpec(
-    "1f1b", one_f_one_b, "1F1B (PipeDream-Flush)", flush=True, bubble=_fill_drain_bubble,
+    "1f1b", generators.one_f_one_b, "1F1B (PipeDream-Flush)", flush=True, bubble=_fill_drain_bubble,
     formula="(p-1)/(m+p-1)", peak_held=lambda p, m, v: min(m, p), source="Narayanan et al. 2021, sec. 2.2",
     aliases=("one_f_one_b",)))
 register(ScheduleSpec(
-    "interleaved_1f1b", interleaved_1f1b, "Interleaved 1F1B", flush=True,
+    "interleaved_1f1b", generators.interleaved_1f1b, "Interleaved 1F1B", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (v * m + p - 1), formula="(p-1)/(v·m+p-1)",
     peak_held=lambda p, m, v: _interleaved_peak(p, m, v), source="Narayanan et al. 2021, sec. 2.2",
     aliases=("interleaved",), multi_stage=True, exact_when=lambda p, m, v, r: m >= p,
-    check_sizes=check_interleaved_sizes("interleaved_1f1b"),
+    check_sizes=generators.check_interleaved_sizes("interleaved_1f1b"),
     exact_note="the formula assumes m >= p: with fewer micro-batches than devices, each of the v-1 switches "
                "to the next chunk waits p-m more stage times"))
 register(ScheduleSpec(
-    "zero_bubble_h1", zero_bubble_h1, "Zero bubble (ZB-H1)", flush=True,
+    "zero_bubble_h1", generators.zero_bubble_h1, "Zero bubble (ZB-H1)", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (m * (1 + r) + p - 1), formula="(p-1)/((1+r)·m+p-1)",
     peak_held=lambda p, m, v: min(m, p), source="Qi et al. 2024, sec. 2.1", aliases=("zero_bubble", "zb_h1"),
     split_backward=True, exact_when=lambda p, m, v, r: m >= p and r <= 2,
     exact_note="the formula assumes m >= p and W <= F (r <= 2)"))
 register(ScheduleSpec(
-    "pipedream_async", pipedream_async, "PipeDream (async 1F1B)", flush=False, bubble=_fill_drain_bubble,
+    "pipedream_async", generators.pipedream_async, "PipeDream (async 1F1B)", flush=False, bubble=_fill_drain_bubble,
     formula="(p-1)/(m+p-1)", peak_held=lambda p, m, v: min(m, p), source="Narayanan et al. 2019, sec. 3",
     aliases=("pipedream",)))
 
@@ -187,18 +178,18 @@ def _looped_bfs_bubble(p: int, m: int, v: int, r: float) -> float:
 
 
 register(ScheduleSpec(
-    "looped_bfs", looped_bfs, "Looped BFS", flush=True, bubble=_looped_bfs_bubble,
+    "looped_bfs", generators.looped_bfs, "Looped BFS", flush=True, bubble=_looped_bfs_bubble,
     formula="(p-1+w)/(v·m+p-1+w), w=(v-1)·max(0,p-m)", peak_held=lambda p, m, v: m,
     source="Lamy-Poirier 2023, arXiv:2211.05953", multi_stage=True,
     planned=False))  # its bubble is interleaved 1F1B's and it holds every micro-batch: it wins only with an
     # overlap of data-parallel communication the planner does not model
 register(ScheduleSpec(
-    "interleaved_zero_bubble", interleaved_zero_bubble, "Interleaved zero bubble", flush=True,
+    "interleaved_zero_bubble", generators.interleaved_zero_bubble, "Interleaved zero bubble", flush=True,
     bubble=lambda p, m, v, r: (p - 1) / (v * m * (1 + r) + p - 1), formula="(p-1)/((1+r)·v·m+p-1)",
     peak_held=lambda p, m, v: min((v - 1) * (m // max(1, m // p)) + p, v * m) / v,
     source="Qi et al. 2024, sec. 2.1; Narayanan et al. 2021, sec. 2.2",
     multi_stage=True, split_backward=True, exact_when=lambda p, m, v, r: m >= p and r == 2,
-    check_sizes=check_interleaved_sizes("interleaved_zero_bubble"),
+    check_sizes=generators.check_interleaved_sizes("interleaved_zero_bubble"),
     exact_note="the formula assumes m >= p and F = B = W (r = 2)"))
 register(ScheduleSpec(
     "zero_bubble_v", zero_bubble_v, "ZB-V (V placement)", flush=True,
