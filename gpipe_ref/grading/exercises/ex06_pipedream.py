@@ -33,11 +33,8 @@ def _warmup_case(p: int, m: int, device: int, shown: bool = True) -> Case:
 
 
 def _warmup_drawn(rng: random.Random) -> list[Case]:
-    cases = []
-    for _ in range(2):
-        p = rng.randrange(1, 9)
-        cases.append(_warmup_case(p, rng.randrange(1, 33), rng.randrange(p), shown=False))
-    return cases
+    return [_warmup_case(p, rng.randrange(1, 33), rng.randrange(p), shown=False)
+            for p in (rng.randrange(1, 9) for _ in range(2))]
 
 
 WARMUP = Exercise(
@@ -123,11 +120,8 @@ def _version_case(p: int, stage: int, microbatch: int, shown: bool = True) -> Ca
 
 
 def _version_drawn(rng: random.Random) -> list[Case]:
-    cases = []
-    for _ in range(2):
-        p = rng.randrange(1, 9)
-        cases.append(_version_case(p, rng.randrange(p), rng.randrange(4 * p + 2), shown=False))
-    return cases
+    return [_version_case(p, rng.randrange(p), rng.randrange(4 * p + 2), shown=False)
+            for p in (rng.randrange(1, 9) for _ in range(2))]
 
 
 STASHED = Exercise(
