@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from notebook_slice import widget_slice
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -133,13 +133,13 @@ def run_widget_cells(page, sync_api, url: str, lesson: str, calls: tuple[str, ..
     open_and_run_all(page, sync_api, url, name, readout_class, marker)
 
 
-def press_slider(page, label: str, key: str, times: int = 1):
-    """Focus the slider whose label holds ``label`` and press ``key`` ``times`` times; returns its handle."""
+def press_slider(page, label: str, steps: int = 1):
+    """Move the slider whose label holds ``label`` ``steps`` steps right (arrow keys); returns its handle."""
     handle = page.locator(".widget-hslider", has_text=label).locator(".noUi-handle")
     handle.scroll_into_view_if_needed()
     handle.focus()
-    for _ in range(times):
-        handle.press(key)
+    for _ in range(steps):
+        handle.press("ArrowRight")
     return handle
 
 
@@ -172,7 +172,7 @@ def test_bubble_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
 
         eventually(initial_readout)
 
-        press_slider(page, "micro-batches m", "ArrowRight", 4)
+        press_slider(page, "micro-batches m", 4)
 
         def readout_after_four_steps():
             p, m, simulated, formula = _readout(page)
@@ -194,7 +194,7 @@ def test_ring_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         run_widget_cells(page, sync_api, jupyter_lab, "01_data_parallel.ipynb", ("ring_explorer(",),
                          "gpipe-ring-readout", "bytes sent per rank so far: 2/4")
         readout, table = page.locator(".gpipe-ring-readout"), page.locator(".gpipe-ring-table")
-        slider = press_slider(page, "ring step k", "ArrowRight")
+        slider = press_slider(page, "ring step k")
 
         def reduce_scatter_done():  # the readout and the table are two widgets: wait for both
             said = readout.inner_text()

@@ -29,7 +29,7 @@ def test_balance_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert table.locator("tr").count() == 3  # the header and one row per stage
 
         eventually(two_stages)
-        press_slider(page, "stages p", "ArrowRight", 2)
+        press_slider(page, "stages p", 2)
 
         def four_stages():  # the readout, the table and the picture are separate widgets: wait for each
             p, balance, idle = _stages_and_idle(readout.inner_text())

@@ -23,7 +23,7 @@ def test_memory_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
         run_widget_cells(page, sync_api, jupyter_lab, "05_rematerialization.ipynb", ("memory_explorer(",),
                          "gpipe-memory-readout", "1 x 1 x 1 = 1 devices")
         readout = page.locator(".gpipe-memory-readout")
-        press_slider(page, "pipeline stages pp", "ArrowRight", 3)
+        press_slider(page, "pipeline stages pp", 3)
         base = dict(hidden=2048, layers=24, batch=16384, microbatches=8)
 
         def four_stages_gpipe():

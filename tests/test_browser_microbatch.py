@@ -31,7 +31,7 @@ def test_microbatch_chooser_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert bubble == pytest.approx(3 / 19, abs=5e-5)
 
         eventually(initial)
-        press_slider(page, "micro-batch size b", "ArrowRight")
+        press_slider(page, "micro-batch size b")
 
         def doubled_b():  # b = 64: half as many micro-batches, a larger bubble; the plot marks the new b
             B, d, b, m, bubble = _chooser_readout(page)

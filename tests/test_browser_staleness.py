@@ -53,7 +53,7 @@ def test_staleness_explorer_in_jupyterlab(jupyter_lab, artifacts_dir):
             assert "versions held per stage [4, 4, 4, 4]" in said
 
         eventually(vertical_sync)
-        press_slider(page, "micro-batches m", "ArrowRight", 4)
+        press_slider(page, "micro-batches m", 4)
 
         def twelve_microbatches():
             said = readout.inner_text()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from notebook_slice import cell_names, slice_cells, widget_slice
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
 
 
 def test_cell_names_sees_assignments_imports_definitions_and_reads_and_skips_magics():

@@ -362,11 +362,9 @@ def check_sandbox(sandbox: str) -> None:
     if failed is None:
         _SANDBOX_ANSWERED.add(sandbox)
         return
-    problem = sandbox_problem() or failed
-    if problem:
-        raise RuntimeError(f"grading runs each notebook's kernel in a sandbox, which cannot run here: {problem}; "
-                           f"grade without it only knowingly (sandbox='none', the grade command's --no-sandbox; "
-                           f"see the threat model in docs/instructors.md)")
+    raise RuntimeError(f"grading runs each notebook's kernel in a sandbox, which cannot run here: "
+                       f"{sandbox_problem() or failed}; grade without it only knowingly (sandbox='none', the grade "
+                       f"command's --no-sandbox; see the threat model in docs/instructors.md)")
 
 
 def check_timeouts(cell_timeout: float, case_timeout: float | None, notebook_timeout: float) -> None:
