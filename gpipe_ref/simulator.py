@@ -163,9 +163,12 @@ def _place_pairs(encoded: EncodedSchedule, per_key: list[float], cost: CostModel
     timeline, ran = _place_walk(encoded, priced, cost.comm, cost.unit, versions=versions,
                                 pairs_as_blocks=overlapped, adjust=split_blocks if overlapped else None)
     m = encoded.schedule.num_microbatches  # an F's key // m is its stage
-    devices = map(encoded.schedule.stage_to_device.__getitem__, map(floordiv, forwards, repeat(m)))
-    # in C loops: 10^5 pairs at 64 devices
-    timeline.pairs = list(zip(devices, map(ran.start.__getitem__, forwards), map(ran.end.__getitem__, backwards)))
+
+    def build_pairs() -> list[tuple[int, float, float]]:  # in C loops: 10^5 pairs at 64 devices
+        devices = map(encoded.schedule.stage_to_device.__getitem__, map(floordiv, forwards, repeat(m)))
+        return list(zip(devices, map(ran.start.__getitem__, forwards), map(ran.end.__getitem__, backwards)))
+
+    timeline.defer_pairs(build_pairs)
     timeline.pairs_overlapped = overlapped
     return timeline
 

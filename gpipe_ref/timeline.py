@@ -84,9 +84,10 @@ class Timeline:
         self.num_devices = num_devices
         self.unit = unit
         self.peak_memory: dict[int, int] = dict(peak_memory or {})
-        # (device, start, end) of each overlapped F&B pair a simulated run placed (``simulate`` fills it), and
-        # whether they were priced overlapped (one block) or as the sum of their halves
-        self.pairs: list[tuple[int, float, float]] = []
+        # (device, start, end) of each overlapped F&B pair a simulated run placed (``simulate`` fills it, built on
+        # first read like the events), and whether they were priced overlapped (one block) or as their halves' sum
+        self._pairs: list[tuple[int, float, float]] | None = []
+        self._build_pairs: Callable[[], list[tuple[int, float, float]]] | None = None
         self.pairs_overlapped = False
         for d, size in self.peak_memory.items():
             self._device(d, "peak_memory's device")
@@ -130,9 +131,25 @@ class Timeline:
     def events(self, events: list[Event]) -> None:
         self._events, self._build_events = events, None
 
+    @property
+    def pairs(self) -> list[tuple[int, float, float]]:
+        """``(device, start, end)`` of each overlapped F&B pair (a deferred builder runs now)."""
+        if self._pairs is None:
+            assert self._build_pairs is not None  # deferred pairs hold their builder until it has run
+            self._pairs, self._build_pairs = self._build_pairs(), None
+        return self._pairs
+
+    @pairs.setter
+    def pairs(self, pairs: list[tuple[int, float, float]]) -> None:
+        self._pairs, self._build_pairs = pairs, None
+
+    def defer_pairs(self, build_pairs: Callable[[], list[tuple[int, float, float]]]) -> None:
+        """The pairs ``build_pairs()`` makes, built on their first read (10^5 of them in a big DualPipeV step)."""
+        self._pairs, self._build_pairs = None, build_pairs
+
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled with its events built (a builder may be a closure pickle cannot carry)."""
-        return dict(self.__dict__, _events=self.events, _build_events=None)
+        """Pickled with its events and pairs built (a builder may be a closure pickle cannot carry)."""
+        return dict(self.__dict__, _events=self.events, _build_events=None, _pairs=self.pairs, _build_pairs=None)
 
     def _totals(self) -> tuple[int, float, float, float]:
         """(events, origin, makespan, compute time): a deferred timeline's own, until its events are built."""

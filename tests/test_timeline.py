@@ -122,6 +122,24 @@ def test_a_deferred_timeline_pickles_with_its_events_and_follows_a_replaced_list
     assert len(deferred) == 1 and deferred.makespan == 1.0
 
 
+def test_deferred_pairs_are_built_on_first_read_from_the_events_spans_and_pickle_built():
+    import pickle
+
+    from gpipe_ref.schedule import make_schedule
+    from gpipe_ref.simulator import CostModel
+    schedule = make_schedule("dualpipe_v", 3, 6)
+    timeline = simulate(schedule, CostModel(1.3, 0.7, 0.9, comm=0.1, all_to_all=0.3, pair_pricing="overlap"))
+    assert timeline._pairs is None  # nothing above built the pairs
+    copy = pickle.loads(pickle.dumps(timeline))
+    assert copy._build_pairs is None and copy.pairs == timeline.pairs
+    span = {(e.stage, e.op, e.microbatch): (e.device, e.start, e.end) for e in timeline.events}
+    expected = [(span[f.stage, "F", f.microbatch][0], span[f.stage, "F", f.microbatch][1],
+                 span[b.stage, "B", b.microbatch][2]) for f, b in schedule.overlap_pairs]
+    assert timeline.pairs == expected and len(expected) > 0
+    timeline.pairs = expected[:1]
+    assert timeline.pairs == expected[:1]
+
+
 def test_to_text_refuses_what_is_too_large_to_read():
     from gpipe_ref.timeline import TEXT_MAX_ACTIONS, TEXT_MAX_DEVICES
 

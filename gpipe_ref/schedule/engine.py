@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain, islice
-from operator import attrgetter, eq, sub
+from operator import attrgetter, itemgetter, sub
 from typing import Sequence, cast
 
 from ..checks import integer, non_negative, positive_int
@@ -34,6 +35,7 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
 
 _OP_CODE = {"F": 0, "B": 1, "W": 2}
 _OP, _STAGE, _MICROBATCH = attrgetter("op"), attrgetter("stage"), attrgetter("microbatch")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 class EncodedSchedule:
@@ -93,8 +95,7 @@ def encode(schedule: Schedule) -> EncodedSchedule:
         encoded.pair_keys = _overlap_pair_keys(encoded)
     ops = "FBW" if schedule.has_weight_actions else "FB"
     expected = len(ops) * p * m
-    all_keys = [key for row in encoded.rows for key in row]
-    if len(all_keys) == expected and len(set(all_keys)) == expected:
+    if sum(map(len, encoded.rows)) == expected and len(set(chain.from_iterable(encoded.rows))) == expected:
         return encoded  # keys of the ops used are < expected, so each runs exactly once
     seen: dict[int, int] = {}
     for d, row in enumerate(encoded.rows):
@@ -117,21 +118,24 @@ def _check_actions(schedule: Schedule) -> None:
     """Every listed item an Action of a stage and micro-batch the schedule has, on the device that owns its stage."""
     p, m = schedule.num_stages, schedule.num_microbatches
     owner = schedule.stage_to_device
+    owned: list[set[int]] = [set() for _ in schedule.per_device]
+    for s, d in enumerate(owner):
+        owned[d].add(s)
     for d, acts in enumerate(schedule.per_device):  # C loops (map, set): a big schedule holds 10^5 actions
         if not acts:
             continue
         if not set(map(type, acts)) <= {Action} and not all(isinstance(a, Action) for a in acts):
             bad = next(a for a in acts if not isinstance(a, Action))
             raise ScheduleError(f"device {d} lists {bad!r}, which is not an Action")
-        stages = list(map(_STAGE, acts))
-        if max(stages) >= p or max(map(_MICROBATCH, acts)) >= m:
-            bad = next(a for a in acts if a.stage >= p or a.microbatch >= m)
+        if set(map(_STAGE, acts)) <= owned[d] and max(map(_MICROBATCH, acts)) < m:
+            continue  # every stage one of this device's (so < p), every micro-batch < m
+        outside = next((a for a in acts if a.stage >= p or a.microbatch >= m), None)
+        if outside is not None:
             raise ScheduleError(
-                f"device {d} runs {bad}, but stages are 0..{p - 1} and micro-batches 0..{m - 1}"
+                f"device {d} runs {outside}, but stages are 0..{p - 1} and micro-batches 0..{m - 1}"
             )
-        if set(map(owner.__getitem__, stages)) != {d}:
-            bad = next(a for a in acts if owner[a.stage] != d)
-            raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
+        bad = next(a for a in acts if owner[a.stage] != d)
+        raise ScheduleError(f"device {d} runs {bad}, but stage {bad.stage} lives on device {owner[bad.stage]}")
 
 
 def _overlap_pair_keys(encoded: EncodedSchedule) -> tuple[list[int], list[int]]:
@@ -151,23 +155,25 @@ def _pair_keys_quick(encoded: EncodedSchedule) -> tuple[list[int], list[int]] | 
             return None
     except TypeError:  # a pair that is not a sequence
         return None
-    forwards, backwards = zip(*pairs)
+    forwards, backwards = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
     if set(map(type, chain(forwards, backwards))) != {Action}:
         return None
     if set(map(_OP, forwards)) != {"F"} or set(map(_OP, backwards)) != {"B"}:
         return None
-    if max(map(_STAGE, chain(forwards, backwards))) >= p or max(map(_MICROBATCH, chain(forwards, backwards))) >= m:
+    if max(map(_MICROBATCH, chain(forwards, backwards))) >= m:
         return None
     f_keys = [a.stage * m + a.microbatch for a in forwards]  # op F is 0
     b_keys = [(p + a.stage) * m + a.microbatch for a in backwards]  # op B is 1
+    if max(f_keys) >= p * m or max(b_keys) >= 2 * p * m:  # with every micro-batch < m: a stage >= p
+        return None
     if len(set(f_keys)) != len(f_keys) or len(set(b_keys)) != len(b_keys):
         return None  # an action in two pairs (F and B keys never meet)
-    following: dict[int, int] = {}  # each key -> the key after it on its device
+    following = [-1] * (3 * p * m)  # each key -> the key after it on its device (-1: last or in no list)
     for row in encoded.rows:
-        following.update(zip(row, islice(row, 1, None)))
-    if not all(map(eq, map(following.get, f_keys), b_keys)):
+        deque(map(following.__setitem__, row, islice(row, 1, None)), maxlen=0)  # a C loop of stores
+    if list(map(following.__getitem__, f_keys)) != b_keys:
         return None  # a B not right after its F on one device (or either in no list)
-    if p * m in set(map(sub, b_keys, f_keys)):
+    if p * m in map(sub, b_keys, f_keys):
         return None  # a pair of one stage and micro-batch: the B needs the F's result
     return f_keys, b_keys
 
@@ -287,7 +293,8 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
     recv_fwd, recv_bwd, block_wait = _receive_delays(encoded, comm, pairs_as_blocks)
     recv = recv_fwd + recv_bwd  # indexed by key // m = op * p + stage, for F and B
     last_b = 2 * p - 1  # key // m below this: F, or a B that waits for the next stage
-    end = [-1.0] * (3 * pm)  # -1: not run yet
+    unrun = math.inf  # an end time no action has: the dependency has not run yet
+    end = [unrun] * (3 * pm)
     start = [0.0] * (3 * pm)
     waiting: list[list[int] | None] = [None] * (3 * pm)  # devices blocked on each key
     free_at = [0.0] * n
@@ -303,37 +310,35 @@ def walk(encoded: EncodedSchedule, durations: Sequence[float] | None = None, com
             key = row[c]
             so = key // m
             begin = t
+            # a dependency not run yet reads as an infinite ready time: later than any begin, one test finds it
             if so < p:  # F waits for F(s-1)
                 if so:
-                    ready_time = end[key - m]
-                    if ready_time < 0:
-                        dep = key - m
-                        break
-                    ready_time += recv[so]
+                    ready_time = end[key - m] + recv[so]
                     if ready_time > begin:
+                        if ready_time == unrun:
+                            dep = key - m
+                            break
                         begin = ready_time
                 if block_wait and key in block_wait:
                     dep, delay = block_wait[key]
-                    ready_time = end[dep]
-                    if ready_time < 0:
-                        break
-                    ready_time += delay
+                    ready_time = end[dep] + delay
                     if ready_time > begin:
+                        if ready_time == unrun:
+                            break
                         begin = ready_time
             else:  # B waits for F(s) and B(s+1); W waits for B(s)
                 ready_time = end[key - pm]
-                if ready_time < 0:
-                    dep = key - pm
-                    break
                 if ready_time > begin:
+                    if ready_time == unrun:
+                        dep = key - pm
+                        break
                     begin = ready_time
                 if so < last_b:
-                    ready_time = end[key + m]
-                    if ready_time < 0:
-                        dep = key + m
-                        break
-                    ready_time += recv[so]
+                    ready_time = end[key + m] + recv[so]
                     if ready_time > begin:
+                        if ready_time == unrun:
+                            dep = key + m
+                            break
                         begin = ready_time
             start[key] = begin
             t = end[key] = begin + cost[key]
@@ -403,7 +408,7 @@ def _deadlock_report(encoded: EncodedSchedule, cursor: list[int], end: list[floa
             a = acts[cursor[d]]
             paired = [x for f, b in schedule.overlap_pairs if f == a for x in dependencies(b, p)]
             waits_for = dependencies(a, p) + paired
-            missing = next(x for x in waits_for if end[encoded.key(x)] < 0)
+            missing = next(x for x in waits_for if end[encoded.key(x)] == math.inf)
             report.waiting[d] = (a, missing)
     # A device blocked on its own later action is the plainest broken rule: report it first.
     own = [d for d, (_, dep) in sorted(report.waiting.items()) if owner[dep.stage] == d]
