@@ -207,3 +207,16 @@ def test_speedup_profile_factors_multiply_to_speedup_over_theory():
     profile = gpipe_ref.bench.speedup_profile(single, wall, uneven, m)
     assert abs(profile["product"] - (single / wall) / (2 * m / (m + 1))) < 1e-9
     assert profile["factors"]["balance"] < 1 and abs(profile["factors"]["outside"] - 1 / 1.05) < 1e-9
+
+
+def test_the_benchmark_table_judges_a_group_by_its_rows_that_carry_a_target():
+    """tools/bench_table.py: a group's smaller sizes (no target, as the simulator's 32-device rows) do not blank
+    its verdict; a miss among the targeted rows is counted."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "tools" / "bench_table.py")
+    bench_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_table)
+    small, big = {"target": None, "met": None}, {"target": "<= 0.5 s", "met": True}
+    assert bench_table.verdict([small, big, None]) == "met"
+    assert bench_table.verdict([small, big, dict(big, met=False)]) == "met in 1 of 2"
+    assert bench_table.verdict([small, None]) == ""

@@ -35,7 +35,8 @@ def figure(row: dict | None) -> str:
 
 
 def verdict(rows: list[dict | None]) -> str:
-    results = [row.get("met") for row in rows if row is not None]
+    """Whether the rows that carry a target met it (a group's rows without one, as smaller sizes, are left out)."""
+    results = [row.get("met") for row in rows if row is not None and row.get("target") is not None]
     if not results or any(r is None for r in results):
         return ""
     return "met" if all(results) else "met in %d of %d" % (sum(results), len(results))
