@@ -6,23 +6,16 @@ The two spines every part of the package shares:
 
 The main classes are importable from here, as torch's and torchgpipe's are:
 ``from gpipe_ref import GPipe, PipelineParallel, DataParallel, launch``.
+
+The schedules, the simulator and the timeline import without torch (the website runs them in the reader's browser);
+the torch-backed names are imported on first use (PEP 562's module ``__getattr__``).
 """
 
-from .batchnorm import (
-    DeferredBatchNorm,
-    DeferredBatchNorm1d,
-    DeferredBatchNorm2d,
-    DeferredBatchNorm3d,
-    convert_deferred_batch_norm,
-)
-from .distributed import RankError, launch
-from .distributed.data_parallel import DataParallel
-from .distributed.pipeline_parallel import PipelineParallel
-from .distributed.tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
-from .distributed.zero import ZeRO
-from .meter import ActivationMeter
-from .partition import balance_by_params, balance_by_size, balance_by_time
-from .pipeline import GPipe
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_names
 from .schedule import (
     POLICIES,
     SCHEDULES,
@@ -46,7 +39,39 @@ from .schedule import (
 from .simulator import CostModel, bubble_formula, simulate
 from .timeline import Event, Timeline, Transfer
 
+if TYPE_CHECKING:  # the lazy names below, for type checkers, readers and tests/test_layers.py
+    from .batchnorm import (
+        DeferredBatchNorm,
+        DeferredBatchNorm1d,
+        DeferredBatchNorm2d,
+        DeferredBatchNorm3d,
+        convert_deferred_batch_norm,
+    )
+    from .distributed import RankError, launch
+    from .distributed.data_parallel import DataParallel
+    from .distributed.pipeline_parallel import PipelineParallel
+    from .distributed.tensor_parallel import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
+    from .distributed.zero import ZeRO
+    from .meter import ActivationMeter
+    from .partition import balance_by_params, balance_by_size, balance_by_time
+    from .pipeline import GPipe
+
 __version__ = "0.1.0"
+
+# Each torch-backed name -> the module that defines it, imported when the name is first read.
+LAZY = {
+    **dict.fromkeys(["DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
+                     "convert_deferred_batch_norm"], "batchnorm"),
+    "RankError": "distributed", "launch": "distributed",
+    "DataParallel": "distributed.data_parallel", "PipelineParallel": "distributed.pipeline_parallel",
+    **dict.fromkeys(["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear"],
+                    "distributed.tensor_parallel"),
+    "ZeRO": "distributed.zero", "ActivationMeter": "meter",
+    **dict.fromkeys(["balance_by_params", "balance_by_size", "balance_by_time"], "partition"),
+    "GPipe": "pipeline",
+}
+
+__getattr__, __dir__ = lazy_names(__name__, LAZY, globals())
 
 __all__ = [
     "POLICIES", "SCHEDULES", "Action", "Schedule", "ScheduleError", "ScheduleSpec", "WeightPolicy", "execution_order",

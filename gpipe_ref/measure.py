@@ -8,8 +8,6 @@ from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any, Iterator, TypeVar
 
-import torch
-
 from .checks import integer, positive_int
 
 __all__ = ["BUSY_SPREAD", "action_noise", "gc_paused", "median_run", "spread", "timed_steps", "torch_threads"]
@@ -23,6 +21,8 @@ BUSY_SPREAD = 1.5  # slowest / fastest of repeated steps above this: the machine
 @contextmanager
 def torch_threads(count: int) -> Iterator[None]:
     """Run the block with ``count`` intra-op threads, then put back the count found (also on error)."""
+    import torch  # here, not at the top: the simulator uses this module's gc_paused without torch
+
     positive_int("count", count)
     before = torch.get_num_threads()
     torch.set_num_threads(count)

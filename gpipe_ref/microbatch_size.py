@@ -12,6 +12,8 @@ where ``t_f(b)`` and ``t_b(b)`` are one stage's forward and backward time on one
 Costs here are the *whole model's* forward and backward time on ``b`` samples, ``cost(b) -> (forward,
 backward)``; with ``p`` equal stages one stage takes ``1/p`` of each. Two kinds: :class:`LinearCost`
 (a fixed overhead plus a per-sample cost) and :class:`MeasuredCost` (a table measured on this machine).
+Only :func:`microbatch_sweep` runs a model (it imports torch when called): the rest is arithmetic, which the
+website's micro-batch chooser runs in the reader's browser.
 """
 
 from __future__ import annotations
@@ -21,12 +23,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from torch import nn
-
 from .checks import non_negative, positive, positive_int
 from .measure import action_noise, spread, timed_steps, torch_threads
-from .models import mlp, regression_data
-from .pipeline import GPipe
 
 __all__ = ["LinearCost", "MeasuredCost", "MicrobatchChoice", "microbatch_count", "microbatch_sweep",
            "micro_batch_sizes", "megatron_step_time", "microbatch_choices", "best_choice", "fit_linear_cost",
@@ -210,6 +208,11 @@ def microbatch_sweep(micro_batches: list[int], *, batch: int = 512, width: int =
     * ``noise``: :func:`action_noise` of each step, the median over the steps.
 
     Runs with ``threads`` intra-op threads (1: one core per simulated device) and restores the count after."""
+    from torch import nn
+
+    from .models import mlp, regression_data
+    from .pipeline import GPipe
+
     positive_int("stages", stages)
     if (2 * depth) % stages:
         raise ValueError(f"stages must divide the model's {2 * depth} layers (depth={depth}), got {stages}")

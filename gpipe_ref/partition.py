@@ -6,24 +6,31 @@ balance_by_time, Kim et al. 2020, sec. 3.3). The search here is exact: the
 best contiguous partition, found by binary search over the answer with a
 greedy feasibility check, not a greedy cut. The costs are parameter counts,
 measured times (``balance_by_time``) or the memory of a training step
-(``balance_by_size``); profiling leaves the model as it was.
+(``balance_by_size``); profiling leaves the model as it was. The search and the cost of a cut, which need no
+torch, live in :mod:`gpipe_ref.stage_costs` (re-exported here).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, cast
 
 import torch
 from torch import nn
 
-from .checks import integer, non_negative, one_of, positive_int
+from .checks import integer, non_negative, positive_int
 from .meter import ActivationMeter
-from .schedule import gpipe
-from .simulator import CostModel, simulate
-from .timeline import Timeline
+from .stage_costs import (
+    BalanceReport,
+    balance_report,
+    check_counts,
+    check_partitions,
+    partition_costs,
+    stage_cost_model,
+    stage_sums,
+    uniform_balance,
+)
 
 __all__ = ["check_balance", "split", "partition_costs", "balance_by_params", "profiling", "layer_times",
            "stage_times", "balance_by_time", "layer_sizes", "balance_by_size", "uniform_balance", "stage_sums",
@@ -38,20 +45,7 @@ def _check_sequential(module: object) -> nn.Sequential:
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
     """Validate ``balance`` (layers per stage) against ``module``."""
-    return _check_counts(balance, len(module), "len(module)")
-
-
-def _check_counts(balance: Sequence[int], layers: int, what: str = "the number of layers") -> list[int]:
-    if isinstance(balance, (str, bytes)) or not hasattr(balance, "__len__") or len(balance) == 0:
-        raise ValueError(f"balance must be a non-empty list of layer counts, got {balance!r}")
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
-        raise ValueError(f"balance must hold integers, got {list(balance)!r}")
-    if any(b < 1 for b in balance):
-        raise ValueError(f"balance must have no stage with fewer than 1 layer, got {list(balance)}")
-    if sum(balance) != layers:
-        raise ValueError(f"balance must sum to {what} = {layers}, got {list(balance)} "
-                         f"(sum {sum(balance)})")
-    return list(balance)
+    return check_counts(balance, len(module), "len(module)")
 
 
 def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
@@ -65,55 +59,6 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
         stages.append(cast(nn.Sequential, module[start:start + count]))  # a slice of a Sequential is one
         start += count
     return stages
-
-
-def _check_partitions(partitions: object, layers: int) -> None:
-    integer("partitions", partitions, 1, layers)  # at most one stage per layer
-
-
-def partition_costs(costs: Sequence[float], partitions: int) -> list[int]:
-    """The contiguous split of ``costs`` into ``partitions`` non-empty parts that
-    minimises the largest part's sum; returns the part sizes."""
-    n = len(costs)
-    _check_partitions(partitions, n)
-    for i, c in enumerate(costs):
-        non_negative(f"costs[{i}]", c)
-
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def cut(limit: float) -> list[int] | None:
-        """Greedy: grow each part while its sum stays within ``limit``, leaving a layer for
-        each part still to come. Part sums come from ``prefix``, exactly as the candidates do."""
-        sizes: list[int] = []
-        start = 0
-        while start < n:
-            end = start + 1  # at least one layer
-            if prefix[end] - prefix[start] > limit:
-                return None
-            while end < n and prefix[end + 1] - prefix[start] <= limit and n - (end + 1) >= partitions - len(sizes) - 1:
-                end += 1
-            sizes.append(end - start)
-            start = end
-        return sizes if len(sizes) <= partitions else None
-
-    # The optimum is the sum of some contiguous run: search those candidate values.
-    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cut(candidates[mid]) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    sizes = cut(candidates[lo])
-    assert sizes is not None  # the search ends on a limit that fits: the largest candidate, the total, always does
-    # Split the largest parts further until there are exactly `partitions` non-empty parts.
-    while len(sizes) < partitions:
-        k = max((i for i in range(len(sizes)) if sizes[i] > 1), key=lambda i: sizes[i])
-        sizes[k:k + 1] = [sizes[k] - 1, 1]
-    return sizes
 
 
 def balance_by_params(module: nn.Sequential, partitions: int) -> list[int]:
@@ -264,7 +209,7 @@ def balance_by_time(module: nn.Sequential, sample: torch.Tensor, partitions: int
     loss) to count the loss in the last layer's time, so the cut moves layers off the last stage.
     """
     _check_sequential(module)
-    _check_partitions(partitions, len(module))  # before spending time measuring
+    check_partitions(partitions, len(module))  # before spending time measuring
     _check_loss_args(loss_fn, target)
     if loss_fn is None:
         return partition_costs(layer_times(module, sample, repeats), partitions)
@@ -314,89 +259,7 @@ def balance_by_size(module: nn.Sequential, sample: torch.Tensor, partitions: int
     fp32 master weights). The default 2.0 is torchgpipe's, the least any optimizer keeps.
     """
     _check_sequential(module)
-    _check_partitions(partitions, len(module))  # before measuring
+    check_partitions(partitions, len(module))  # before measuring
     return partition_costs(layer_sizes(module, sample, param_scale=param_scale), partitions)
 
 
-# -- what a cut costs: per-stage sums, the slowest stage, the idle share --------------------------------
-
-
-def uniform_balance(layers: int, partitions: int) -> list[int]:
-    """Equal layer counts, the first ``layers % partitions`` stages one layer more
-    (DeepSpeed's ``partition_method="uniform"`` balances layer counts the same way)."""
-    positive_int("layers", layers)
-    _check_partitions(partitions, layers)
-    base, extra = divmod(layers, partitions)
-    return [base + (s < extra) for s in range(partitions)]
-
-
-def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
-    """Each stage's total cost: the sum of its layers' ``costs`` under ``balance``."""
-    balance = _check_counts(balance, len(costs), "len(costs)")
-    for i, c in enumerate(costs):
-        non_negative(f"costs[{i}]", c)
-    sums, start = [], 0
-    for count in balance:
-        sums.append(float(sum(costs[start:start + count])))
-        start += count
-    return sums
-
-
-def stage_cost_model(stage_costs: Sequence[float], backward_ratio: float = 2.0, unit: str = "cost") -> CostModel:
-    """A simulator cost model whose stage ``s`` spends ``stage_costs[s]`` on one forward plus
-    its backward, the backward ``backward_ratio`` times the forward."""
-    if isinstance(stage_costs, (str, bytes)) or not hasattr(stage_costs, "__len__") or not stage_costs:
-        raise ValueError(f"stage_costs must be a non-empty list of costs, got {stage_costs!r}")
-    non_negative("backward_ratio", backward_ratio)
-    forward = 1.0 / (1.0 + backward_ratio)
-    return CostModel(forward=forward, backward_input=(1.0 - forward) / 2, backward_weight=(1.0 - forward) / 2,
-                     stage_scale=tuple(float(c) for c in stage_costs), unit=unit)
-
-
-@dataclass(frozen=True)
-class BalanceReport:
-    """What a cut costs (see :func:`balance_report`)."""
-
-    balance: tuple[int, ...]
-    stage_times: tuple[float, ...]  # forward + backward of each stage
-    stage_params: tuple[float, ...] | None  # parameters of each stage, if given
-    slowest: int  # the slowest stage (the first, on a tie)
-    slowest_over_mean: float  # its time over the mean stage time (1 = perfectly balanced)
-    best_slowest: float  # the smallest slowest-stage time any contiguous cut reaches
-    timeline: Timeline  # the simulated step, ``microbatches`` micro-batches, GPipe's schedule
-    idle_share: float  # 1 - sum(busy) / (p * makespan) of ``timeline``
-    overlap_bound: float  # 1 - mean / slowest: the idle share left even with stages overlapping
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.balance)
-
-
-def balance_report(times: Sequence[float], balance: Sequence[int], params: Sequence[float] | None = None,
-                   microbatches: int = 1, unit: str = "cost") -> BalanceReport:
-    """Cost out ``balance`` for layers that take ``times`` (forward + backward of the whole batch).
-
-    The timeline simulates one step with the batch cut into ``microbatches`` equal parts,
-    each costing ``1/microbatches`` of a stage's time. With one batch (``microbatches=1``)
-    the stages run one after another, so every cut idles ``(p-1)/p`` of the device time.
-    Once stages overlap (notebook 04), every device waits for the slowest stage: at best
-    ``mean / slowest`` of the device time is busy, so ``overlap_bound = 1 - mean / slowest``
-    stays idle however many micro-batches there are.
-    """
-    per_stage = stage_sums(times, balance)
-    p = len(per_stage)
-    if params is not None and len(params) != len(times):
-        raise ValueError(f"params must have one entry per layer ({len(times)}), got {len(params)}")
-    per_stage_params = None if params is None else tuple(stage_sums(params, balance))
-    positive_int("microbatches", microbatches)
-    one_of("unit", unit, ("cost", "s"))
-    slowest = max(range(p), key=lambda s: (per_stage[s], -s))
-    mean = sum(per_stage) / p
-    ratio = per_stage[slowest] / mean if mean else 1.0
-    best = max(stage_sums(times, partition_costs(times, p)))
-    timeline = simulate(gpipe(p, microbatches), stage_cost_model([t / microbatches for t in per_stage], unit=unit))
-    return BalanceReport(
-        balance=tuple(balance), stage_times=tuple(per_stage), stage_params=per_stage_params, slowest=slowest,
-        slowest_over_mean=ratio, best_slowest=best, timeline=timeline, idle_share=timeline.bubble_fraction,
-        overlap_bound=1.0 - 1.0 / ratio if ratio else 0.0,
-    )

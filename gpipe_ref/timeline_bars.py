@@ -14,7 +14,7 @@ from .timeline import Timeline
 
 __all__ = ["COMM_KIND", "KINDS", "KIND_COLORS", "IDLE_FILL", "IDLE_EDGE", "IDLE_HATCH", "LABEL_LIMIT", "LABEL_PAD_PX",
            "BAR_HEIGHT", "COLOR_BY", "Bar", "microbatch_color", "hex_color", "text_color", "timeline_rows", "row_names",
-           "version_colors", "stage_colors", "timeline_bars", "check_color_by", "check_timeline", "pair_style"]
+           "version_colors", "TAB20", "stage_colors", "timeline_bars", "check_color_by", "check_timeline", "pair_style"]
 
 COMM_KIND = "comm"  # the bar kind of a Transfer
 KINDS = ("F", "B", "W", COMM_KIND)  # drawing and legend order
@@ -84,13 +84,16 @@ def version_colors(versions: Sequence[int]) -> dict[int, str]:
     return {v: hex_color(colormaps["viridis"](k / steps)) for k, v in enumerate(distinct)}
 
 
+# matplotlib's "tab20" (Tableau 20) as hex, dark and light of each hue in turn: written out, so that stage colours
+# need no matplotlib (the website's live explorers run without it); tests/test_timeline_bars.py checks the copy
+TAB20 = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd", "#c5b0d5",
+         "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")
+
+
 def stage_colors(num_stages: int) -> list[str]:
     """A colour per stage (tab20's darker half, then its lighter half), so that a device's two chunks differ."""
-    from matplotlib import colormaps
-
     positive_int("num_stages", num_stages)
-    palette: Sequence[tuple[float, float, float]] = getattr(colormaps["tab20"], "colors")  # a ListedColormap's
-    return [hex_color(palette[(2 * s) % 20 + (2 * s) // 20 % 2]) for s in range(num_stages)]
+    return [TAB20[(2 * s) % 20 + (2 * s) // 20 % 2] for s in range(num_stages)]
 
 
 def timeline_bars(timeline: Timeline, color_by: str = "microbatch") -> tuple[list[Bar], list[tuple[str, str]]]:

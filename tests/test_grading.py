@@ -111,6 +111,24 @@ def test_every_forbidden_name_names_library_code():
             assert callable(resolve(dotted)), (ex.id, dotted)
 
 
+@pytest.mark.parametrize("body", [
+    "    import gpipe_ref.ring_steps\n"
+    "    return gpipe_ref.ring_steps.ring_chunk_to_send(rank, step, world_size, phase)\n",
+    "    from gpipe_ref.ring_steps import ring_chunk_to_send as f\n    return f(rank, step, world_size, phase)\n",
+    "    import gpipe_ref.distributed.collectives as c\n"
+    "    return c.ring_chunk_to_send(rank, step, world_size, phase)\n",
+])
+def test_the_ring_reference_is_refused_from_either_module_it_lives_in(body):
+    """01.2's reference lives in gpipe_ref.ring_steps (no torch) and is re-exported by the collectives module: an
+    answer calling it through either, however it imports it, is stopped by the guard while it runs."""
+    from gpipe_ref.grading.kernel_side.guard import ForbiddenCall, Guard
+    namespace: dict = {}
+    exec("def ring_chunk_to_send(rank, step, world_size, phase):\n" + body, namespace)
+    with pytest.raises(ForbiddenCall, match="ring_chunk_to_send"):
+        with Guard(EXERCISES["01.2"].forbidden_names()):
+            namespace["ring_chunk_to_send"](1, 0, 4, "reduce_scatter")
+
+
 def test_schedule_generators_come_from_the_registry():
     names = schedule_generators()
     registered = tuple(f"gpipe_ref.schedule.{spec.build.__name__}" for spec in SCHEDULES.values())

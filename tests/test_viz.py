@@ -329,6 +329,14 @@ def test_a_measured_step_under_a_second_reads_in_milliseconds():
     assert long.display_unit() == ("s", 1.0) and "time (s)" in timeline_svg(long)
 
 
+def test_the_written_out_tab20_is_matplotlibs():
+    """timeline_bars.TAB20 is a copy (the live explorers run without matplotlib): it must stay matplotlib's."""
+    from matplotlib import colormaps
+
+    from gpipe_ref.timeline_bars import TAB20, hex_color
+    assert TAB20 == tuple(hex_color(rgb) for rgb in getattr(colormaps["tab20"], "colors"))
+
+
 # -- several stages a device: colour by stage; DualPipeV's F&B pairs framed -----------------------------------
 def test_colour_by_stage_tells_a_devices_chunks_apart(artifacts_dir):
     from gpipe_ref.schedule import zero_bubble_v

@@ -131,3 +131,32 @@ def test_dp_reaches_64_and_the_device_memory_is_a_choice():
     assert explorer.capacity == 16e9 and "16.00 GB" in said and "fullest device: pipeline stage 0" in said
     assert re.search(r"\bstage \d", said.replace("pipeline stage", "").replace("ZeRO stage", "")) is None
     assert "141 GB" in [label for label, _ in explorer.memory.options]
+
+
+def test_the_picture_stacks_each_stages_bytes_to_scale_and_shows_the_device_when_it_is_near():
+    """memory_svg is plain SVG (no matplotlib): each category's rectangle is as tall as its bytes, stacked in the
+    order of CATEGORIES, and the device's memory is a dashed line when it is within 1.5x of the fullest stage."""
+    from gpipe_ref.memory_model import CATEGORIES
+    from gpipe_ref.widgets.memory import memory_svg, tick_step
+
+    setup = MemorySetup(hidden=1024, layers=8, batch=4096, pp=2, microbatches=4)
+    anatomy = memory_anatomy(setup)
+    fullest = max(d.total for d in anatomy)
+    for capacity, line in ((1.2 * fullest, True), (3 * fullest, False)):
+        svg = memory_svg(setup, anatomy, capacity)
+        assert svg.startswith("<svg") and svg.endswith("</svg>") and ('class="memory-capacity"' in svg) == line
+        assert all(f">{name}</text>" in svg for name in CATEGORIES)
+        drawn = []  # (height in pixels, bytes) of every rectangle
+        for s, memory in enumerate(anatomy):
+            tops = []
+            for name in CATEGORIES:
+                found = re.search(rf'class="memory-{name.replace(" ", "-")}" x="[\d.]+" y="([\d.]+)" width="[\d.]+" '
+                                  rf'height="([\d.]+)"[^>]*><title>pipeline stage {s}, ', svg)
+                assert found, (s, name)
+                y, height = map(float, found.groups())
+                drawn.append((height, memory.by_category()[name]))
+                tops.append(y)
+            assert tops == sorted(tops, reverse=True)  # weights at the bottom, each category above the one before
+        scale = sum(h for h, _ in drawn) / sum(b for _, b in drawn)  # pixels per byte, one for every rectangle
+        assert all(abs(h - scale * b) <= 0.3 for h, b in drawn), drawn
+    assert [tick_step(t) for t in (9.0, 42.0, 120.0, 0.3)] == [2.0, 10.0, 25.0, 0.1]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from functools import partial
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -65,8 +67,9 @@ def gpu_cases(quick: bool) -> list[dict]:
     chunks 8, against the plain model accumulating gradients over the same 8 micro-batches; 50 rounds (10 quick)."""
     if not torch.cuda.is_available():
         return _gpu_skipped("no CUDA on this machine")
-    try:
-        import torchgpipe
+    torchgpipe: ModuleType | None
+    try:  # the optional peer (`make bench` installs it)
+        torchgpipe = importlib.import_module("torchgpipe")
     except ImportError:
         torchgpipe = None
     repeats, blocks, chunks = (10 if quick else 50), 4, 8

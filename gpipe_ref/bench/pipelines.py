@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
 import time
 from dataclasses import replace
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -256,8 +258,9 @@ def executor_cases(quick: bool) -> list[dict]:
     schedules = one_stage_flush_schedules()  # gpipe, 1f1b, zero_bubble_h1
     cases = [(512, 512, 8, s) for s in schedules[:2]] if quick else \
         [(512, 512, 8, s) for s in schedules] + [(256, 256, 16, s) for s in schedules]
-    try:
-        import torchgpipe
+    torchgpipe: ModuleType | None
+    try:  # the optional peer (`make bench` installs it)
+        torchgpipe = importlib.import_module("torchgpipe")
     except ImportError:
         torchgpipe = None
     out = []
@@ -268,7 +271,7 @@ def executor_cases(quick: bool) -> list[dict]:
                   "schedule": schedule, "checkpoint": "never", "memory tracking": False}
         out.append(result_row("executor overhead vs plain gradient accumulation", config, timed[0], timed[1],
                               target=1.10))
-        if with_peer:
+        if with_peer and torchgpipe is not None:
             out.append(result_row(f"ours vs torchgpipe {torchgpipe.__version__}", config, timed[0], timed[2],
                                   target=1.0))
     if torchgpipe is None:

@@ -4,7 +4,7 @@ Pick a model (its layers' times and parameter counts), the number of stages ``p`
 way to cut: equal layer counts, by parameters, by time, or by hand. The readout gives each
 stage's time, the slowest stage and how far it is above the mean, and the idle share
 ``1 - sum(busy) / (p x makespan)`` of the simulated step. The numbers come from
-:func:`~gpipe_ref.partition.balance_report`; the cut from :mod:`gpipe_ref.partition`.
+:func:`~gpipe_ref.stage_costs.balance_report`; the cut from :mod:`gpipe_ref.stage_costs` (no torch).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import html
 from dataclasses import dataclass
 
 from ..checks import instance, integer
-from ..partition import BalanceReport, balance_report, partition_costs, uniform_balance
+from ..stage_costs import BalanceReport, balance_report, partition_costs, uniform_balance
 from ..viz import timeline_svg
 from .base import Dashboard
 

@@ -4,20 +4,21 @@ Weights, gradients, optimizer state and activations, as the model is split dp x 
 memory model's schedules, recomputed or not, in fp32 or mixed bf16, with or without ZeRO sharding the model
 states over the dp ranks (stages 1-3).
 
-The numbers come from :func:`gpipe_ref.memory.memory_anatomy`, which the tests hold equal to the bytes of a
-real step's tensors (:func:`gpipe_ref.memory.measure_anatomy`).
+The numbers come from :func:`gpipe_ref.memory_model.memory_anatomy`, which the tests hold equal to the bytes of a
+real step's tensors (:func:`gpipe_ref.memory.measure_anatomy`); the picture is plain SVG, so that the explorer runs
+without torch or matplotlib (the website runs it in the reader's browser).
 """
 
 from __future__ import annotations
 
 import html
-import io
-import re
+import math
 from dataclasses import replace
 
-from ..memory import CATEGORIES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy, memory_schedules
+from ..memory_model import CATEGORIES, PRECISIONS, DeviceMemory, MemorySetup, memory_anatomy, memory_schedules
 from ..model_states import format_bytes
 from ..schedule import schedule_spec
+from ..svg import svg_root
 from .base import Dashboard
 
 __all__ = ["MemoryExplorer", "memory_explorer", "memory_readout", "memory_svg", "format_bytes", "schedule_labels"]
@@ -60,43 +61,88 @@ def memory_readout(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: fl
             f"<tr><th></th>{head}</tr>{''.join(rows)}</table>")
 
 
-def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float) -> str:
-    """Stacked bars, one per pipeline stage (each stands for its dp x tp devices), one colour per category."""
-    from matplotlib.figure import Figure  # no pyplot: the notebook's backend is left alone
+def tick_step(top: float, ticks: int = 5) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten) that cuts ``[0, top]`` into about ``ticks`` parts."""
+    raw = top / ticks if top > 0 else 1.0
+    power = 10.0 ** math.floor(math.log10(raw))
+    return next(f * power for f in (1, 2, 2.5, 5, 10) if f * power >= raw)
 
-    fig = Figure(figsize=(7.5, 3.2))
-    ax = fig.add_subplot()
-    stages = range(len(anatomy))
-    bottom = [0.0] * len(anatomy)
-    for name in CATEGORIES:
-        heights = [memory.by_category()[name] / 1e9 for memory in anatomy]
-        ax.bar(stages, heights, bottom=bottom, color=COLOURS[name], hatch=HATCHES[name], edgecolor="white",
-               label=name)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    top = max(bottom)
-    if capacity / 1e9 <= 1.5 * top:  # the device's memory as a line, unless it would flatten the bars
-        ax.axhline(capacity / 1e9, color="black", linestyle="--", linewidth=1,
-                   label=f"{format_bytes(capacity)} device")
+
+# Each hatch as an SVG pattern (its id, its strokes), drawn over the category's colour so the stack reads in grey too
+PATTERNS = {"//": ("lines", '<path d="M0,6 L6,0" stroke="white" stroke-width="1.2"/>'),
+            "..": ("dots", '<circle cx="3" cy="3" r="1" fill="white"/>'),
+            "xx": ("cross", '<path d="M0,6 L6,0 M0,0 L6,6" stroke="white" stroke-width="1"/>')}
+
+
+def _fills(name: str) -> list[str]:
+    """The fills a category's rectangle is drawn with, in order: its colour, then its hatch if it has one."""
+    hatch = HATCHES[name]
+    return [COLOURS[name]] + ([f"url(#memory-{PATTERNS[hatch][0]})"] if hatch else [])
+
+
+def _gridline(left: float, width: float, y: float, value: float) -> str:
+    """One value of the y axis: a light line across the plot and the value at its left."""
+    return (f'<line x1="{left}" x2="{left + width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e0e0e0"/>'
+            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>')
+
+
+def memory_svg(setup: MemorySetup, anatomy: list[DeviceMemory], capacity: float) -> str:
+    """Stacked bars, one per pipeline stage (each stands for its dp x tp devices), one colour per category, the
+    device's memory as a dashed line when it would not flatten the bars; plain SVG, no matplotlib."""
+    width, height, left, right, top_margin, bottom_margin = 760, 300, 64, 190, 34, 40
+    plot_w, plot_h = width - left - right, height - top_margin - bottom_margin
+    gigabytes = [[memory.by_category()[name] / 1e9 for name in CATEGORIES] for memory in anatomy]
+    top = max(sum(bar) for bar in gigabytes)
+    show_capacity = capacity / 1e9 <= 1.5 * top
+    if show_capacity:
         top = max(top, capacity / 1e9)
-    ax.set_xticks(list(stages), [f"pipeline stage {s}" for s in stages])
-    ax.set_ylabel("GB per device")
-    ax.set_ylim(0, top * 1.1)
+    step = tick_step(top * 1.1)
+    axis_top = step * math.ceil(top * 1.1 / step)
+
+    def y(value: float) -> float:
+        return top_margin + plot_h * (1 - value / axis_top)
+
+    parts = [svg_root(width, height, 'font-family="sans-serif" font-size="11"'), "<defs>"]
+    parts += [f'<pattern id="memory-{pid}" width="6" height="6" patternUnits="userSpaceOnUse">{strokes}</pattern>'
+              for pid, strokes in PATTERNS.values()]
+    parts.append("</defs>")
     zero = f", ZeRO-{setup.zero_stage}" if setup.zero_stage else ""
-    ax.set_title(f"{PRECISIONS[setup.precision].label}, {setup.schedule}, recompute {setup.recompute}{zero}: "
-                 f"each of {setup.devices} device{'s' if setup.devices > 1 else ''}", fontsize=10)
-    handles, labels = ax.get_legend_handles_labels()
-    order = [labels.index(name) for name in reversed(CATEGORIES)] + [i for i, label in enumerate(labels)
-                                                                     if label not in CATEGORIES]
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",  # top of the stack first
-              bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
-    out = io.StringIO()
-    fig.savefig(out, format="svg")
-    svg = out.getvalue()
-    svg = svg[svg.index("<svg"):]
-    # scale to the output area, never past the drawn size (matplotlib gives a fixed width and a viewBox)
-    return re.sub(r'width="([\d.]+)pt" height="[\d.]+pt"', r'width="100%" style="max-width: \1pt; height: auto"',
-                  svg, count=1)
+    title = (f"{PRECISIONS[setup.precision].label}, {setup.schedule}, recompute {setup.recompute}{zero}: "
+             f"each of {setup.devices} device{'s' if setup.devices > 1 else ''}")
+    parts.append(f'<text x="{left + plot_w / 2:.1f}" y="18" text-anchor="middle" font-size="12">'
+                 f'{html.escape(title)}</text>')
+    parts += [_gridline(left, plot_w, y(k * step), k * step) for k in range(round(axis_top / step) + 1)]
+    parts.append(f'<text transform="translate(16,{top_margin + plot_h / 2:.1f}) rotate(-90)" text-anchor="middle">'
+                 f'GB per device</text>')
+    slot = plot_w / len(anatomy)
+    bar_w = min(80.0, slot * 0.6)
+    for s, bar in enumerate(gigabytes):
+        x, base = left + slot * (s + 0.5) - bar_w / 2, 0.0
+        for name, value in zip(CATEGORIES, bar):
+            if value > 0:
+                tip = f"<title>pipeline stage {s}, {name}: {format_bytes(value * 1e9)}</title>"
+                rect = (f'x="{x:.1f}" y="{y(base + value):.1f}" width="{bar_w:.1f}" '
+                        f'height="{y(base) - y(base + value):.1f}"')
+                colour, *hatch = _fills(name)
+                parts.append(f'<rect class="memory-{name.replace(" ", "-")}" {rect} fill="{colour}" stroke="white">'
+                             f'{tip}</rect>')
+                parts += [f'<rect {rect} fill="{fill}" pointer-events="none"/>' for fill in hatch]
+            base += value
+        parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{top_margin + plot_h + 16}" text-anchor="middle">'
+                     f'pipeline stage {s}</text>')
+    parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(0):.1f}" y2="{y(0):.1f}" stroke="black"/>')
+    legend = [(name, "".join(f'<rect width="14" height="10" fill="{fill}"/>' for fill in _fills(name)))
+              for name in reversed(CATEGORIES)]  # the top of the stack first
+    if show_capacity:
+        line_y = y(capacity / 1e9)
+        parts.append(f'<line class="memory-capacity" x1="{left}" x2="{left + plot_w}" y1="{line_y:.1f}" '
+                     f'y2="{line_y:.1f}" stroke="black" stroke-dasharray="5,3"/>')
+        legend.append((f"{format_bytes(capacity)} device",
+                       '<line x1="0" x2="14" y1="5" y2="5" stroke="black" stroke-dasharray="5,3"/>'))
+    parts += [f'<g transform="translate({left + plot_w + 14},{top_margin + 4 + 18 * row})">{swatch}'
+              f'<text x="20" y="9">{html.escape(label)}</text></g>' for row, (label, swatch) in enumerate(legend)]
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 class MemoryExplorer(Dashboard):

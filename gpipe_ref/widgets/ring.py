@@ -4,20 +4,17 @@ The ring is Patarasuk & Yuan's bandwidth-optimal all-reduce (2009), brought to d
 learning by Baidu (Gibiansky 2017) and Horovod: a reduce-scatter of ``n-1`` steps, then
 an all-gather of ``n-1`` steps. Each step a rank sends ``1/n`` of its buffer, so it sends
 ``2(n-1)/n`` of it in all, whatever ``n`` is. The states come from
-:func:`~gpipe_ref.distributed.collectives.ring_states`, which picks chunks with the same
-``ring_chunk_to_send`` as the real ``ring_all_reduce``.
+:func:`~gpipe_ref.ring_steps.ring_states`, which picks chunks with the same
+``ring_chunk_to_send`` as the real ``ring_all_reduce``; neither needs torch.
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 from ..checks import integer
+from ..ring_steps import RingState, ring_states
 from .base import Dashboard
-
-if TYPE_CHECKING:
-    from ..distributed.collectives import RingState
 
 __all__ = ["RingAllReduceExplorer", "ring_explorer", "ring_values", "ring_readout", "ring_table"]
 
@@ -115,7 +112,6 @@ class RingAllReduceExplorer(Dashboard):
 
     def resimulate(self) -> None:
         """Run the ring on fresh values (world size or seed changed), then redraw."""
-        from ..distributed.collectives import ring_states  # torch: imported on first use
 
         self.states = ring_states(ring_values(self.world_size.value, self.seed.value))
         self.redraw()

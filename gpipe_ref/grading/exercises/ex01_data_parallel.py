@@ -158,7 +158,7 @@ RING_CHUNK = Exercise(
     "01.2", "Ring all-reduce: which chunk to send", "ring_chunk_to_send", 3,
     lambda: [_ring_case(2, 0), _ring_case(4, 1)],
     lambda: [_ring_case(n, 10 + n) for n in (3, 5, 6, 7, 8, 16)],
-    forbidden=("gpipe_ref.distributed.collectives.ring_chunk_to_send",
+    forbidden=("gpipe_ref.distributed.collectives.ring_chunk_to_send", "gpipe_ref.ring_steps.ring_chunk_to_send",
                "gpipe_ref.distributed.collectives.ring_all_reduce"), category="derive", drawn=_ring_drawn)
 
 # -- 01.3 find the bug: DDP's gradient buckets (simplified: closed before the cap; real DDP closes at >= cap) ----
