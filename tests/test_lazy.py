@@ -15,17 +15,16 @@ import pytest
 import gpipe_ref
 import gpipe_ref.widgets
 from conftest import ROOT
+from explorer_moves import TORCH_FREE_EXPLORERS
 from gpipe_ref.lazy import lazy_names
 
-# Which explorers run without torch, numpy and matplotlib; staleness trains a real model and needs torch.
-TORCH_FREE_EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer",
-                        "ring_explorer", "balance_explorer", "microbatch_chooser", "memory_explorer")
 TORCH_FREE_MODULES = ("gpipe_ref", "gpipe_ref.widgets", "gpipe_ref.schedule", "gpipe_ref.simulator",
                       "gpipe_ref.timeline", "gpipe_ref.timeline_svg", "gpipe_ref.placement", "gpipe_ref.planner",
                       "gpipe_ref.ring_steps", "gpipe_ref.stage_costs", "gpipe_ref.memory_model",
                       "gpipe_ref.microbatch_size", "gpipe_ref.sharding", "gpipe_ref.viz")
 
 BLOCKED_RUN = """
+import importlib
 import sys
 
 BLOCKED = ("torch", "numpy", "matplotlib")
@@ -38,34 +37,12 @@ class Blocker:  # any import of the three, however deep, fails as on a machine w
 
 
 sys.meta_path.insert(0, Blocker())
-import importlib
-
-import ipywidgets as w
-
 for module in MODULES:
     importlib.import_module(module)
-import gpipe_ref.widgets as widgets
+sys.path.insert(0, TESTS)
+from explorer_moves import drive
 
-moved = {}
-for factory in EXPLORERS:
-    explorer = getattr(widgets, factory)()
-    stack, count = [explorer.widget], 0
-    while stack:  # every enabled control one notch along: each redraw runs the explorer's own code
-        widget = stack.pop()
-        stack.extend(getattr(widget, "children", ()))
-        if getattr(widget, "disabled", True) or isinstance(widget, (w.Button, w.Text, w.Textarea)):
-            continue
-        if isinstance(widget, (w.Dropdown, w.ToggleButtons, w.RadioButtons, w.SelectionSlider)):
-            if len(widget.options) > 1:
-                widget.index = (widget.index + 1) % len(widget.options)
-                count += 1
-        elif isinstance(widget, w.Checkbox):
-            widget.value, count = not widget.value, count + 1
-        elif isinstance(widget, (w.IntSlider, w.FloatSlider, w.FloatLogSlider, w.BoundedIntText)):
-            up = widget.value + widget.step <= widget.max
-            widget.value = widget.value + widget.step if up else widget.value - widget.step
-            count += 1
-    moved[factory] = count
+moved = {factory: count for factory, (count, _, _) in drive().items()}
 try:
     import gpipe_ref
 
@@ -78,7 +55,7 @@ print(repr((moved, sorted(m for m in sys.modules if m.partition(".")[0] in BLOCK
 
 
 def test_the_core_and_eight_explorers_run_with_torch_numpy_and_matplotlib_blocked():
-    code = f"MODULES = {TORCH_FREE_MODULES!r}\nEXPLORERS = {TORCH_FREE_EXPLORERS!r}\n" + BLOCKED_RUN
+    code = f"MODULES = {TORCH_FREE_MODULES!r}\nTESTS = {str(ROOT / 'tests')!r}\n" + BLOCKED_RUN
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     moved, loaded, refused = ast.literal_eval(done.stdout.strip().splitlines()[-1])

@@ -1,8 +1,9 @@
-"""Fetch the two JavaScript packages the course website serves itself, so that neither its build nor a reader needs
-the network: @jupyter-widgets/html-manager (renders the widgets' saved state) and MathJax 3 (typesets the math).
+"""Fetch what the course website serves itself, so that neither its build nor a reader needs the network:
+@jupyter-widgets/html-manager (renders the widgets' saved state), MathJax 3 (typesets the math), and for the live
+explorers (issue 47) Pyodide's core (CPython 3.14 in WebAssembly) with the pure-Python wheels the explorers import.
 
 They are committed under website/_static/vendor/ with SHA256SUMS; this script is how they got there, from the npm
-registry, each tarball checked against its hash. ``--check`` only verifies the committed files (no network).
+registry and PyPI, each file checked against its hash. ``--check`` only verifies the committed files (no network).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 VENDOR = Path(__file__).resolve().parents[1] / "website" / "_static" / "vendor"
 SUMS = VENDOR / "SHA256SUMS"
 REGISTRY = "https://registry.npmjs.org"
+PYPI_FILES = "https://files.pythonhosted.org/packages"
 # package: (tarball path on the registry, its sha256, {member prefix in the tarball: folder under vendor/})
 PACKAGES = {
     "@jupyter-widgets/html-manager@1.0.15 (BSD-3-Clause)": (
@@ -33,6 +35,28 @@ PACKAGES = {
         {"package/LICENSE": "mathjax/LICENSE",
          "package/es5/tex-chtml-full.js": "mathjax/tex-chtml-full.js",
          "package/es5/output/chtml/fonts/woff-v2/*": "mathjax/output/chtml/fonts/woff-v2/"}),
+    "pyodide@314.0.7 (MPL-2.0; CPython 3.14.2)": (  # the core only: no package wheels (numpy, matplotlib) on npm
+        "pyodide/-/pyodide-314.0.7.tgz",
+        "66b7949e5a0cba2250b586d7e368bf12fb482800748d182c4618254b685ffaa0",
+        {"package/package.json": "pyodide/package.json",
+         "package/pyodide.mjs": "pyodide/pyodide.mjs",
+         "package/pyodide.asm.mjs": "pyodide/pyodide.asm.mjs",
+         "package/pyodide.asm.wasm": "pyodide/pyodide.asm.wasm",
+         "package/python_stdlib.zip": "pyodide/python_stdlib.zip",
+         "package/pyodide-lock.json": "pyodide/pyodide-lock.json"}),
+}
+# The pure-Python wheels the live explorers import in Pyodide (IPython is left out: website/live/ has a stand-in),
+# each as (its path under PyPI's file host, its sha256); they land in vendor/wheels/.
+WHEELS = {
+    "ipywidgets 8.1.9 (BSD-3-Clause)": (
+        "c3/55/298e9b3b864a198234997e87a1471c1b17d7f3546ace6d18fb5cf1ce24b2/ipywidgets-8.1.9-py3-none-any.whl",
+        "f2b8cbcaae10252b809fbe4d7470db75c09b769a32cbf816d20e5ca6d3c5a79d"),
+    "traitlets 5.16.1 (BSD-3-Clause)": (
+        "ad/66/0d785f0bc5e4315a96c989bb476d0fc07ea4f85132550c7b156ca2035d52/traitlets-5.16.1-py3-none-any.whl",
+        "f775618166caa0396c8e337099240f2bd3e5e917d203b2e6fbe21a58d3cb1f6b"),
+    "comm 0.2.3 (BSD-3-Clause)": (
+        "60/97/891a0971e1e4a8c5d2b20bbe0e524dc04548d2307fee33cdeba148fd4fc7/comm-0.2.3-py3-none-any.whl",
+        "c615d91d75f7f04f095b30d1c1711babd43bdc6419c1be9886a85f2f4e489417"),
 }
 
 
@@ -49,7 +73,7 @@ def destination(member: str, wanted: dict[str, str]) -> str | None:
 
 
 def fetch() -> None:
-    """Download each tarball, check its hash, unpack the wanted files and write SHA256SUMS."""
+    """Download each tarball and wheel, check its hash, unpack the wanted files and write SHA256SUMS."""
     for name, (path, digest, wanted) in PACKAGES.items():
         with urllib.request.urlopen(f"{REGISTRY}/{path}", timeout=60) as reply:
             data = reply.read()
@@ -61,6 +85,13 @@ def fetch() -> None:
                 if member.isfile() and target:
                     (VENDOR / target).parent.mkdir(parents=True, exist_ok=True)
                     (VENDOR / target).write_bytes(tar.extractfile(member).read())
+    for name, (path, digest) in WHEELS.items():
+        with urllib.request.urlopen(f"{PYPI_FILES}/{path}", timeout=60) as reply:
+            data = reply.read()
+        if sha256(data) != digest:
+            raise SystemExit(f"{name}: the wheel's sha256 is {sha256(data)}, expected {digest}")
+        (VENDOR / "wheels").mkdir(parents=True, exist_ok=True)
+        (VENDOR / "wheels" / path.rsplit("/", 1)[1]).write_bytes(data)
     files = sorted(p for p in VENDOR.rglob("*") if p.is_file() and p != SUMS)
     SUMS.write_text("".join(f"{sha256(p.read_bytes())}  {p.relative_to(VENDOR).as_posix()}\n" for p in files))
 

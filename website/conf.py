@@ -17,7 +17,9 @@ extensions = ["myst_nb", "glossary_anchors", "notebook_pages", "exercise_cases"]
 root_doc = "index"
 # What is a page; solutions/ is never staged, and this pattern list would leave it out if it were.
 include_patterns = ["index.md", "notebooks/*.ipynb", "notebooks/GLOSSARY.md", "exercises/*.ipynb"]
-exclude_patterns = ["**/.ipynb_checkpoints", "**/solutions/**"]
+# vendor/pyodide and vendor/wheels: the live explorers' runtime (issue 47), vendored and run by tests/test_pyodide.py;
+# left out of the published site until a page loads it (exclude_patterns also filters html_static_path's files)
+exclude_patterns = ["**/.ipynb_checkpoints", "**/solutions/**", "vendor/pyodide/**", "vendor/wheels/**"]
 
 # Notebooks: rendered from their stored outputs and saved widget state, never executed.
 nb_execution_mode = "off"

@@ -1,0 +1,1 @@
+"""IPython.core, as far as ipywidgets' Output widget names it at import."""
