@@ -8,13 +8,15 @@ import json
 import os
 import shutil
 import subprocess
-import zipfile
-from pathlib import Path
+import sys
 
 import pytest
 
 from conftest import ROOT
 from explorer_moves import TORCH_FREE_EXPLORERS, drive
+
+sys.path.insert(0, str(ROOT / "tools"))
+import build_site  # noqa: E402  (the zip the site ships to the page)
 
 VENDOR = ROOT / "website" / "_static" / "vendor"
 NODE = shutil.which("node")
@@ -40,20 +42,10 @@ console.log(JSON.stringify({ load_ms: loaded - began, total_ms: Date.now() - beg
 """
 
 
-def package_zip(path: Path) -> Path:
-    """gpipe_ref's sources and the IPython stand-in (website/live/), as the site will ship them to the page."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
-        for root in (ROOT, ROOT / "website" / "live"):
-            top = "gpipe_ref" if root == ROOT else "IPython"
-            for source in sorted((root / top).rglob("*.py")):
-                archive.write(source, source.relative_to(root).as_posix())
-    return path
-
-
 def test_the_eight_explorers_run_in_pyodide_and_show_what_cpython_shows(tmp_path):
     runner = RUNNER.replace("PYODIDE", (VENDOR / "pyodide").as_posix())
     runner = runner.replace("WHEELS", json.dumps(sorted(p.as_posix() for p in (VENDOR / "wheels").glob("*.whl"))))
-    runner = runner.replace("PACKAGE", package_zip(tmp_path / "gpipe_ref.zip").as_posix())
+    runner = runner.replace("PACKAGE", build_site.live_package(tmp_path / "gpipe_ref.zip").as_posix())
     runner = runner.replace("MOVES", (ROOT / "tests" / "explorer_moves.py").as_posix())
     (tmp_path / "run.mjs").write_text(runner)
     done = subprocess.run([NODE or "node", str(tmp_path / "run.mjs")], capture_output=True, text=True, timeout=300)

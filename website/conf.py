@@ -17,9 +17,7 @@ extensions = ["myst_nb", "glossary_anchors", "notebook_pages", "exercise_cases"]
 root_doc = "index"
 # What is a page; solutions/ is never staged, and this pattern list would leave it out if it were.
 include_patterns = ["index.md", "notebooks/*.ipynb", "notebooks/GLOSSARY.md", "exercises/*.ipynb"]
-# vendor/pyodide and vendor/wheels: the live explorers' runtime (issue 47), vendored and run by tests/test_pyodide.py;
-# left out of the published site until a page loads it (exclude_patterns also filters html_static_path's files)
-exclude_patterns = ["**/.ipynb_checkpoints", "**/solutions/**", "vendor/pyodide/**", "vendor/wheels/**"]
+exclude_patterns = ["**/.ipynb_checkpoints", "**/solutions/**"]
 
 # Notebooks: rendered from their stored outputs and saved widget state, never executed.
 nb_execution_mode = "off"
@@ -37,7 +35,8 @@ html_theme = "sphinx_book_theme"
 html_title = "gpipe_ref course"
 html_static_path = ["_static"]
 html_css_files = ["site.css"]
-html_js_files = [("mathjax2-hub-shim.js", {"priority": 100})]
+# live.js: the "Make it live" buttons under the explorers' saved views; it fetches Pyodide only when one is pressed
+html_js_files = [("mathjax2-hub-shim.js", {"priority": 100}), ("live.js", {"type": "module"})]
 html_context = {"default_mode": "light"}  # without a mode the theme logs a console error on a first visit
 html_theme_options = {
     "show_toc_level": 2,

@@ -5,6 +5,8 @@ Reads each notebook's stored JSON before myst-nb renders it (nothing is executed
   blank box), is a warning, so the -W build fails on it;
 - under every widget view goes one line: the view is frozen, interactive in JupyterLab with ``make lab``, and
   the settings of its controls it was saved at, so that prose asking to move a control can be read against it;
+  under an explorer whose logic is pure Python, a "Make it live" button (``_static/live.js``) runs the same
+  explorer, with the cell's literal arguments, in the reader's browser;
 - a text output laid out in columns (a table, a text timeline) keeps its lines whole: JupyterLab and this site
   wrap long output lines, so such an output is written to fit TABLE_WIDTH characters (a test checks the stored
   notebooks), and here it is marked so that it never wraps;
@@ -15,6 +17,7 @@ Reads each notebook's stored JSON before myst-nb renders it (nothing is executed
 
 from __future__ import annotations
 
+import ast
 import html
 import json
 import re
@@ -30,6 +33,38 @@ MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)
 # e.g. ](04_gpipe.ipynb#3.-The-bubble)
 SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#([^)\s]+)\)")
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
+# The explorers the page can run (website/live/bridge.py's list: their logic is pure Python)
+LIVE_EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer", "ring_explorer",
+                  "balance_explorer", "microbatch_chooser", "memory_explorer")
+
+
+def live_call(code: str) -> tuple[str, dict, list[str]] | None:
+    """The last call of a live explorer in ``code``: its factory, its literal keyword arguments, and the names of
+    those that are not literals (computed in the notebook: the page leaves them out); None if there is none."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in LIVE_EXPLORERS and not node.args]
+    if not calls:
+        return None
+    call = max(calls, key=lambda node: (node.lineno, node.col_offset))
+    options, left_out = {}, []
+    for keyword in call.keywords:
+        try:
+            options[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError:
+            left_out.append(str(keyword.arg))
+    return call.func.id, options, left_out
+
+
+def live_button(factory: str, options: dict, left_out: list[str]) -> str:
+    """The button that makes the explorer above live in the page."""
+    note = (f" (without {', '.join(left_out)}, which the notebook computes)" if left_out else "")
+    return (f' <button class="gpipe-make-live" data-factory="{factory}" '
+            f'data-options="{html.escape(json.dumps(options))}">Make it live</button>'
+            f'<span class="gpipe-live-note"> runs it in this page{note}: about 14 MB, fetched once</span>')
 
 
 def saved_settings(model_id: str, saved: dict) -> list[str]:
@@ -56,12 +91,13 @@ def saved_settings(model_id: str, saved: dict) -> list[str]:
     return settings
 
 
-def widget_note(settings: list[str] = ()) -> dict:
-    """The output placed under a widget view: one line of HTML (with the settings it was saved at), with a
-    plain-text twin."""
+def widget_note(settings: list[str] = (), live: str = "") -> dict:
+    """The output placed under a widget view: one line of HTML (with the settings it was saved at, and ``live``,
+    a button that makes it live), with a plain-text twin."""
     note = WIDGET_NOTE + (f". Saved at: {'; '.join(settings)}" if settings else "")
     return {"output_type": "display_data", "metadata": {},
-            "data": {"text/html": f'<p class="widget-note">{note}</p>',
+            "data": {"text/html": f'<p class="widget-note">{note}.{live}</p>' if live else
+                     f'<p class="widget-note">{note}</p>',
                      "text/plain": re.sub(r"</?code>", "`", html.unescape(note))}}
 
 
@@ -104,7 +140,9 @@ def prepare(app, docname: str, source: list[str]) -> None:
                 logger.warning("cell %d shows widget %s, which is not in the saved widget state (re-execute the "
                                "notebook: tools/execute_notebooks.py)", index, view.get("model_id"),
                                location=docname, type="course", subtype="widget_state")
-            outputs.append(widget_note(saved_settings(view.get("model_id", ""), saved)))
+            call = live_call(cell["source"])
+            outputs.append(widget_note(saved_settings(view.get("model_id", ""), saved),
+                                       live_button(*call) if call else ""))
         cell["outputs"] = outputs
     source[0] = json.dumps(notebook)
 
