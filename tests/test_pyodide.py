@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from explorer_moves import TORCH_FREE_EXPLORERS, drive
+from explorer_moves import TORCH_FREE_EXPLORERS
 
 sys.path.insert(0, str(ROOT / "tools"))
 import build_site  # noqa: E402  (the zip the site ships to the page)
@@ -42,6 +42,16 @@ console.log(JSON.stringify({ load_ms: loaded - began, total_ms: Date.now() - beg
 """
 
 
+def cpython_drive() -> dict:
+    """The same moves in a fresh CPython, as the page's Pyodide is fresh: pictures number their SVG patterns per
+    process, so a process that drew before would name them differently."""
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from explorer_moves import drive; "
+            "print(json.dumps(drive()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_the_eight_explorers_run_in_pyodide_and_show_what_cpython_shows(tmp_path):
     runner = RUNNER.replace("PYODIDE", (VENDOR / "pyodide").as_posix())
     runner = runner.replace("WHEELS", json.dumps(sorted(p.as_posix() for p in (VENDOR / "wheels").glob("*.whl"))))
@@ -52,7 +62,7 @@ def test_the_eight_explorers_run_in_pyodide_and_show_what_cpython_shows(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["version"] == [3, 14] and result["blocked"] == []
-    in_cpython = drive()
+    in_cpython = cpython_drive()
     for factory in TORCH_FREE_EXPLORERS:
         moved, before, after = result["drive"][factory]
         assert moved >= 1 and after != before, factory  # the controls moved and what it shows changed

@@ -36,6 +36,8 @@ WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab:
 # The explorers the page can run (website/live/bridge.py's list: their logic is pure Python)
 LIVE_EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer", "ring_explorer",
                   "balance_explorer", "microbatch_chooser", "memory_explorer")
+# The explorers the page cannot run, and why, said under their saved view
+NOT_LIVE = {"staleness_explorer": "it trains a model with torch, which the page cannot run: live in JupyterLab only"}
 
 
 def live_call(code: str) -> tuple[str, dict, list[str]] | None:
@@ -141,8 +143,10 @@ def prepare(app, docname: str, source: list[str]) -> None:
                                "notebook: tools/execute_notebooks.py)", index, view.get("model_id"),
                                location=docname, type="course", subtype="widget_state")
             call = live_call(cell["source"])
+            why_not = next((f" Not live here: {reason}." for name, reason in NOT_LIVE.items()
+                            if f"{name}(" in cell["source"]), "")
             outputs.append(widget_note(saved_settings(view.get("model_id", ""), saved),
-                                       live_button(*call) if call else ""))
+                                       live_button(*call) if call else why_not))
         cell["outputs"] = outputs
     source[0] = json.dumps(notebook)
 

@@ -84,7 +84,13 @@ async function makeLive(button) {
     const host = element("div", { className: "live-explorer" });
     host.dataset.factory = factory;
     const render = (json) => { host.replaceChildren(draw(JSON.parse(json), send)); };
-    const send = (id, value) => render(bridge.set_value(factory, id, value));
+    const send = (id, value) => {  // a move the explorer refuses is said under it; the explorer stays as it was
+      try {
+        render(bridge.set_value(factory, id, value));
+      } catch (error) {
+        host.append(element("p", { className: "live-error", textContent: `not taken: ${error.message}` }));
+      }
+    };
     render(bridge.start.callKwargs(factory, options));
     holder.before(host);
     for (const saved of holder.parentElement.children) {
