@@ -1,6 +1,6 @@
 """The memory anatomy of one device measured: the tensors of a real step, beside the model that predicts them.
 
-:mod:`gpipe_ref.memory_model` counts what a device holds (re-exported here, where the notebooks import it from);
+:mod:`gpipe_ref.memory_model` counts what a device holds (the names the lessons import are re-exported here);
 :func:`measure_anatomy` holds it equal to a real step's tensors.
 """
 
@@ -14,32 +14,23 @@ from torch import nn
 from .checks import instance
 from .distributed import launch
 from .distributed.tensor_parallel import ParallelMLP
+
+# the model's names the lessons and exercises import from here (the rest: gpipe_ref.memory_model)
 from .memory_model import (
     CATEGORIES,
     PRECISIONS,
-    RECOMPUTE_MODES,
-    ZERO_STAGES,
     DeviceMemory,
     MemorySetup,
-    Precision,
-    activation_bytes,
-    block_parameters,
     memory_anatomy,
-    memory_schedules,
     microbatches_in_flight,
     saved_per_microbatch,
-    sharded_parameters,
-    stage_parameters,
-    state_bytes,
 )
 from .meter import ActivationMeter
 from .models import mlp_block, regression_data
 from .pipeline import GPipe
 
-__all__ = ["CATEGORIES", "memory_schedules", "RECOMPUTE_MODES", "ZERO_STAGES", "Precision", "PRECISIONS",
-           "MemorySetup", "DeviceMemory", "block_parameters", "stage_parameters", "sharded_parameters",
-           "state_bytes", "saved_per_microbatch", "microbatches_in_flight", "activation_bytes", "memory_anatomy",
-           "measure_anatomy", "ActivationMeter"]
+__all__ = ["measure_anatomy", "CATEGORIES", "PRECISIONS", "DeviceMemory", "MemorySetup", "memory_anatomy",
+           "microbatches_in_flight", "saved_per_microbatch", "ActivationMeter"]
 
 
 # -- The same quantities measured from the tensors of a real step ----------------------------------------------------

@@ -10,14 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_ref.memory import (
+from gpipe_ref.memory import ActivationMeter, measure_anatomy
+from gpipe_ref.memory_model import (
     PRECISIONS,
-    ActivationMeter,
     DeviceMemory,
     MemorySetup,
     activation_bytes,
     block_parameters,
-    measure_anatomy,
     memory_anatomy,
     memory_schedules,
     microbatches_in_flight,

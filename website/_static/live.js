@@ -29,7 +29,9 @@ const SELECTIONS = ["Dropdown", "ToggleButtons", "RadioButtons", "SelectionSlide
 // One widget node as an element; `send(id, value)` reports a move. Each element keeps its node's id.
 function draw(node, send) {
   let el;
-  const label = node.description ? element("label", { textContent: node.description, className: "live-label" }) : null;
+  // a control's label names it for screen readers too (its `for` is the control's id, the widget's model id)
+  const label = node.description
+    ? element("label", { textContent: node.description, className: "live-label", htmlFor: `live-${node.id}` }) : null;
   if (BOXES[node.kind]) {
     el = element("div", { className: "live-box" }, node.children.map((c) => draw(c, send)));
     el.style.flexDirection = BOXES[node.kind];
@@ -63,6 +65,8 @@ function draw(node, send) {
     el = element("div", { className: "live-unknown", textContent: `(${node.kind})` });
   }
   el.dataset.id = node.id;
+  const control = BOXES[node.kind] ? null : el.querySelector("input, select, textarea");
+  if (control) control.id = `live-${node.id}`;
   for (const cls of node.classes || []) el.classList.add(cls);
   if (node.disabled) el.querySelectorAll("input, select, textarea, button").forEach((c) => { c.disabled = true; });
   return el;

@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ...memory import PRECISIONS, ActivationMeter, MemorySetup, activation_bytes, saved_per_microbatch, state_bytes
+from ...memory_model import PRECISIONS, MemorySetup, activation_bytes, saved_per_microbatch, state_bytes
+from ...meter import ActivationMeter
 from ...microbatch_size import LinearCost
 from ...models import mlp, regression_data
 from ...schedule import Action, Schedule, make_schedule, schedule_spec, validate
