@@ -92,7 +92,7 @@ def _peak_drawn(rng: random.Random) -> list[Case]:
 PEAK = Exercise("05.1", "Activation memory of each checkpoint mode", "peak_activations", 3,
                 _peak_shown, _peak_hidden,
                 forbidden=("gpipe_ref.grading.exercises.ex05_rematerialization.measured_peaks",
-                           "gpipe_ref.memory.activation_bytes", "gpipe_ref.memory.memory_anatomy",
+                           "gpipe_ref.memory_model.activation_bytes", "gpipe_ref.memory_model.memory_anatomy",
                            "gpipe_ref.memory.measure_anatomy"), category="derive", drawn=_peak_drawn)
 
 # -- 05.2 a checkpointed stage forward -------------------------------------------------------------------------
@@ -219,7 +219,7 @@ HELD = Exercise(
              _held_case("interleaved_1f1b", 3, 2, 2, v=3), _order_case("0F0 0B0 0F1 0F2 0B1 0F3 0B3 0B2"),
              _order_case("0F0 0F1 0B0 0W0 0F2 0F3 0B1 0B2 0W2 0W1 0B3 0W3")],
     forbidden=("gpipe_ref.simulator.simulate", "gpipe_ref.simulator.place", "gpipe_ref.timeline.Timeline.in_flight",
-               "gpipe_ref.timeline.Timeline.peak_in_flight", "gpipe_ref.memory.microbatches_in_flight"),
+               "gpipe_ref.timeline.Timeline.peak_in_flight", "gpipe_ref.memory_model.microbatches_in_flight"),
     category="debug", drawn=_held_drawn)
 
 # -- 05.4 a design under a memory budget and a step-time target ---------------------------------------------------
