@@ -67,8 +67,13 @@ __all__ = ["RankError", "launch", "default_backend", "free_port", "init_from_env
            "rank_start_method", "ranks_run_inside"]
 
 _POSIX = os.name == "posix"  # process groups, SIGUSR1 stack dumps
-# What the process server imports once, before it forks any rank: nothing here may touch CUDA.
-_PRELOAD = ["torch", "torch.distributed", "gpipe_ref.distributed"]
+# What the process server imports once, before it forks any rank: nothing here may touch CUDA. The package root
+# imports these lazily (gpipe_ref.lazy); the server loads them all, so that ranks start as alike as they did when the
+# root imported them eagerly (a rank importing them itself after the fork starts later than its peers).
+_PRELOAD = ["torch", "torch.distributed", "gpipe_ref.distributed", "gpipe_ref.distributed.data_parallel",
+            "gpipe_ref.distributed.pipeline_parallel", "gpipe_ref.distributed.tensor_parallel",
+            "gpipe_ref.distributed.zero", "gpipe_ref.pipeline", "gpipe_ref.partition", "gpipe_ref.batchnorm",
+            "gpipe_ref.meter"]
 _PICKLE_LOCK = threading.Lock()  # cloudpickle's by-value registry is process-wide
 _RANK_CONTEXTS: list = []  # entered around fn in every rank launched meanwhile, from any thread (ranks_run_inside)
 _GRACE = 1.0  # seconds to wait, after a first failure, for an earlier death to show
