@@ -19,6 +19,7 @@ def _returns_at_once(rank: int, world: int) -> int:
 def _forked_rank(rank: int, world: int, port: int, writer) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.barrier()  # as launch does: no rank leaves while a peer is still connecting
     writer.send(rank)
     dist.destroy_process_group()
 
@@ -76,12 +77,9 @@ def launch_cases(quick: bool) -> list[dict]:
 
     repeats = 5 if quick else 15
     code = f"import json; from gpipe_ref.bench import launch_timings; print(json.dumps(launch_timings(2, {repeats})))"
-    for attempt in (1, 2):  # a second try when gloo's start-up between the two ranks fails (a known race, issue 45)
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-        if done.returncode == 0:
-            break
-        if attempt == 2:
-            raise RuntimeError(f"launch_timings exited {done.returncode} twice; last stderr:\n{done.stderr[-2000:]}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"launch_timings exited {done.returncode}; its stderr:\n{done.stderr[-2000:]}")
     timings = json_module.loads(done.stdout.strip().splitlines()[-1])
     config = {"ranks": 2, "backend": "gloo", "rank function": "returns at once"}
     later = result_row("launch, a later call", config, timings["later"], None)
