@@ -232,9 +232,7 @@ def _child(packed, environ, rank, world_size, backend, port, timeout, writer, st
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
-        # gloo's init returns on a rank once its own pairs are up, not its peers': a rank whose function
-        # ends at once could close a pair a slower peer is still connecting. Nobody starts until all are in.
-        dist.barrier()
+        dist.barrier()  # init returns once this rank's pairs are up: no rank leaves while a peer still connects
         with contextlib.ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context)
