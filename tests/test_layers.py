@@ -19,8 +19,9 @@ PACKAGE = ROOT / "gpipe_ref"
 LAYERS = [
     # sharding: the bytes each tensor-parallel collective moves, closed forms the library's layers also count
     # lazy: PEP 562 names for the package roots; ring_steps: the ring all-reduce's chunk order, without torch
+    # comm_model: the alpha-beta cost of messages and collectives, without torch
     ("foundations", ["checks", "lazy", "microbatch", "devices", "models", "measure", "meter", "sharding",
-                     "model_states", "ring_steps"]),
+                     "model_states", "ring_steps", "comm_model"]),
     ("schedules", ["schedule", "schedule.*"]),
     ("timelines", ["events", "timeline", "chrome_trace", "simulator"]),
     ("stages", ["stage_costs", "partition", "batchnorm", "split_backward", "lean_stage", "stage_ops",
