@@ -8,9 +8,22 @@ import random
 
 import pytest
 
-from gpipe_ref.comm_model import (ALGORITHMS, BUS_FACTORS, Link, Message, all_gather_time, all_reduce_rounds,
-                                  all_reduce_time, bucket_all_reduces, bus_bandwidth, crossover_bytes, fit_link,
-                                  hierarchical_all_reduce_time, rounds_time, run_rounds)
+from gpipe_ref.comm_model import (
+    ALGORITHMS,
+    BUS_FACTORS,
+    Link,
+    Message,
+    all_gather_time,
+    all_reduce_rounds,
+    all_reduce_time,
+    bucket_all_reduces,
+    bus_bandwidth,
+    crossover_bytes,
+    fit_link,
+    hierarchical_all_reduce_time,
+    rounds_time,
+    run_rounds,
+)
 
 WORLDS = {"ring": range(1, 17), "tree": range(1, 17), "halving_doubling": (1, 2, 4, 8, 16, 32)}
 

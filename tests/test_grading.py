@@ -51,7 +51,7 @@ def _planted_everywhere() -> set[str]:
 
 def test_every_exercise_has_a_planted_wrong_answer():
     assert len(EXERCISES) >= 21
-    assert list(NOTEBOOKS) == [p.stem for p in sorted(SOLUTIONS.glob("0*.ipynb"))]
+    assert list(NOTEBOOKS) == [p.stem for p in sorted(SOLUTIONS.glob("[0-9][0-9]_*.ipynb"))]
     assert _planted_everywhere() == set(EXERCISES), "every exercise needs a planted wrong answer"
 
 
@@ -245,7 +245,7 @@ def test_compare_copes_with_any_result():
                 if reason is None:
                     passed.append((ex.id, value))
     allowed = {("07.3", "None"), ("03.2", "(1, 2, 3)"), ("06.5", "None"), ("08.2", "None"), ("04.5", "None"),
-               ("05.4", "None")}  # None: nothing fits
+               ("05.4", "None"), ("10.2", "[]")}  # None: nothing fits; []: one rank needs no round
     assert {(ex_id, str(value)) for ex_id, value in passed} <= allowed, passed
 
 

@@ -33,6 +33,7 @@ EQUIVALENT = {
     "07.3 8:48 1 -> 2": "pp = gpus // tp + 1 never divides gpus // tp",
     "07.3 9:16 // -> /": "tp divides the GPUs (checked above), so / and // give the same whole number",
     "07.3 16:47 < -> <=": "ties: the exercise accepts any fitting layout as fast as the fastest",
+    "10.2 11:43 < -> <=": "a rank is never its own partner (the distance is at least 1), so < and <= agree",
 }
 
 

@@ -15,7 +15,8 @@ from website.text_layout import TABLE_WIDTH, is_table, output_text
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 COURSE = ["00_welcome", "01_data_parallel", "02_tensor_parallel", "03_model_parallel", "04_gpipe",
-          "05_rematerialization", "06_pipedream", "07_beyond", "08_zero", "09_v_schedules"]
+          "05_rematerialization", "06_pipedream", "07_beyond", "08_zero", "09_v_schedules",
+          "10_communication"]
 
 
 def test_course_notebooks_exist():

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers, readers and tests/
     from .balance import BalanceExplorer, balance_explorer
     from .base import Dashboard, schedule_choices
     from .bubble import BubbleExplorer, bubble_explorer, explorer_cost_model
+    from .collectives import CollectiveExplorer, collective_explorer
     from .memory import MemoryExplorer, memory_explorer
     from .planner import PlannerExplorer, planner_explorer
     from .playground import SchedulePlayground, schedule_playground
@@ -35,6 +36,7 @@ LAZY = {
     "ShardingExplorer": "sharding", "sharding_explorer": "sharding",
     "BalanceExplorer": "balance", "balance_explorer": "balance",
     "MemoryExplorer": "memory", "memory_explorer": "memory",
+    "CollectiveExplorer": "collectives", "collective_explorer": "collectives",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, LAZY, globals())
@@ -50,4 +52,5 @@ __all__ = [
     "BalanceExplorer", "balance_explorer",
     "MicrobatchChooser", "microbatch_chooser",
     "MemoryExplorer", "memory_explorer",
+    "CollectiveExplorer", "collective_explorer",
 ]

@@ -13,6 +13,7 @@ from . import (
     ex07_beyond,
     ex08_zero,
     ex09_v_schedules,
+    ex10_communication,
 )
 
 __all__ = ["EXERCISES", "NOTEBOOKS", "exercise"]
@@ -27,6 +28,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
     "07_beyond": ex07_beyond.EXERCISES,
     "08_zero": ex08_zero.EXERCISES,
     "09_v_schedules": ex09_v_schedules.EXERCISES,
+    "10_communication": ex10_communication.EXERCISES,
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 
