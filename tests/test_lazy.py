@@ -1,5 +1,5 @@
 """gpipe_ref.lazy and the torch-free core it makes possible: the package root and gpipe_ref.widgets import the
-torch-backed names on first use, so the schedules, the simulator, the pictures and eight explorers import and run
+torch-backed names on first use, so the schedules, the simulator, the pictures and nine explorers import and run
 with torch, numpy and matplotlib all blocked (the website runs them in the reader's browser, issue 47)."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ print(repr((moved, sorted(m for m in sys.modules if m.partition(".")[0] in BLOCK
 """
 
 
-def test_the_core_and_eight_explorers_run_with_torch_numpy_and_matplotlib_blocked():
+def test_the_core_and_nine_explorers_run_with_torch_numpy_and_matplotlib_blocked():
     code = f"MODULES = {TORCH_FREE_MODULES!r}\nTESTS = {str(ROOT / 'tests')!r}\n" + BLOCKED_RUN
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
