@@ -99,7 +99,7 @@ def test_the_notation_table_covers_the_letters_and_every_notebook_links_it():
     symbols = re.findall(r"^\| ((?:\$[^$]+\$(?:, )?)+) \|", table, re.M)
     letters = [s for group in symbols for s in re.findall(r"\$([^$]+)\$", group)]
     assert {"p", "m", "v", "b", "B", "N", "K", "s"} <= set(letters)
-    notebooks = sorted((ROOT / "notebooks").glob("0*.ipynb"))
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     math = " ".join(" ".join(re.findall(r"\$([^$]+)\$", "".join(c["source"]))) for path in notebooks
                     for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
     math = math.replace("Ψ", "\\Psi") + (" \\Psi" if any("Ψ" in path.read_text() for path in notebooks) else "")

@@ -77,13 +77,15 @@ def _bucket_case(label: str, backward: Backward) -> Case:
         plan = answer(list(backward.ready), list(backward.nbytes), backward.link, backward.world_size)
         if not isinstance(plan, (list, tuple)):
             return short_repr(plan)
-        return [list(b) if isinstance(b, (list, tuple)) else short_repr(b) for b in plan]
+        return [list(b) if isinstance(b, (list, tuple, range)) else short_repr(b) for b in plan]
 
     def compare(actual, expected):
         least, best = expected
         if not isinstance(actual, list) or not all(isinstance(b, list) for b in actual):
             return f"expected a list of buckets, each a list of gradient indices, got {short_repr(actual)}"
         flat = [i for bucket in actual for i in bucket]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in flat):
+            return f"expected gradient indices as ints, got {short_repr(actual)}"
         if any(not bucket for bucket in actual):
             return "a bucket is empty: every bucket is one all-reduce of at least one gradient"
         if flat != list(range(count)):
@@ -140,9 +142,6 @@ BUCKET_PLAN = Exercise(
 
 # -- 10.2 build: the halving-doubling all-reduce as rounds ---------------------------------------------------------
 
-_PROBE = Link(alpha=1.0, beta=1.0)  # 1 s per round, 1 s per byte: the rounds and the bytes read off the time
-
-
 def _rounds_case(n: int) -> Case:
     def run(answer):
         rounds = answer(n)
@@ -162,8 +161,9 @@ def _rounds_case(n: int) -> Case:
             return f"expected a list of rounds, each a list of Message(src, dst, chunks, reduce), got {actual}"
         rounds = []
         for number, messages in enumerate(actual):
-            if not isinstance(messages, list):
-                return f"round {number}: expected a list of Message, got {short_repr(messages)}"
+            if not isinstance(messages, list) or not messages:
+                return (f"round {number}: expected a non-empty list of Message (a round with no message costs no "
+                        f"latency and is not a round), got {short_repr(messages)}")
             parsed = []
             for m in messages:
                 ok = (isinstance(m, list) and len(m) == 4 and isinstance(m[2], list) and isinstance(m[3], bool)
