@@ -29,6 +29,7 @@ LAYERS = [
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staged_trainer", "staleness", "planner", "memory_model", "memory", "playground",
+                            "long_context", "moe_balance",
                             "microbatch_size", "parallel_axes"]),
     ("pictures", ["svg", "timeline_bars", "timeline_svg", "viz", "figures", "loss_curves", "backward_overlap",
                   "bucket_overlap", "placement", "widgets", "widgets.*"]),

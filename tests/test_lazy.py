@@ -1,5 +1,5 @@
 """gpipe_ref.lazy and the torch-free core it makes possible: the package root and gpipe_ref.widgets import the
-torch-backed names on first use, so the schedules, the simulator, the pictures and nine explorers import and run
+torch-backed names on first use, so the schedules, the simulator, the pictures and ten explorers import and run
 with torch, numpy and matplotlib all blocked (the website runs them in the reader's browser, issue 47)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from gpipe_ref.lazy import lazy_names
 
 TORCH_FREE_MODULES = ("gpipe_ref", "gpipe_ref.widgets", "gpipe_ref.schedule", "gpipe_ref.simulator",
                       "gpipe_ref.timeline", "gpipe_ref.timeline_svg", "gpipe_ref.placement", "gpipe_ref.planner",
-                      "gpipe_ref.ring_steps", "gpipe_ref.comm_model", "gpipe_ref.stage_costs", "gpipe_ref.memory_model",
+                      "gpipe_ref.ring_steps", "gpipe_ref.comm_model", "gpipe_ref.long_context", "gpipe_ref.moe_balance",
+                      "gpipe_ref.stage_costs", "gpipe_ref.memory_model",
                       "gpipe_ref.microbatch_size", "gpipe_ref.sharding", "gpipe_ref.viz")
 
 BLOCKED_RUN = """
@@ -54,7 +55,7 @@ print(repr((moved, sorted(m for m in sys.modules if m.partition(".")[0] in BLOCK
 """
 
 
-def test_the_core_and_nine_explorers_run_with_torch_numpy_and_matplotlib_blocked():
+def test_the_core_and_ten_explorers_run_with_torch_numpy_and_matplotlib_blocked():
     code = f"MODULES = {TORCH_FREE_MODULES!r}\nTESTS = {str(ROOT / 'tests')!r}\n" + BLOCKED_RUN
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -34,6 +34,8 @@ EQUIVALENT = {
     "07.3 9:16 // -> /": "tp divides the GPUs (checked above), so / and // give the same whole number",
     "07.3 16:47 < -> <=": "ties: the exercise accepts any fitting layout as fast as the fastest",
     "10.2 11:43 < -> <=": "a rank is never its own partner (the distance is at least 1), so < and <= agree",
+    "11.1 4:12 // -> /": "the zig-zag split needs 2 cp chunks, so cp divides every case's sequence",
+    "11.2 6:79 // -> /": "ranks divide the experts in every case (each rank holds E / ep), so / and // agree",
 }
 
 

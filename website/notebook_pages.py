@@ -35,7 +35,8 @@ SECTION_LINK = re.compile(r"\]\(((?:\.\./notebooks/)?(?:\d\d_[a-z_]+\.ipynb)?)#(
 WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab: <code>make lab</code>"
 # The explorers the page can run (website/live/bridge.py's list: their logic is pure Python)
 LIVE_EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer", "ring_explorer",
-                  "balance_explorer", "microbatch_chooser", "memory_explorer", "collective_explorer")
+                  "balance_explorer", "microbatch_chooser", "memory_explorer", "collective_explorer",
+                  "context_explorer")
 # The explorers the page cannot run, and why, said under their saved view
 NOT_LIVE = {"staleness_explorer": "it trains a model with torch, which the page cannot run: live in JupyterLab only"}
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers, readers and tests/
     from .base import Dashboard, schedule_choices
     from .bubble import BubbleExplorer, bubble_explorer, explorer_cost_model
     from .collectives import CollectiveExplorer, collective_explorer
+    from .context import ContextExplorer, context_explorer
     from .memory import MemoryExplorer, memory_explorer
     from .planner import PlannerExplorer, planner_explorer
     from .playground import SchedulePlayground, schedule_playground
@@ -37,6 +38,7 @@ LAZY = {
     "BalanceExplorer": "balance", "balance_explorer": "balance",
     "MemoryExplorer": "memory", "memory_explorer": "memory",
     "CollectiveExplorer": "collectives", "collective_explorer": "collectives",
+    "ContextExplorer": "context", "context_explorer": "context",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, LAZY, globals())
@@ -53,4 +55,5 @@ __all__ = [
     "MicrobatchChooser", "microbatch_chooser",
     "MemoryExplorer", "memory_explorer",
     "CollectiveExplorer", "collective_explorer",
+    "ContextExplorer", "context_explorer",
 ]

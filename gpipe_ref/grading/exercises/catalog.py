@@ -14,6 +14,7 @@ from . import (
     ex08_zero,
     ex09_v_schedules,
     ex10_communication,
+    ex11_long_context_moe,
 )
 
 __all__ = ["EXERCISES", "NOTEBOOKS", "exercise"]
@@ -29,6 +30,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
     "08_zero": ex08_zero.EXERCISES,
     "09_v_schedules": ex09_v_schedules.EXERCISES,
     "10_communication": ex10_communication.EXERCISES,
+    "11_long_context_moe": ex11_long_context_moe.EXERCISES,
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 
