@@ -2,7 +2,7 @@
 
 Each splits one long sequence over ``cp`` ranks and differs in what crosses between them (Liu et al. 2023, "Ring
 Attention"; Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.2: all-gather of the keys and values, zig-zag
-chunks; Jacobs et al. 2023, "DeepSpeed Ulysses": all-to-all from sequence shards to head shards and back):
+chunks; Jacobs et al. 2023, "DeepSpeed Ulysses", sec. 3.1: all-to-all from sequence shards to head shards and back):
 
 * ring: key and value blocks go round the ring, ``cp - 1`` hops, while each rank attends to the block it holds;
 * all-gather: every rank gathers the whole keys and values, then attends its queries to them;

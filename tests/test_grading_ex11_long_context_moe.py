@@ -144,3 +144,11 @@ def test_the_expected_sends_and_holdings_are_the_simulated_ranks():
         for method, run in (("all_gather", gathered), ("ulysses", ulysses)):
             form = cp_traffic(method, cp, 32, heads, kv_heads, 8)
             assert run.sent == [form.sent] * cp and run.kv_held == [form.kv_held] * cp
+
+
+def test_the_placement_target_is_the_greedy_rules_worst_tie_break():
+    """A learner who breaks ties towards the rank with more free slots reaches 13 here, the lowest rank 12: both
+    follow the stated rule, so both pass."""
+    from gpipe_ref.grading.exercises.ex11_long_context_moe import greedy_busiest
+
+    assert greedy_busiest([2, 2, 1, 5, 1, 5, 6, 2], 2) == 13

@@ -1,23 +1,26 @@
 """Exercises for notebook 11: what each context-parallel method sends and holds (Dubey et al. 2024, sec. 3.3.2;
-Jacobs et al. 2023), experts placed on ranks against the all-to-all's tail (Graham 1969), Switch's auxiliary loss
-fixed (Fedus et al. 2022, sec. 2.2)."""
+Jacobs et al. 2023, sec. 3.1), experts placed on ranks against the all-to-all's tail (Graham 1969), Switch's
+auxiliary loss fixed (Fedus et al. 2022, sec. 2.2)."""
 
 from __future__ import annotations
 
 import math
+import numbers
 import random
 
 from ...long_context import CP_METHODS, cp_traffic
-from ...moe_balance import greedy_placement, rank_loads
+from ...moe_balance import rank_loads
 from ..cases import Case, Exercise
 from ..judge import short_repr
 from .common import dict_or_type, gradient_gap
 
-__all__ = ["BROKEN_AUX_LOSS", "EXERCISES", "FIX_AUX_LOSS", "PLACE_EXPERTS", "PREDICT_CP"]
+__all__ = ["BROKEN_AUX_LOSS", "EXERCISES", "FIX_AUX_LOSS", "PLACE_EXPERTS", "PREDICT_CP", "TIE_BREAKS",
+           "greedy_busiest"]
 
 
 def _number(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a float when it is a finite real number (numpy's and Fraction too), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:
         value = float(value)
@@ -44,8 +47,8 @@ def _cp_case(method: str, cp: int, seq: int, heads: int, kv_heads: int, head_dim
             if yours is None:
                 return f"{key}: expected a finite number of elements, got {short_repr(actual[key])}"
             if not math.isclose(yours, wanted[key], rel_tol=1e-9):
-                return (f"{method}, {key}: you predicted {yours:.6g} elements per rank; the simulated ranks "
-                        f"{'send' if key == 'sent' else 'hold'} {wanted[key]:.6g}")
+                return (f"{method}, {key}: you predicted {yours:.6g} elements per rank; the closed form (tested "
+                        f"against the simulated ranks) gives {wanted[key]:.6g}")
         return None
 
     label = f"{method}, cp={cp}, seq={seq}, heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}"
@@ -75,17 +78,36 @@ PREDICT_CP = Exercise(
 # -- 11.2 design: experts placed on ranks -----------------------------------------------------------------------------
 
 
+TIE_BREAKS = {  # which of the least loaded ranks with a free slot takes the expert
+    "lowest rank": lambda r, free: r, "highest rank": lambda r, free: -r,
+    "most free slots": lambda r, free: -free, "fewest free slots": lambda r, free: free}
+
+
+def greedy_busiest(loads: list[int], ranks: int) -> int:
+    """The busiest rank's tokens under the greedy rule (heaviest expert first, on the least loaded rank with a free
+    slot), the worst over the usual ways to break ties: the target any such placement meets."""
+    worst = 0
+    for tie_break in TIE_BREAKS.values():
+        slots, totals = [len(loads) // ranks] * ranks, [0] * ranks
+        for expert in sorted(range(len(loads)), key=lambda e: -loads[e]):
+            rank = min((r for r in range(ranks) if slots[r]), key=lambda r: (totals[r], tie_break(r, slots[r])))
+            slots[rank], totals[rank] = slots[rank] - 1, totals[rank] + loads[expert]
+        worst = max(worst, max(totals))
+    return worst
+
+
 def _placement_case(label: str, loads: list[int], ranks: int) -> Case:
     experts = len(loads)
 
     def expected():
-        return max(rank_loads(loads, greedy_placement(loads, ranks), ranks))
+        return greedy_busiest(loads, ranks)
 
     def compare(actual, greedy_busiest):
-        if not isinstance(actual, list) or len(actual) != experts:
+        if not isinstance(actual, (list, tuple)) or len(actual) != experts:
             return f"expected a list of {experts} ranks, one per expert, got {short_repr(actual)}"
-        if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < ranks for r in actual):
+        if not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r < ranks for r in actual):
             return f"every entry must be a rank from 0 to {ranks - 1}, got {short_repr(actual)}"
+        actual = [int(r) for r in actual]
         counts = [actual.count(r) for r in range(ranks)]
         if counts != [experts // ranks] * ranks:
             return (f"each rank holds {experts // ranks} experts (memory is the same on every rank), yours hold "
@@ -117,7 +139,9 @@ PLACE_EXPERTS = Exercise(
              _placement_case("a giant", [5000, 1, 1, 1, 1, 1, 1, 1], 4),
              _placement_case("64 experts on 8 ranks", [int(1000 / (k + 1)) for k in range(64)], 8),
              _placement_case("ascending loads", list(range(1, 17)), 4)],
-    forbidden=("gpipe_ref.moe_balance.greedy_placement",), category="design", drawn=_placement_drawn)
+    forbidden=("gpipe_ref.moe_balance.greedy_placement",
+               "gpipe_ref.grading.exercises.ex11_long_context_moe.greedy_busiest"),
+    category="design", drawn=_placement_drawn)
 
 # -- 11.3 find the bug: Switch's auxiliary loss -----------------------------------------------------------------------
 
