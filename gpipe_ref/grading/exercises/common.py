@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from ... import schedule
 from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, generators, v_schedules, validate
 from ..judge import short_repr
 
-__all__ = ["dict_or_type", "gradient_gap", "judge_one_stage_per_device", "schedule_generators"]
+__all__ = ["dict_or_type", "finite_number", "gradient_gap", "judge_one_stage_per_device", "schedule_generators"]
 
 
 def schedule_generators() -> tuple[str, ...]:
@@ -62,3 +65,14 @@ def gradient_gap(yours, one_device, atol: float = 1e-7) -> str | None:
 def dict_or_type(value) -> str:
     """What a learner's value is, for feedback: a dict's keys, else its type's name."""
     return f"a dict with the keys {sorted(value, key=str)}" if isinstance(value, dict) else type(value).__name__
+
+
+def finite_number(value) -> float | None:
+    """``value`` as a float when it is a finite real number (numpy's and Fraction too, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None

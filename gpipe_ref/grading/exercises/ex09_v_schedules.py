@@ -11,7 +11,7 @@ from ...schedule import Action, Schedule, ScheduleError, dualpipe_v, v_placement
 from ...simulator import CostModel, simulate
 from ..cases import Case, Exercise
 from ..judge import short_repr
-from .common import dict_or_type, schedule_generators
+from .common import dict_or_type, finite_number, schedule_generators
 
 __all__ = ["EXERCISES", "IDLE_WHERE", "PREDICT_DUALPIPE_V", "V_COST", "V_WARMUP", "W_HEAVY_COST",
            "dualpipe_v_measured", "idle_where_measured", "spliced_zero_bubble_v", "warmup_of"]
@@ -24,17 +24,6 @@ def warmup_of(schedule: Schedule, device: int) -> list[Action]:
     order = schedule.per_device[device]
     first_b = next((i for i, a in enumerate(order) if a.op != "F"), len(order))
     return list(order[:first_b])
-
-
-def _number(value) -> float | None:
-    """``value`` as a float when it is a finite plain number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
 
 
 def _tokens(actions, limit: int = 24) -> str:
@@ -185,7 +174,7 @@ def _dualpipe_case(p: int, m: int) -> Case:
         if not isinstance(actual, dict) or set(actual) != set(PREDICTED):
             return f"expected a dict with the keys {sorted(PREDICTED)}, got {dict_or_type(actual)}"
         for key in PREDICTED:
-            yours, wanted = _number(actual[key]), expected[key]
+            yours, wanted = finite_number(actual[key]), expected[key]
             if yours is None:
                 return f"{key}: expected a finite number, got {short_repr(actual[key])}"
             if not math.isclose(yours, wanted, rel_tol=1e-9, abs_tol=1e-12):
@@ -245,7 +234,7 @@ def _idle_case(p: int, m: int) -> Case:
             if not isinstance(rows, (list, tuple)) or len(rows) != p:
                 return f"{name}: expected a list of p = {p} (before, between, after) tuples, got {short_repr(rows)}"
             for d, (row, measured) in enumerate(zip(rows, expected[name])):
-                values = [_number(x) for x in row] if isinstance(row, (list, tuple)) and len(row) == 3 else [None]
+                values = [finite_number(x) for x in row] if isinstance(row, (list, tuple)) and len(row) == 3 else [None]
                 if None in values:
                     return f"{name}, device {d}: expected a tuple of 3 finite numbers (before, between, after), " \
                            f"got {short_repr(row)}"

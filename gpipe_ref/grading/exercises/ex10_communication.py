@@ -10,21 +10,10 @@ import random
 from ...comm_model import Link, Message, all_gather_time, all_reduce_time, bucket_all_reduces, rounds_time, run_rounds
 from ..cases import Case, Exercise
 from ..judge import short_repr
-from .common import dict_or_type
+from .common import dict_or_type, finite_number
 
 __all__ = ["BUCKET_PLAN", "BUILD_HALVING_DOUBLING", "PREDICT_FSDP_STEP", "EXERCISES", "Backward", "exposed_time",
            "fsdp_step_cost", "least_exposed_time"]
-
-
-def _number(value) -> float | None:
-    """``value`` as a float when it is a finite plain number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
 
 
 # -- 10.1 design: DDP's buckets for a backward ---------------------------------------------------------------------
@@ -234,7 +223,7 @@ def _fsdp_case(psi: int, n: int, reshard: bool, param_bytes: int, alpha: float, 
         if not isinstance(actual, dict) or set(actual) != set(FSDP_KEYS):
             return f"expected a dict with the keys {sorted(FSDP_KEYS)}, got {dict_or_type(actual)}"
         for key in FSDP_KEYS:
-            yours = _number(actual[key])
+            yours = finite_number(actual[key])
             if yours is None:
                 return f"{key}: expected a finite number, got {short_repr(actual[key])}"
             if not math.isclose(yours, expected[key], rel_tol=1e-6, abs_tol=1e-12):

@@ -12,21 +12,10 @@ from ...long_context import CP_METHODS, cp_traffic
 from ...moe_balance import rank_loads
 from ..cases import Case, Exercise
 from ..judge import short_repr
-from .common import dict_or_type, gradient_gap
+from .common import dict_or_type, finite_number, gradient_gap
 
 __all__ = ["BROKEN_AUX_LOSS", "EXERCISES", "FIX_AUX_LOSS", "PLACE_EXPERTS", "PREDICT_CP", "TIE_BREAKS",
            "greedy_busiest"]
-
-
-def _number(value) -> float | None:
-    """``value`` as a float when it is a finite real number (numpy's and Fraction too), not a bool."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
 
 
 # -- 11.1 predict: what each context-parallel method sends and holds --------------------------------------------------
@@ -43,7 +32,7 @@ def _cp_case(method: str, cp: int, seq: int, heads: int, kv_heads: int, head_dim
         if not isinstance(actual, dict) or set(actual) != set(CP_KEYS):
             return f"expected a dict with the keys {sorted(CP_KEYS)}, got {dict_or_type(actual)}"
         for key in CP_KEYS:
-            yours = _number(actual[key])
+            yours = finite_number(actual[key])
             if yours is None:
                 return f"{key}: expected a finite number of elements, got {short_repr(actual[key])}"
             if not math.isclose(yours, wanted[key], rel_tol=1e-9):
