@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Callable, Sequence
 
 from ... import schedule
 from ...schedule import SCHEDULES, Action, Schedule, ScheduleError, generators, v_schedules, validate
 from ..judge import short_repr
 
-__all__ = ["dict_or_type", "finite_number", "gradient_gap", "judge_one_stage_per_device", "schedule_generators"]
+__all__ = ["dict_or_type", "finite_number", "gradient_gap", "judge_one_stage_per_device", "numbers_gap",
+           "schedule_generators"]
 
 
 def schedule_generators() -> tuple[str, ...]:
@@ -76,3 +78,18 @@ def finite_number(value) -> float | None:
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
+
+
+def numbers_gap(actual, expected: dict, keys: Sequence[str], mismatch: Callable[[str, float, float], str],
+                rel_tol: float = 1e-9, abs_tol: float = 0.0, unit: str = "a finite number") -> str | None:
+    """None when ``actual`` is a dict of exactly ``keys``, each a finite number close to ``expected``'s; else the
+    first reason: the keys, a value that is not ``unit``, or ``mismatch(key, yours, wanted)``."""
+    if not isinstance(actual, dict) or set(actual) != set(keys):
+        return f"expected a dict with the keys {sorted(keys)}, got {dict_or_type(actual)}"
+    for key in keys:
+        yours, wanted = finite_number(actual[key]), expected[key]
+        if yours is None:
+            return f"{key}: expected {unit}, got {short_repr(actual[key])}"
+        if not math.isclose(yours, wanted, rel_tol=rel_tol, abs_tol=abs_tol):
+            return mismatch(key, yours, wanted)
+    return None

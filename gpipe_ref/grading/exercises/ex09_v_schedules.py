@@ -11,7 +11,7 @@ from ...schedule import Action, Schedule, ScheduleError, dualpipe_v, v_placement
 from ...simulator import CostModel, simulate
 from ..cases import Case, Exercise
 from ..judge import short_repr
-from .common import dict_or_type, finite_number, schedule_generators
+from .common import dict_or_type, finite_number, numbers_gap, schedule_generators
 
 __all__ = ["EXERCISES", "IDLE_WHERE", "PREDICT_DUALPIPE_V", "V_COST", "V_WARMUP", "W_HEAVY_COST",
            "dualpipe_v_measured", "idle_where_measured", "spliced_zero_bubble_v", "warmup_of"]
@@ -171,15 +171,9 @@ def dualpipe_v_measured(p: int, m: int) -> dict[str, float]:
 
 def _dualpipe_case(p: int, m: int) -> Case:
     def compare(actual, expected):
-        if not isinstance(actual, dict) or set(actual) != set(PREDICTED):
-            return f"expected a dict with the keys {sorted(PREDICTED)}, got {dict_or_type(actual)}"
-        for key in PREDICTED:
-            yours, wanted = finite_number(actual[key]), expected[key]
-            if yours is None:
-                return f"{key}: expected a finite number, got {short_repr(actual[key])}"
-            if not math.isclose(yours, wanted, rel_tol=1e-9, abs_tol=1e-12):
-                return f"{key}: you predicted {yours:.6g}; {_SOURCES[key]} {wanted:.6g}"
-        return None
+        return numbers_gap(actual, expected, PREDICTED, abs_tol=1e-12,
+                           mismatch=lambda key, yours, wanted: f"{key}: you predicted {yours:.6g}; "
+                                                               f"{_SOURCES[key]} {wanted:.6g}")
 
     return Case(f"p={p} devices, m={m}", lambda answer: answer(p, m), lambda: dualpipe_v_measured(p, m),
                 compare=compare,

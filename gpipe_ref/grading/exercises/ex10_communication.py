@@ -10,7 +10,7 @@ import random
 from ...comm_model import Link, Message, all_gather_time, all_reduce_time, bucket_all_reduces, rounds_time, run_rounds
 from ..cases import Case, Exercise
 from ..judge import short_repr
-from .common import dict_or_type, finite_number
+from .common import numbers_gap
 
 __all__ = ["BUCKET_PLAN", "BUILD_HALVING_DOUBLING", "PREDICT_FSDP_STEP", "EXERCISES", "Backward", "exposed_time",
            "fsdp_step_cost", "least_exposed_time"]
@@ -220,16 +220,9 @@ def fsdp_step_cost(psi: int, world_size: int, reshard_after_forward: bool, param
 
 def _fsdp_case(psi: int, n: int, reshard: bool, param_bytes: int, alpha: float, beta: float) -> Case:
     def compare(actual, expected):
-        if not isinstance(actual, dict) or set(actual) != set(FSDP_KEYS):
-            return f"expected a dict with the keys {sorted(FSDP_KEYS)}, got {dict_or_type(actual)}"
-        for key in FSDP_KEYS:
-            yours = finite_number(actual[key])
-            if yours is None:
-                return f"{key}: expected a finite number, got {short_repr(actual[key])}"
-            if not math.isclose(yours, expected[key], rel_tol=1e-6, abs_tol=1e-12):
-                return (f"{key}: you predicted {yours:.6g}; the formula of notebook 10, section 6 gives "
-                        f"{expected[key]:.6g}")
-        return None
+        return numbers_gap(actual, expected, FSDP_KEYS, rel_tol=1e-6, abs_tol=1e-12,
+                           mismatch=lambda key, yours, wanted: f"{key}: you predicted {yours:.6g}; the formula of "
+                                                               f"notebook 10, section 6 gives {wanted:.6g}")
 
     label = (f"psi={psi}, {n} ranks, reshard_after_forward={reshard}, {param_bytes}-byte gathers, "
              f"alpha={alpha:g} s, beta={beta:g} s/B")

@@ -4,7 +4,6 @@ auxiliary loss fixed (Fedus et al. 2022, sec. 2.2)."""
 
 from __future__ import annotations
 
-import math
 import numbers
 import random
 
@@ -12,7 +11,7 @@ from ...long_context import CP_METHODS, cp_traffic
 from ...moe_balance import rank_loads
 from ..cases import Case, Exercise
 from ..judge import short_repr
-from .common import dict_or_type, finite_number, gradient_gap
+from .common import dict_or_type, gradient_gap, numbers_gap
 
 __all__ = ["BROKEN_AUX_LOSS", "EXERCISES", "FIX_AUX_LOSS", "PLACE_EXPERTS", "PREDICT_CP", "TIE_BREAKS",
            "greedy_busiest"]
@@ -28,17 +27,11 @@ def _cp_case(method: str, cp: int, seq: int, heads: int, kv_heads: int, head_dim
         traffic = cp_traffic(method, cp, seq, heads, kv_heads, head_dim)
         return {"sent": traffic.sent, "kv_held": traffic.kv_held}
 
-    def compare(actual, wanted):
-        if not isinstance(actual, dict) or set(actual) != set(CP_KEYS):
-            return f"expected a dict with the keys {sorted(CP_KEYS)}, got {dict_or_type(actual)}"
-        for key in CP_KEYS:
-            yours = finite_number(actual[key])
-            if yours is None:
-                return f"{key}: expected a finite number of elements, got {short_repr(actual[key])}"
-            if not math.isclose(yours, wanted[key], rel_tol=1e-9):
-                return (f"{method}, {key}: you predicted {yours:.6g} elements per rank; the closed form (tested "
-                        f"against the simulated ranks) gives {wanted[key]:.6g}")
-        return None
+    def compare(actual, expected):
+        return numbers_gap(actual, expected, CP_KEYS, unit="a finite number of elements",
+                           mismatch=lambda key, yours, wanted: f"{method}, {key}: you predicted {yours:.6g} elements "
+                                                               f"per rank; the closed form (tested against the "
+                                                               f"simulated ranks) gives {wanted:.6g}")
 
     label = f"{method}, cp={cp}, seq={seq}, heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}"
     return Case(label, lambda answer: answer(method, cp, seq, heads, kv_heads, head_dim), expected, compare=compare,
