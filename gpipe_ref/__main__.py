@@ -170,7 +170,7 @@ def _staleness(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .distributed.launch import under_torchrun
+    from .distributed.torchrun import under_torchrun
     from .distributed.train import config_from_args, train, train_reference
 
     config = config_from_args(args).check()

@@ -2,8 +2,11 @@
 
 The model counts the model states' bytes per parameter by precision and ZeRO stage (``model_states``; Rajbhandari
 et al. 2020, sec. 3.1 and 5) and the activations a stage holds under a schedule (the registry's peak, GPipe: Huang
-et al. 2019, sec. 2.3; 1F1B: Narayanan et al. 2021, sec. 2.2). Arithmetic only, no torch (the website's memory
-explorer runs it in the reader's browser); :mod:`gpipe_ref.memory` measures the same quantities on a real step.
+et al. 2019, sec. 2.3; 1F1B: Narayanan et al. 2021, sec. 2.2); what offloading moves to the host, and the bytes
+that cross per step (ZeRO-Offload, Ren et al. 2021, sec. 3.5 and 4.1; activations saved on the host, torch's
+``save_on_cpu``); activations cached in FP8 (DeepSeek-V3, 2024, sec. 3.3.3). Arithmetic only, no torch (the
+website's memory explorer runs it in the reader's browser); :mod:`gpipe_ref.memory` measures the same quantities on
+a real step, :mod:`gpipe_ref.offload` the offloaded optimizer's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from .schedule import schedule_names, schedule_spec
 
 __all__ = ["CATEGORIES", "memory_schedules", "RECOMPUTE_MODES", "ZERO_STAGES", "Precision", "PRECISIONS",
            "MemorySetup", "DeviceMemory", "block_parameters", "stage_parameters", "sharded_parameters",
-           "state_bytes", "saved_per_microbatch", "microbatches_in_flight", "activation_bytes", "memory_anatomy"]
+           "state_bytes", "saved_per_microbatch", "microbatches_in_flight", "activation_bytes", "memory_anatomy",
+           "host_bytes", "host_traffic", "activation_element_bytes"]
 
 
 # -- The memory anatomy: what one device holds, by category --------------------------------------------------------
@@ -46,7 +50,14 @@ class MemorySetup:
     ``microbatches`` per data-parallel replica), the pipeline ``schedule``, ``recompute`` ("never", or "always":
     keep only each stage's input per micro-batch), ``precision`` ("fp32" or "mixed" bf16) and ``zero_stage``
     (0: every data-parallel rank keeps all its stage's model states; 1, 2, 3: ZeRO shards the optimizer state,
-    then also the gradients, then also the weights over the ``dp`` ranks, Rajbhandari et al. 2020, sec. 5)."""
+    then also the gradients, then also the weights over the ``dp`` ranks, Rajbhandari et al. 2020, sec. 5).
+
+    ``offload_optimizer``: ZeRO-Offload's split (Ren et al. 2021, sec. 4.1, one device's schedule): the host keeps
+    the fp32 master weights, Adam's moments and a copy of the gradients and runs the update; each gradient leaves
+    the device once a backward has produced it. ``offload_activations``: every saved activation waits on the host
+    between its forward and its backward (torch's ``save_on_cpu``). ``fp8_activations``: saved activations are
+    cached in FP8, one byte each (DeepSeek-V3 caches its Linear and SwiGLU inputs so, sec. 3.3.3), with mixed
+    precision only."""
 
     hidden: int = 1024
     layers: int = 24
@@ -60,6 +71,9 @@ class MemorySetup:
     recompute: str = "never"
     precision: str = "fp32"
     zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_activations: bool = False
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "batch", "ffn", "dp", "tp", "pp", "microbatches"):
@@ -68,6 +82,18 @@ class MemorySetup:
         one_of("recompute", self.recompute, RECOMPUTE_MODES)
         one_of("precision", self.precision, tuple(PRECISIONS))
         one_of("zero_stage", self.zero_stage, ZERO_STAGES)
+        for name in ("offload_optimizer", "offload_activations", "fp8_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offload_optimizer and self.zero_stage:
+            raise ValueError(f"offload_optimizer is modelled with zero_stage 0 (ZeRO-Offload on one device's "
+                             f"schedule, sec. 4.1; its ZeRO-2 partitions are not), got zero_stage={self.zero_stage}")
+        if self.offload_activations and self.recompute != "never":
+            raise ValueError(f"offload_activations is modelled with recompute='never' (a recomputed forward would "
+                             f"save on the host again), got recompute={self.recompute!r}")
+        if self.fp8_activations and self.precision != "mixed":
+            raise ValueError(f"fp8_activations needs precision='mixed' (FP8 training keeps bf16 weights and fp32 "
+                             f"master weights), got precision={self.precision!r}")
         if self.layers % self.pp:
             raise ValueError(f"layers ({self.layers}) must divide into pp ({self.pp}) equal stages, got pp={self.pp}")
         if (self.ffn * self.hidden) % self.tp:
@@ -169,7 +195,12 @@ def activation_bytes(setup: MemorySetup, stage: int, held: int | None = None) ->
     held = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches)[stage] if held is None else held
     stage_input, everything = saved_per_microbatch(setup, stage)
     elements = held * everything if setup.recompute == "never" else held * stage_input + everything - stage_input
-    return elements * PRECISIONS[setup.precision].activation
+    return elements * activation_element_bytes(setup)
+
+
+def activation_element_bytes(setup: MemorySetup) -> int:
+    """Bytes of one saved activation element: the precision's, or 1 when they are cached in FP8."""
+    return 1 if setup.fp8_activations else PRECISIONS[setup.precision].activation
 
 
 def memory_anatomy(setup: MemorySetup) -> list[DeviceMemory]:
@@ -177,5 +208,38 @@ def memory_anatomy(setup: MemorySetup) -> list[DeviceMemory]:
     instance("setup", setup, MemorySetup)
     states = state_bytes(setup)
     in_flight = microbatches_in_flight(setup.schedule, setup.pp, setup.microbatches)
+    if setup.offload_optimizer:  # on the host (host_bytes); a gradient is on the device only while it passes
+        states["gradients"] = states["optimizer state"] = 0
     return [DeviceMemory(states["weights"], states["gradients"], states["optimizer state"],
-                         activation_bytes(setup, s, in_flight[s])) for s in range(setup.pp)]
+                         0 if setup.offload_activations else activation_bytes(setup, s, in_flight[s]))
+            for s in range(setup.pp)]
+
+
+def host_bytes(setup: MemorySetup, stage: int = 0) -> dict[str, int]:
+    """Bytes the host keeps for one device of ``stage``: with ``offload_optimizer`` the fp32 master weights and
+    Adam's moments (4 + 2 x moment bytes a parameter, whatever the training precision: the host updates fp32
+    copies) and a copy of the gradients (training precision); with ``offload_activations`` the saved activations
+    the device would hold at its peak."""
+    instance("setup", setup, MemorySetup)
+    params, precision = stage_parameters(setup), PRECISIONS[setup.precision]
+    offloaded = setup.offload_optimizer
+    return {"optimizer state": (4 + 2 * precision.moment) * params if offloaded else 0,
+            "gradients": precision.gradient * params if offloaded else 0,
+            "activations": activation_bytes(setup, stage) if setup.offload_activations else 0}
+
+
+def host_traffic(setup: MemorySetup, stage: int = 0) -> dict[str, int]:
+    """Bytes one device of ``stage`` sends to its host ("down") and receives from it ("up") per step. Offloaded
+    optimizer: each micro-batch's gradients down as its backward produces them, the new weights up once (m = 1:
+    2 + 2 bytes a parameter in bf16, ZeRO-Offload's 4M, sec. 3.3). Offloaded activations: every micro-batch's
+    saved activations down in its forward and up in its backward."""
+    instance("setup", setup, MemorySetup)
+    params, precision = stage_parameters(setup), PRECISIONS[setup.precision]
+    down = up = 0
+    if setup.offload_optimizer:
+        down += setup.microbatches * precision.gradient * params
+        up += precision.weight * params
+    if setup.offload_activations:
+        saved = saved_per_microbatch(setup, stage)[1] * activation_element_bytes(setup) * setup.microbatches
+        down, up = down + saved, up + saved
+    return {"down": down, "up": up}

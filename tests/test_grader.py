@@ -69,12 +69,17 @@ class GradedClass:
         return [nb for nb in self.data["notebooks"] if Path(nb["path"]).parent.name == student]
 
 
+WRONG_NOTEBOOKS = ("04_gpipe", "08_zero", "10_communication")  # code run on ranks, schedules, predicted numbers
+
+
 @pytest.fixture(scope="module")
 def graded_class(tmp_path_factory) -> GradedClass:
     """One class graded once by `python -m gpipe_ref grade --jobs 2` (grading is the slow part of these tests, so
     they share it): "solved" holds every solution notebook, "untouched" every exercise notebook as shipped, "wrong"
-    every notebook with the first planted wrong answer in each exercise cell; ann, ben and cat each hand in
-    04_gpipe (the solution, untouched, and right but for the hidden cases of 04.3)."""
+    the first planted wrong answer in each exercise cell of three notebooks (WRONG_NOTEBOOKS: every planted answer
+    of every exercise scores 0 in test_grading_contract, in this process; here the path through a kernel is
+    shown for three kinds of exercise); ann, ben and cat each hand in 04_gpipe (the solution, untouched, and
+    right but for the hidden cases of 04.3)."""
     base = tmp_path_factory.mktemp("graded_class")
     cls = base / "class"
     firsts = planted_answers()
@@ -82,7 +87,8 @@ def graded_class(tmp_path_factory) -> GradedClass:
         for student, source in (("solved", SOLUTIONS), ("untouched", EXERCISE_DIR)):
             (cls / student).mkdir(parents=True, exist_ok=True)
             (cls / student / f"{name}.ipynb").write_bytes((source / f"{name}.ipynb").read_bytes())
-        _submission(cls, name, {ex.id: firsts[ex.id] for ex in exercises}, student="wrong")
+        if name in WRONG_NOTEBOOKS:
+            _submission(cls, name, {ex.id: firsts[ex.id] for ex in exercises}, student="wrong")
     for student, source in (("ann", SOLUTIONS), ("ben", EXERCISE_DIR)):
         (cls / student).mkdir()
         (cls / student / "04_gpipe.ipynb").write_bytes((source / "04_gpipe.ipynb").read_bytes())
@@ -117,9 +123,10 @@ def test_solutions_score_full_marks_and_untouched_exercises_zero(graded_class):
 def test_grader_fails_planted_wrong_notebooks(graded_class):
     """One wrong answer per exercise, planted in the student notebooks, graded end to end: no point anywhere."""
     wrong = graded_class.of("wrong")
-    assert [nb["notebook"] for nb in wrong] == list(NOTEBOOKS) and sum(nb["points"] for nb in wrong) == 0
+    assert [nb["notebook"] for nb in wrong] == list(WRONG_NOTEBOOKS) and sum(nb["points"] for nb in wrong) == 0
     statuses = {e["exercise"]: e["status"] for nb in wrong for e in nb["exercises"]}
-    assert set(statuses) == set(EXERCISES) and all(s in ("failed", "error") for s in statuses.values()), statuses
+    assert set(statuses) == {ex.id for name in WRONG_NOTEBOOKS for ex in NOTEBOOKS[name]}
+    assert all(s in ("failed", "error") for s in statuses.values()), statuses
 
 
 @pytest.mark.slow

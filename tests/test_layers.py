@@ -20,12 +20,13 @@ LAYERS = [
     # sharding: the bytes each tensor-parallel collective moves, closed forms the library's layers also count
     # lazy: PEP 562 names for the package roots; ring_steps: the ring all-reduce's chunk order, without torch
     # comm_model: the alpha-beta cost of messages and collectives, without torch
+    # resharding: which saved pieces a checkpoint's loading rank reads, without torch (under distributed.checkpointing)
     ("foundations", ["checks", "lazy", "microbatch", "devices", "models", "measure", "meter", "sharding",
-                     "model_states", "ring_steps", "comm_model"]),
+                     "model_states", "ring_steps", "comm_model", "resharding"]),
     ("schedules", ["schedule", "schedule.*"]),
     ("timelines", ["events", "timeline", "chrome_trace", "simulator"]),
     ("stages", ["stage_costs", "partition", "batchnorm", "split_backward", "lean_stage", "stage_ops",
-                "rematerialization", "activation_memory"]),
+                "rematerialization", "activation_memory", "offload"]),
     ("executors", ["executor", "workers", "pipeline"]),
     ("processes", ["distributed", "distributed.*"]),
     ("models of training", ["staged_trainer", "staleness", "planner", "memory_model", "memory", "playground",
@@ -226,6 +227,8 @@ TESTED_IN: dict[str, tuple[str, str]] = {
     "grading.notebooks": ("test_grading.py", "exercise cells found and rewritten"),
     "loss_curves": ("test_viz.py", "loss curves against samples and time"),
     "memory_model": ("test_memory.py", "the memory model, against a measured step's tensors"),
+    "distributed.resumable": ("test_checkpointing.py", "a rank killed under torchrun's restarts, the run resumed"),
+    "distributed.torchrun": ("test_checkpointing.py", "joined once per restart (and test_train.py, under torchrun)"),
     "meter": ("test_memory.py", "saved-activation bytes against the memory model"),
     "ring_steps": ("test_collectives.py", "the ring's chunk order, as the collective sends it"),
     "rematerialization": ("test_layer_kinds.py", "Dropout and BatchNorm recomputed: the forward's draws and buffers"),

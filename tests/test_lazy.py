@@ -21,7 +21,7 @@ from gpipe_ref.lazy import lazy_names
 TORCH_FREE_MODULES = ("gpipe_ref", "gpipe_ref.widgets", "gpipe_ref.schedule", "gpipe_ref.simulator",
                       "gpipe_ref.timeline", "gpipe_ref.timeline_svg", "gpipe_ref.placement", "gpipe_ref.planner",
                       "gpipe_ref.ring_steps", "gpipe_ref.comm_model", "gpipe_ref.long_context", "gpipe_ref.moe_balance",
-                      "gpipe_ref.stage_costs", "gpipe_ref.memory_model",
+                      "gpipe_ref.stage_costs", "gpipe_ref.memory_model", "gpipe_ref.resharding",
                       "gpipe_ref.microbatch_size", "gpipe_ref.sharding", "gpipe_ref.viz")
 
 BLOCKED_RUN = """

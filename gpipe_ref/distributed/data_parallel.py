@@ -98,7 +98,7 @@ class DataParallel(nn.Module):
             raise TypeError(f"record_timeline must be True or False, got {record_timeline!r}")
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialised on every rank first: start the "
-                               "ranks with gpipe_ref.distributed.launch or torchrun (init_from_env)")
+                               "ranks with gpipe_ref.distributed.launch or torchrun (torchrun.init_from_env)")
         self.module = module
         self.group = group
         self.find_unused_parameters = find_unused_parameters

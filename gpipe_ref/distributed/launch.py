@@ -14,7 +14,7 @@ started). One path for gloo and NCCL: a rank may use CUDA.
 
 The default backend is gloo on CPU and NCCL (with gloo for CPU tensors) when
 every rank can have its own GPU. Under torchrun the same worker code runs
-without ``launch``: :func:`init_from_env` joins the group torchrun describes.
+without ``launch``: ``torchrun.init_from_env`` joins the group torchrun describes.
 
 When a run goes wrong, the error names the rank that went wrong first:
 
@@ -63,7 +63,7 @@ import torch.distributed as dist
 from ..checks import positive, positive_int
 from ..devices import visible_gpus
 
-__all__ = ["RankError", "launch", "default_backend", "free_port", "init_from_env", "under_torchrun",
+__all__ = ["RankError", "launch", "default_backend", "free_port",
            "rank_start_method", "ranks_run_inside"]
 
 _POSIX = os.name == "posix"  # process groups, SIGUSR1 stack dumps
@@ -428,22 +428,3 @@ def _signal_group(process, sig: int) -> None:
             pass  # the group is empty, or the rank had not made it yet: signal the rank alone
     if process.is_alive():
         process.terminate() if sig == signal.SIGTERM else process.kill()
-
-
-def init_from_env(timeout: float = 600.0) -> tuple[int, int]:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    positive("timeout", timeout)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"not started by torchrun: environment lacks {missing}")
-    world_size = int(os.environ["WORLD_SIZE"])
-    backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))  # GPUs are per machine
-    if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    return dist.get_rank(), world_size
-
-
-def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))

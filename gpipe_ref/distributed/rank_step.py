@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..executor import StepRun
 from ..microbatch import Batch
@@ -22,6 +23,7 @@ from ..stage_ops import Gradient
 from ..timeline import Event, Timeline
 from .messages import DTYPES, HEADER_BYTES, NO_TENSOR, TUPLE_CODE, header_fields, pack_tuple, unpack_tuple
 
+WAIT_SPAN = "wait for a message"  # the profiler span of a rank waiting for its input (profiled_step.py)
 if TYPE_CHECKING:
     from ..pipeline import GPipe
 
@@ -114,6 +116,10 @@ class RankStepRun(StepRun):
 
     def _take(self, key: tuple[int, int, int]) -> Gradient:
         """Wait for the receive of ``key`` (posting it now if it was not) and return its tensor."""
+        with record_function(WAIT_SPAN):  # the wait, a span inside its action's in torch.profiler's trace
+            return self._wait_and_take(key)
+
+    def _wait_and_take(self, key: tuple[int, int, int]) -> Gradient:
         waiting_since = time.perf_counter()
         if key not in self.posted:
             self._post(key)
@@ -216,8 +222,9 @@ class RankStepRun(StepRun):
         post_ahead(0)
         for i, action in enumerate(actions):
             began, self.waited = time.perf_counter(), 0.0
-            self.run(action)
-            self.sync(action)
+            with record_function(str(action)):  # a span in torch.profiler's trace (distributed/profiled_step.py)
+                self.run(action)
+                self.sync(action)
             if timed:
                 ended = time.perf_counter()
                 # the bar covers the compute (recomputation included), not the wait for messages

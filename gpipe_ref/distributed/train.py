@@ -225,7 +225,8 @@ def train(config: TrainConfig) -> tuple[list[float], Timeline | None]:
 
     Returns the loss per step and rank 0's last-step timeline (None on torchrun's other ranks).
     ``config.trace`` is checked before any rank starts, not written."""
-    from .launch import init_from_env, launch, under_torchrun
+    from .launch import launch
+    from .torchrun import init_from_env, under_torchrun
 
     config.check()
     _check_trace(config.trace)

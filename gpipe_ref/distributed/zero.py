@@ -79,7 +79,7 @@ class ZeRO:
         positive("lr", lr)
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed initialised on every rank first: start the ranks "
-                               "with gpipe_ref.distributed.launch or torchrun (init_from_env)")
+                               "with gpipe_ref.distributed.launch or torchrun (torchrun.init_from_env)")
         self.module, self.stage, self.collectives = module, stage, collectives
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.units = units_of(module, self.world_size)

@@ -1,0 +1,91 @@
+"""A pipeline step on real ranks traced by ``torch.profiler``, read back as a Timeline beside the simulator's.
+
+Each rank runs a step of :class:`~gpipe_ref.distributed.pipeline_parallel.PipelineParallel` under the profiler and
+exports a Chrome trace (``export_chrome_trace``; Perfetto and chrome://tracing open it). Every action of the
+schedule is a ``record_function`` span named by its text form ("1F0": stage 1's forward of micro-batch 0), and
+so is every wait for a peer's message ("wait for a message"), so :func:`trace_timeline` rebuilds the step's
+Timeline from the traces alone: compute bars, and the waits on the comm tracks. The ranks share this machine's
+clock, so their traces line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checks import positive_int
+from ..models import mlp_block, regression_data
+from ..schedule import Action
+from ..timeline import Event, Timeline, Transfer
+from .rank_step import WAIT_SPAN
+
+__all__ = ["profile_pipeline_step", "trace_timeline"]
+
+
+
+def profile_pipeline_step(rank: int, world: int, folder: str, schedule: str = "gpipe", microbatches: int = 4,
+                          hidden: int = 256, blocks: int = 4, seed: int = 0) -> str:
+    """Rank function: a step of ``blocks`` MLP blocks split over the ``world`` ranks (one warm-up step first,
+    untraced), traced; writes ``folder/rank<r>.json`` and returns its path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .pipeline_parallel import PipelineParallel
+
+    for name, value in (("microbatches", microbatches), ("hidden", hidden), ("blocks", blocks)):
+        positive_int(name, value)
+    if blocks % world:
+        raise ValueError(f"blocks ({blocks}) must split evenly over the {world} ranks")
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[mlp_block(hidden) for _ in range(blocks)])
+    pipe = PipelineParallel(model, [blocks // world] * world, chunks=microbatches, schedule=schedule,
+                            checkpoint="never")
+    x, y = regression_data(samples=16 * microbatches, width=hidden, seed=seed)
+    pipe.step(x, y, nn.functional.mse_loss)  # the first step allocates and warms up: not the one to read
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        dist.barrier()  # both profilers are on (starting one takes milliseconds) before the step starts
+        pipe.step(x, y, nn.functional.mse_loss)
+    path = Path(folder) / f"rank{rank}.json"
+    trace.export_chrome_trace(os.fspath(path))
+    return os.fspath(path)
+
+
+def _spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    with open(path) as file:
+        return [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
+
+
+def _action(name: str) -> Action | None:
+    try:
+        return Action.parse(name)
+    except (TypeError, ValueError):
+        return None
+
+
+def trace_timeline(paths: list[str]) -> Timeline:
+    """The Timeline of a traced step: rank r's trace (``paths[r]``) gives device r's actions, in seconds from the
+    first action's start, each bar its compute (its span less the waits inside it, as the executor's own timeline
+    counts), and the waits as comm spans."""
+    if not paths:
+        raise ValueError("paths must list one trace per rank, got none")
+    per_rank = [_spans(path) for path in paths]
+    actions = [(r, e, a) for r, spans in enumerate(per_rank) for e in spans
+               if e.get("cat") == "user_annotation" and (a := _action(e["name"])) is not None]
+    if not actions:
+        raise ValueError(f"no schedule actions (spans named like '0F0') in {paths}")
+    origin = min(e["ts"] for _, e, _ in actions)
+    waits = [Transfer(r, WAIT_SPAN, (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6)
+             for r, spans in enumerate(per_rank) for e in spans if e["name"] == WAIT_SPAN]
+    events = []
+    for r, e, a in actions:  # the action computes once its wait, a span inside its own, is over
+        start, stop = (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6
+        waited = sum(w.duration for w in waits if w.device == r and start <= w.start and w.end <= stop)
+        events.append(Event(r, a.stage, a.op, a.microbatch, start + waited, stop, 0))
+    return Timeline(sorted(events, key=lambda e: (e.device, e.start)), len(paths), unit="s",
+                    comm=sorted(waits, key=lambda t: (t.device, t.start)))
