@@ -16,7 +16,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solut
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 COURSE = ["00_welcome", "01_data_parallel", "02_tensor_parallel", "03_model_parallel", "04_gpipe",
           "05_rematerialization", "06_pipedream", "07_beyond", "08_zero", "09_v_schedules",
-          "10_communication", "11_long_context_moe"]
+          "10_communication", "11_long_context_moe", "12_checkpoints_offload_traces"]
 
 
 def test_course_notebooks_exist():

@@ -10,8 +10,10 @@ clock, so their traces line up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +50,30 @@ def profile_pipeline_step(rank: int, world: int, folder: str, schedule: str = "g
                             checkpoint="never")
     x, y = regression_data(samples=16 * microbatches, width=hidden, seed=seed)
     pipe.step(x, y, nn.functional.mse_loss)  # the first step allocates and warms up: not the one to read
-    with profile(activities=[ProfilerActivity.CPU]) as trace:
-        dist.barrier()  # both profilers are on (starting one takes milliseconds) before the step starts
-        pipe.step(x, y, nn.functional.mse_loss)
+    trace = profile(activities=[ProfilerActivity.CPU])
+    with _stderr_silenced():  # kineto prints "profiler_start" / "profiler_stop" lines, and no setting stops it
+        trace.start()
+    dist.barrier()  # both profilers are on (starting one takes milliseconds) before the step starts
+    pipe.step(x, y, nn.functional.mse_loss)
+    with _stderr_silenced():
+        trace.stop()
     path = Path(folder) / f"rank{rank}.json"
     trace.export_chrome_trace(os.fspath(path))
     return os.fspath(path)
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 (C++'s stderr too) points at /dev/null inside the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
