@@ -55,7 +55,9 @@ class MemorySetup:
     ``offload_optimizer``: ZeRO-Offload's split (Ren et al. 2021, sec. 4.1, one device's schedule): the host keeps
     the fp32 master weights, Adam's moments and a copy of the gradients and runs the update; each gradient leaves
     the device once a backward has produced it. ``offload_activations``: every saved activation waits on the host
-    between its forward and its backward (torch's ``save_on_cpu``). ``fp8_activations``: saved activations are
+    between its forward and its backward, and is back on the device only while its own backward runs (a passing
+    buffer); the parameters stay on the device (torch's ``save_on_cpu`` would move the weights a Linear saves too,
+    once per micro-batch: a pack hook that skips parameters does not). ``fp8_activations``: saved activations are
     cached in FP8, one byte each (DeepSeek-V3 caches its Linear and SwiGLU inputs so, sec. 3.3.3), with mixed
     precision only."""
 

@@ -22,7 +22,9 @@ __all__ = ["OffloadedAdam", "OffloadMeasurement", "measure_offload"]
 class OffloadedAdam:
     """Adam on the host for a model on its device: fp32 master weights and moments on ``host``, gradients copied
     there during the backward (a post-accumulate-grad hook per parameter), weights copied back after the update.
-    ``sent_down`` and ``sent_up`` count the bytes that crossed."""
+    The host adds up the micro-batches' gradients in the training precision, as ZeRO-Offload keeps 16-bit
+    gradients (2 bytes a parameter; bf16 rounds each sum). ``sent_down`` and ``sent_up`` count the bytes that
+    crossed."""
 
     def __init__(self, parameters, lr: float = 1e-3, host: str | torch.device = "cpu") -> None:
         self.parameters = [p for p in parameters if p.requires_grad]

@@ -90,7 +90,8 @@ def pieces(shape: tuple[int, ...], dim: int | None, world: int) -> list[Piece]:
 
 
 def saved_pieces(shape: tuple[int, ...], dim: int | None, world: int) -> list[Piece]:
-    """The pieces a checkpoint holds: each rank's non-empty piece; a tensor whole on every rank is saved once."""
+    """The pieces a checkpoint holds: each rank's non-empty piece; a tensor whole on every rank is saved once, by
+    rank 0 (``distributed.checkpointing.save`` asks DCP for that)."""
     found = [p for p in pieces(shape, dim, world) if p.elements]
     return found[:1] if dim is None else found
 

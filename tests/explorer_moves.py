@@ -9,7 +9,7 @@ from __future__ import annotations
 # The explorers whose logic is pure Python (staleness trains a real model: it needs torch).
 TORCH_FREE_EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer",
                         "ring_explorer", "balance_explorer", "microbatch_chooser", "memory_explorer",
-                        "collective_explorer", "context_explorer")
+                        "collective_explorer", "context_explorer", "reshard_explorer")
 # Buttons pressed after the moves: the playground's "load" puts the chosen schedule in its text ("run on the
 # executor" runs torch, and is left alone)
 PRESSED = ("load",)

@@ -97,7 +97,7 @@ def test_every_live_explorer_starts_offline_and_answers_a_move_as_in_cpython(sit
     buttons = [(page.relative_to(folder).as_posix(), k, factory, json.loads(html.unescape(options)))
                for page in sorted(folder.glob("notebooks/*.html"))
                for k, (factory, options) in enumerate(BUTTON.findall(page.read_text()))]
-    assert len({factory for _, _, factory, _ in buttons}) == 10, buttons
+    assert len({factory for _, _, factory, _ in buttons}) == 11, buttons
     assert "Not live here: it trains a model with torch" in (folder / "notebooks" / "06_pipedream.html").read_text()
     bridge = load_bridge()
     problems, cold, fetched = [], None, []

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
 from gpipe_ref.distributed import launch
 from gpipe_ref.distributed.checkpointing import CheckpointSetup, latest, load_then_train, saved_pieces, train_then_save
+from gpipe_ref.distributed.resumable import run_under_torchrun
 from gpipe_ref.resharding import block_shapes, pieces, split_dims
 from gpipe_ref.resharding import saved_pieces as predicted_saved_pieces
 
@@ -66,15 +63,8 @@ def test_the_files_hold_the_pieces_resharding_predicts(saved):
 
 
 def test_a_killed_rank_resumes_under_torchrun_from_the_newest_checkpoint(tmp_path, saved):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun is not installed next to this Python")
     folder = tmp_path / "run"
-    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                             "--monitor-interval", "0.5", "-m", "gpipe_ref.distributed.resumable",
-                             "--folder", str(folder), "--steps", "6", "--every", "2", "--kill-rank", "1",
-                             "--kill-step", "3"], capture_output=True, text=True, timeout=240,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_under_torchrun(folder, steps=6, every=2, kill=(1, 3), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     log = [json.loads(line) for line in (folder / "losses.jsonl").read_text().splitlines()]
     assert [(e["attempt"], e["step"]) for e in log] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3), (1, 4), (1, 5)]
@@ -82,3 +72,22 @@ def test_a_killed_rank_resumes_under_torchrun_from_the_newest_checkpoint(tmp_pat
     final = {e["step"]: e["loss"] for e in log}  # the last attempt's loss of each step
     assert [final[s] for s in range(6)] == saved[2]  # exactly the run that never stopped
     assert latest(folder) == folder / "6"
+
+
+def test_a_tensor_parallel_checkpoint_writes_each_piece_where_resharding_says(tmp_path):
+    """Tensor parallelism leaves the second Linear's bias whole on every rank: saved once, by rank 0."""
+    path = tmp_path / "tp"
+    launch(train_then_save, 2, "tp", 1, str(path), SETUP, timeout=120)
+    found = saved_pieces(path)
+    for name, shape in block_shapes(SETUP.hidden, SETUP.inner).items():
+        expected = predicted_saved_pieces(shape, split_dims("tp")[name], 2)
+        assert found[f"model.{name}"] == expected
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert found[f"optim.state.{name}.{moment}"] == expected
+
+
+def test_a_layout_the_block_does_not_divide_into_is_refused():
+    from gpipe_ref.distributed.checkpointing import build
+
+    with pytest.raises(ValueError, match=r"inner \(32\) must divide into the 3 tensor-parallel ranks"):
+        build("tp", 3, SETUP)

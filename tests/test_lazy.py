@@ -1,5 +1,5 @@
 """gpipe_ref.lazy and the torch-free core it makes possible: the package root and gpipe_ref.widgets import the
-torch-backed names on first use, so the schedules, the simulator, the pictures and ten explorers import and run
+torch-backed names on first use, so the schedules, the simulator, the pictures and eleven explorers import and run
 with torch, numpy and matplotlib all blocked (the website runs them in the reader's browser, issue 47)."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_what_the_page_cannot_run_is_refused_or_disabled_with_its_reason(bridge)
     run = next(n for n in preorder(tree) if n["kind"] == "Button" and n["description"] == "run on the executor")
     assert run["disabled"] and "JupyterLab only" in run["tooltip"]
     assert json.loads(bridge.set_value("schedule_playground", run["id"], None)) == tree  # pressed: nothing runs
-    assert "torch" not in bridge.EXPLORERS and len(bridge.EXPLORERS) == 10
+    assert "torch" not in bridge.EXPLORERS and len(bridge.EXPLORERS) == 11
 
 
 def test_the_button_is_read_from_the_cells_last_explorer_call_with_its_literal_arguments():

@@ -1,5 +1,5 @@
 """The website's runtime: Pyodide (CPython 3.14 in WebAssembly, vendored under website/_static/vendor/pyodide with
-the pure wheels the explorers import) runs the package and the ten torch-free explorers under Node, and shows
+the pure wheels the explorers import) runs the package and the eleven torch-free explorers under Node, and shows
 for every move exactly what CPython shows (issue 47: the live explorers, the package on 3.11 and 3.14)."""
 
 from __future__ import annotations
@@ -67,4 +67,4 @@ def test_the_ten_explorers_run_in_pyodide_and_show_what_cpython_shows(tmp_path):
         moved, before, after = result["drive"][factory]
         assert moved >= 1 and after != before, factory  # the controls moved and what it shows changed
         assert [moved, before, after] == list(in_cpython[factory]), f"{factory} shows other values in Pyodide"
-    print(f"Pyodide loaded in {result['load_ms']} ms; the ten explorers built and driven by {result['total_ms']} ms")
+    print(f"Pyodide loaded in {result['load_ms']} ms; the eleven explorers built and driven by {result['total_ms']} ms")

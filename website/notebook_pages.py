@@ -36,7 +36,7 @@ WIDGET_NOTE = "A saved view, its controls inert here; interactive in JupyterLab:
 # The explorers the page can run (website/live/bridge.py's list: their logic is pure Python)
 LIVE_EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer", "ring_explorer",
                   "balance_explorer", "microbatch_chooser", "memory_explorer", "collective_explorer",
-                  "context_explorer")
+                  "context_explorer", "reshard_explorer")
 # The explorers the page cannot run, and why, said under their saved view
 NOT_LIVE = {"staleness_explorer": "it trains a model with torch, which the page cannot run: live in JupyterLab only"}
 

@@ -55,6 +55,9 @@ def build(layout: str, world: int, setup: CheckpointSetup) -> tuple[nn.Module, t
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     one_of("layout", layout, LAYOUTS)
+    if layout == "tp" and setup.inner % world:
+        raise ValueError(f"inner ({setup.inner}) must divide into the {world} tensor-parallel ranks (each holds "
+                         f"inner / world of the first Linear's outputs), got world={world}")
     torch.manual_seed(setup.seed)
     model = mlp_block(setup.hidden, setup.inner)
     mesh = init_device_mesh("cpu", (world,))
@@ -94,13 +97,16 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Save the model's and the optimizer's state (each rank its own shards) and the steps done, into ``path``."""
+    """Save the model's and the optimizer's state (each rank its own shards) and the steps done, into ``path``. A
+    tensor every rank holds whole is written once, by rank 0 (DCP's default gives it to the rank with the least
+    to write, which ``resharding`` could not say)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optimizer_state, STEP_KEY: torch.tensor(step)},
-             checkpoint_id=os.fspath(path))
+             checkpoint_id=os.fspath(path), planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
 
 def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -143,6 +149,7 @@ def saved_pieces(path: str | os.PathLike[str]) -> dict[str, list[Piece]]:
 
 def local_pieces(model: nn.Module, rank: int) -> dict[str, Piece]:
     """The piece of each parameter this rank holds (a whole tensor is one piece at offset 0)."""
+    # _utils is private: what DTensor itself uses to place a rank's shard (torch 2.13; tests/test_checkpointing.py)
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -4,8 +4,8 @@ Each rank runs a step of :class:`~gpipe_ref.distributed.pipeline_parallel.Pipeli
 exports a Chrome trace (``export_chrome_trace``; Perfetto and chrome://tracing open it). Every action of the
 schedule is a ``record_function`` span named by its text form ("1F0": stage 1's forward of micro-batch 0), and
 so is every wait for a peer's message ("wait for a message"), so :func:`trace_timeline` rebuilds the step's
-Timeline from the traces alone: compute bars, and the waits on the comm tracks. The ranks share this machine's
-clock, so their traces line up.
+Timeline from the traces alone: compute bars, and the waits on the comm tracks. Each rank's profiler converts
+its clock on its own, so the traces are lined up at a barrier every rank leaves together just before the step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from ..schedule import Action
 from ..timeline import Event, Timeline, Transfer
 from .rank_step import WAIT_SPAN
 
-__all__ = ["profile_pipeline_step", "trace_timeline"]
+__all__ = ["profile_pipeline_step", "trace_timeline", "READY_SPAN"]
+
+# The barrier every rank leaves at (nearly) the same instant, just before the step: each process's profiler keeps
+# its own clock conversion, off by up to milliseconds from its peers', so the traces are lined up at its end.
+READY_SPAN = "all ranks ready"
 
 
 
@@ -35,7 +39,7 @@ def profile_pipeline_step(rank: int, world: int, folder: str, schedule: str = "g
                           hidden: int = 256, blocks: int = 4, seed: int = 0) -> str:
     """Rank function: a step of ``blocks`` MLP blocks split over the ``world`` ranks (one warm-up step first,
     untraced), traced; writes ``folder/rank<r>.json`` and returns its path."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from .pipeline_parallel import PipelineParallel
 
@@ -53,7 +57,8 @@ def profile_pipeline_step(rank: int, world: int, folder: str, schedule: str = "g
     trace = profile(activities=[ProfilerActivity.CPU])
     with _stderr_silenced():  # kineto prints "profiler_start" / "profiler_stop" lines, and no setting stops it
         trace.start()
-    dist.barrier()  # both profilers are on (starting one takes milliseconds) before the step starts
+    with record_function(READY_SPAN):  # both profilers on (starting one takes milliseconds), and a common instant
+        dist.barrier()
     pipe.step(x, y, nn.functional.mse_loss)
     with _stderr_silenced():
         trace.stop()
@@ -76,6 +81,11 @@ def _stderr_silenced():
             os.close(saved)
 
 
+def _host(path: str | os.PathLike[str]) -> str:
+    with open(path) as file:
+        return str(json.load(file).get("host_name", ""))
+
+
 def _spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     with open(path) as file:
         return [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
@@ -94,18 +104,33 @@ def trace_timeline(paths: list[str]) -> Timeline:
     counts), and the waits as comm spans."""
     if not paths:
         raise ValueError("paths must list one trace per rank, got none")
+    hosts = {_host(path) for path in paths}
+    if len(hosts) > 1:
+        raise ValueError(f"paths must be traces from one machine (their clocks line up only there), got hosts "
+                         f"{sorted(hosts)}")
     per_rank = [_spans(path) for path in paths]
+    for r, spans in enumerate(per_rank):  # times from the end of the common barrier, on every rank
+        barrier_ends = [e["ts"] + e["dur"] for e in spans if e["name"] == READY_SPAN]
+        if len(barrier_ends) != 1:
+            raise ValueError(f"the trace of rank {r} ({paths[r]}) must hold one {READY_SPAN!r} span, "
+                             f"got {len(barrier_ends)}")
+        for e in spans:
+            e["ts"] -= barrier_ends[0]
     actions = [(r, e, a) for r, spans in enumerate(per_rank) for e in spans
                if e.get("cat") == "user_annotation" and (a := _action(e["name"])) is not None]
     if not actions:
         raise ValueError(f"no schedule actions (spans named like '0F0') in {paths}")
+    names = [(r, e["name"]) for r, e, _ in actions]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"each trace must hold one step, each action once; these appear more than once: {twice}")
     origin = min(e["ts"] for _, e, _ in actions)
     waits = [Transfer(r, WAIT_SPAN, (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6)
              for r, spans in enumerate(per_rank) for e in spans if e["name"] == WAIT_SPAN]
     events = []
-    for r, e, a in actions:  # the action computes once its wait, a span inside its own, is over
+    for r, e, a in actions:  # the action computes once its last wait, a span inside its own, is over
         start, stop = (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6
-        waited = sum(w.duration for w in waits if w.device == r and start <= w.start and w.end <= stop)
-        events.append(Event(r, a.stage, a.op, a.microbatch, start + waited, stop, 0))
+        ready = max((w.end for w in waits if w.device == r and start <= w.start and w.end <= stop), default=start)
+        events.append(Event(r, a.stage, a.op, a.microbatch, ready, stop, 0))
     return Timeline(sorted(events, key=lambda e: (e.device, e.start)), len(paths), unit="s",
                     comm=sorted(waits, key=lambda t: (t.device, t.start)))

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from .checkpointing import CheckpointSetup, build, latest, load, local_batch, save, train_steps
 from .torchrun import init_from_env, restart_count
 
-__all__ = ["run", "main"]
+__all__ = ["run", "run_under_torchrun", "main"]
 
 
 def run(folder: Path, steps: int, every: int, kill: tuple[int, int] | None, setup: CheckpointSetup) -> None:
@@ -46,6 +47,29 @@ def run(folder: Path, steps: int, every: int, kill: tuple[int, int] | None, setu
                 save(folder / str(step + 1), model, optimizer, step + 1)
     finally:
         dist.destroy_process_group()
+
+
+def run_under_torchrun(folder: str | os.PathLike[str], steps: int = 8, every: int = 2,
+                       kill: tuple[int, int] | None = (1, 5), ranks: int = 2, restarts: int = 1,
+                       timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Start this run with torchrun (``python -m torch.distributed.run``: the agent that starts, watches and
+    restarts the ranks) on this machine; its output. Past ``timeout`` seconds the agent and every rank it started
+    are killed (they share a new session) and TimeoutError names the run."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "--max-restarts", str(restarts), "--monitor-interval", "0.5", "-m", "gpipe_ref.distributed.resumable",
+               "--folder", os.fspath(folder), "--steps", str(steps), "--every", str(every)]
+    if kill is not None:
+        command += ["--kill-rank", str(kill[0]), "--kill-step", str(kill[1])]
+    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        out, err = agent.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate()
+        raise TimeoutError(f"the torchrun run in {os.fspath(folder)!r} did not finish within {timeout} s: its agent "
+                           f"and ranks were killed") from None
+    return subprocess.CompletedProcess(command, agent.returncode, out, err)
 
 
 def main(argv: list[str] | None = None) -> int:

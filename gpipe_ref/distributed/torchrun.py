@@ -3,8 +3,9 @@
 torchrun's agent starts every worker with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and when one worker fails
 it stops them all and starts them again, up to ``--max-restarts`` times, with TORCHELASTIC_RESTART_COUNT one higher
 (torch's elastic documentation, "Failure Modes"). Its key-value store outlives a restart; gloo's rendezvous keys do
-not say which attempt wrote them, so a restarted worker can read a dead peer's address and fail to connect (torch
-2.13, measured: ``tests/test_checkpointing.py``). Each attempt therefore joins under its own key prefix.
+not say which attempt wrote them, so a restarted worker can read a dead peer's address and fail to connect (seen
+with torch 2.13 and gloo while writing lesson 12: "Connection refused" to the old address, or a hang). Each attempt
+therefore joins under its own key prefix.
 """
 
 from __future__ import annotations

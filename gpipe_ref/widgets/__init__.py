@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers, readers and tests/
     from .memory import MemoryExplorer, memory_explorer
     from .planner import PlannerExplorer, planner_explorer
     from .playground import SchedulePlayground, schedule_playground
+    from .reshard import ReshardExplorer, reshard_explorer
     from .ring import RingAllReduceExplorer, ring_explorer
     from .sharding import ShardingExplorer, sharding_explorer
     from .staleness import StalenessExplorer, staleness_explorer
@@ -39,6 +40,7 @@ LAZY = {
     "MemoryExplorer": "memory", "memory_explorer": "memory",
     "CollectiveExplorer": "collectives", "collective_explorer": "collectives",
     "ContextExplorer": "context", "context_explorer": "context",
+    "ReshardExplorer": "reshard", "reshard_explorer": "reshard",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, LAZY, globals())
@@ -56,4 +58,5 @@ __all__ = [
     "MemoryExplorer", "memory_explorer",
     "CollectiveExplorer", "collective_explorer",
     "ContextExplorer", "context_explorer",
+    "ReshardExplorer", "reshard_explorer",
 ]

@@ -15,7 +15,7 @@ __all__ = ["EXPLORERS", "start", "tree", "set_value"]
 # The explorers whose logic is pure Python, by the factory that builds each (staleness trains a model: torch).
 EXPLORERS = ("bubble_explorer", "schedule_playground", "sharding_explorer", "planner_explorer", "ring_explorer",
              "balance_explorer", "microbatch_chooser", "memory_explorer", "collective_explorer",
-             "context_explorer")
+             "context_explorer", "reshard_explorer")
 # Buttons that need what the page lacks: shown disabled, with the reason as their tooltip.
 NEEDS_TORCH = {"run on the executor": "runs the GPipe executor on torch: in JupyterLab only"}
 _TRAITS = ("description", "disabled", "value", "min", "max", "step", "readout", "tooltip", "placeholder", "rows")

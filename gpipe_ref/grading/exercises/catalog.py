@@ -15,6 +15,7 @@ from . import (
     ex09_v_schedules,
     ex10_communication,
     ex11_long_context_moe,
+    ex12_checkpoints_offload_traces,
 )
 
 __all__ = ["EXERCISES", "NOTEBOOKS", "exercise"]
@@ -31,6 +32,7 @@ NOTEBOOKS: dict[str, list[Exercise]] = {
     "09_v_schedules": ex09_v_schedules.EXERCISES,
     "10_communication": ex10_communication.EXERCISES,
     "11_long_context_moe": ex11_long_context_moe.EXERCISES,
+    "12_checkpoints_offload_traces": ex12_checkpoints_offload_traces.EXERCISES,
 }
 EXERCISES: dict[str, Exercise] = {ex.id: ex for exercises in NOTEBOOKS.values() for ex in exercises}
 
