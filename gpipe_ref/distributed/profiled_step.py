@@ -27,7 +27,7 @@ from ..schedule import Action
 from ..timeline import Event, Timeline, Transfer
 from .rank_step import WAIT_SPAN
 
-__all__ = ["profile_pipeline_step", "trace_timeline", "READY_SPAN"]
+__all__ = ["profile_pipeline_step", "trace_timeline", "spans_timeline", "READY_SPAN"]
 
 # The barrier every rank leaves at (nearly) the same instant, just before the step: each process's profiler keeps
 # its own clock conversion, off by up to milliseconds from its peers', so the traces are lined up at its end.
@@ -99,38 +99,44 @@ def _action(name: str) -> Action | None:
 
 
 def trace_timeline(paths: list[str]) -> Timeline:
-    """The Timeline of a traced step: rank r's trace (``paths[r]``) gives device r's actions, in seconds from the
-    first action's start, each bar its compute (its span less the waits inside it, as the executor's own timeline
-    counts), and the waits as comm spans."""
+    """The Timeline of a traced step read from its Chrome traces, rank r's in ``paths[r]`` (:func:`spans_timeline`)."""
     if not paths:
         raise ValueError("paths must list one trace per rank, got none")
     hosts = {_host(path) for path in paths}
     if len(hosts) > 1:
         raise ValueError(f"paths must be traces from one machine (their clocks line up only there), got hosts "
                          f"{sorted(hosts)}")
-    per_rank = [_spans(path) for path in paths]
+    return spans_timeline([_spans(path) for path in paths])
+
+
+def spans_timeline(per_rank: list[list[dict[str, Any]]]) -> Timeline:
+    """The Timeline of a traced step from each rank's spans (Chrome-trace events: ``name``, ``ts`` and ``dur`` in
+    microseconds, ``cat``): device r's actions, in seconds from the first action's start, every rank's times counted
+    from the end of its "all ranks ready" span; each bar its compute (from the end of the last wait inside its span,
+    as the executor's own timeline counts), and the waits as comm spans."""
+    if not per_rank:
+        raise ValueError("per_rank must hold one list of spans per rank, got none")
+    moved = []
     for r, spans in enumerate(per_rank):  # times from the end of the common barrier, on every rank
         barrier_ends = [e["ts"] + e["dur"] for e in spans if e["name"] == READY_SPAN]
         if len(barrier_ends) != 1:
-            raise ValueError(f"the trace of rank {r} ({paths[r]}) must hold one {READY_SPAN!r} span, "
-                             f"got {len(barrier_ends)}")
-        for e in spans:
-            e["ts"] -= barrier_ends[0]
-    actions = [(r, e, a) for r, spans in enumerate(per_rank) for e in spans
+            raise ValueError(f"rank {r}'s spans must hold one {READY_SPAN!r} span, got {len(barrier_ends)}")
+        moved.append([{**e, "ts": e["ts"] - barrier_ends[0]} for e in spans])
+    actions = [(r, e, a) for r, spans in enumerate(moved) for e in spans
                if e.get("cat") == "user_annotation" and (a := _action(e["name"])) is not None]
     if not actions:
-        raise ValueError(f"no schedule actions (spans named like '0F0') in {paths}")
+        raise ValueError("no schedule actions (user_annotation spans named like '0F0') in the spans")
     names = [(r, e["name"]) for r, e, _ in actions]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise ValueError(f"each trace must hold one step, each action once; these appear more than once: {twice}")
     origin = min(e["ts"] for _, e, _ in actions)
     waits = [Transfer(r, WAIT_SPAN, (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6)
-             for r, spans in enumerate(per_rank) for e in spans if e["name"] == WAIT_SPAN]
+             for r, spans in enumerate(moved) for e in spans if e["name"] == WAIT_SPAN]
     events = []
     for r, e, a in actions:  # the action computes once its last wait, a span inside its own, is over
         start, stop = (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6
         ready = max((w.end for w in waits if w.device == r and start <= w.start and w.end <= stop), default=start)
         events.append(Event(r, a.stage, a.op, a.microbatch, ready, stop, 0))
-    return Timeline(sorted(events, key=lambda e: (e.device, e.start)), len(paths), unit="s",
+    return Timeline(sorted(events, key=lambda e: (e.device, e.start)), len(per_rank), unit="s",
                     comm=sorted(waits, key=lambda t: (t.device, t.start)))
