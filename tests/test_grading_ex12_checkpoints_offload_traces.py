@@ -2,12 +2,16 @@
 offloading and traces). The contract (CONTRACT, checked by tests/test_grading_contract.py): the solution notebook
 passes; every planted wrong answer (floor division for torch.chunk's ceil, every saved piece read by every rank,
 offsets counted from the loading rank's own piece, offloading everything, the least device bytes whatever the
-traffic, the broken newest_checkpoint as given, names compared as text, ...) fails, the shown check() naming its
+traffic, the broken newest_checkpoint as given, names compared as text, a trace read without the barrier's alignment,
+whole action spans as compute, ...) fails, the shown check() naming its
 mistake where it shows, and scores 0; right answers written another way pass, and small mutants of them fail. Here
 too: the expected reads are what DCP's files hold (tests/test_checkpointing.py), and the newest complete checkpoint
-is what checkpointing.latest finds in real folders."""
+is what checkpointing.latest finds in real folders, and a trace's breakdown is what notebook 12 prints from
+profiled_step.spans_timeline's Timeline."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -16,11 +20,21 @@ from gpipe_ref.grading.exercises.ex12_checkpoints_offload_traces import (
     BROKEN_NEWEST,
     CHOOSE_OFFLOAD,
     DONE,
+    EDGES,
     FIX_NEWEST,
+    GPIPE_2X2,
     READS_FOR,
+    READY,
+    SLIPS,
+    STEP_BREAKDOWN,
+    TEXT_EXAMPLE,
+    WAIT,
     best_choice,
+    breakdown,
     choices,
+    expected_breakdown,
     expected_reads,
+    synthetic_trace,
 )
 from gpipe_ref.memory_model import MemorySetup
 from planted import Contract, mutants, planted, rights
@@ -28,6 +42,7 @@ from planted import Contract, mutants, planted, rights
 PRELUDE = """
 import dataclasses
 import itertools
+import re
 
 from gpipe_ref.memory_model import MemorySetup, host_traffic, memory_anatomy
 """
@@ -83,6 +98,35 @@ def choose_offload(setup, budget):
         if device <= budget:
             fits.append(({key}, choice))
     return min(fits, key=lambda f: f[0])[1] if fits else None
+"""
+
+
+def step_breakdown(zero: str = 'next(s["ts"] + s["dur"] for s in spans if s["name"] == "all ranks ready")',
+                   counted: str = '"wait for a message"',
+                   action: str = 's["cat"] == "user_annotation" and re.fullmatch(r"[0-9]+[FBW][0-9]+", s["name"])',
+                   ready: str = "max([w_end for w_start, w_end in waits if start <= w_start and w_end <= end], "
+                                "default=start)",
+                   first: str = "ready", starts: str = "[start for start, _ in waits]",
+                   step: str = "max(rank[3] for rank in ranks) - min(rank[2] for rank in ranks)",
+                   unit: str = "1e6") -> str:
+    """12.4's answer with one piece changed: the common instant, the spans counted as waiting, which spans are
+    actions, when an action starts computing, where the step starts, its length, the unit."""
+    return f"""
+def step_breakdown(per_rank):
+    ranks = []
+    for spans in per_rank:
+        zero = {zero}
+        waits = [(s["ts"] - zero, s["ts"] + s["dur"] - zero) for s in spans if s["name"] == "wait for a message"]
+        counted = [s["dur"] for s in spans if s["name"] == {counted}]
+        actions = [(s["ts"] - zero, s["ts"] + s["dur"] - zero) for s in spans if {action}]
+        compute, starts = 0.0, {starts}
+        for start, end in actions:
+            ready = {ready}
+            compute += end - ready
+            starts.append({first})
+        ranks.append((compute, sum(counted), min(starts), max(end for _, end in actions + waits)))
+    return [{{"compute": c / {unit}, "waiting": w / {unit}, "other": ({step} - c - w) / {unit}}}
+            for c, w, first, last in ranks]
 """
 
 
@@ -154,6 +198,24 @@ def newest_checkpoint(entries):
     steps = [int(name) for name, files in entries if name.isdigit() and any(".metadata" in f for f in files)]
     return max(steps) if steps else None
 """),
+    ("12.4", "no barrier alignment: raw ts, each rank on its own clock", "offset by milliseconds",
+     step_breakdown(zero="0.0")),
+    ("12.4", "compute counted as the whole action span, waits not subtracted", "counts each action's whole span",
+     step_breakdown(ready="start")),
+    ("12.4", "waiting counted from the gloo:recv spans", "sums the 'gloo:recv' spans",
+     step_breakdown(counted='"gloo:recv"')),
+    ("12.4", "the step per rank, from its own first to its last instant", "each rank's own step",
+     step_breakdown(step="last - first")),
+    ("12.4", "cpu_op spans named like actions counted as actions", "a span of cat 'cpu_op' named like an action",
+     step_breakdown(action='re.fullmatch(r"[0-9]+[FBW][0-9]+", s["name"])')),
+    ("12.4", "microseconds, not seconds", "in microseconds", step_breakdown(unit="1")),
+    ("12.4", "the step from the first action span's start", "starts at the first action span's start",
+     step_breakdown(starts="[]", first="start")),
+    ("12.4", "computing from the end of the first wait, not the last", step_breakdown(
+        ready="min([w_end for w_start, w_end in waits if start <= w_start and w_end <= end], default=start)")),
+    ("12.4", "every user_annotation span but the barrier and the waits is an action", step_breakdown(
+        action='s["cat"] == "user_annotation" and s["name"] not in ("all ranks ready", "wait for a message")')),
+    ("12.4", "the waits' starts left out of the step's start", step_breakdown(starts="[]")),
     ("12.3", "any name int() reads is a step", """
 def newest_checkpoint(entries):
     steps = []
@@ -200,9 +262,42 @@ def newest_checkpoint(entries):  # the broken loop, fixed: numbers compared, inc
             newest = int(name)
     return newest
 """,
+    "12.4": """
+def step_breakdown(per_rank):  # in seconds from the start, Action.parse for the names, waits in start order
+    from gpipe_ref.schedule import Action
+
+    rows = []
+    for spans in per_rank:
+        barrier = [s for s in spans if s["name"] == "all ranks ready"][0]
+        zero = (barrier["ts"] + barrier["dur"]) / 1e6
+
+        def when(s):
+            return s["ts"] / 1e6 - zero, (s["ts"] + s["dur"]) / 1e6 - zero
+
+        waits = sorted(when(s) for s in spans if s["name"] == "wait for a message")
+        computing = []
+        for s in spans:
+            if s.get("cat") != "user_annotation":
+                continue
+            try:
+                Action.parse(s["name"])
+            except ValueError:
+                continue
+            start, end = when(s)
+            inside = [w for w in waits if start <= w[0] and w[1] <= end]
+            computing.append((inside[-1][1] if inside else start, end))
+        rows.append((computing, waits))
+    first = min(t for computing, waits in rows for t, _ in computing + waits)
+    last = max(t for computing, waits in rows for _, t in computing + waits)
+    result = []
+    for computing, waits in rows:
+        compute, waiting = sum(e - s for s, e in computing), sum(e - s for s, e in waits)
+        result.append({"compute": compute, "waiting": waiting, "other": last - first - compute - waiting})
+    return result
+""",
 }
 
-OTHER = {"12.1": RIGHT["12.1"], "12.2": choose(key="traffic"), "12.3": RIGHT["12.3"]}
+OTHER = {"12.1": RIGHT["12.1"], "12.2": choose(key="traffic"), "12.3": RIGHT["12.3"], "12.4": step_breakdown()}
 
 # Small mutations of the other right answers: each must fail some case.
 MUTANTS = [("12.1", "(shape[dim] + world - 1) // world", "(shape[dim] + world) // world"),
@@ -217,18 +312,24 @@ MUTANTS = [("12.1", "(shape[dim] + world - 1) // world", "(shape[dim] + world) /
             "host_traffic(trial, 0)['down']"),
            ("12.2", "max(d.total for d in memory_anatomy(trial))", "memory_anatomy(trial)[0].total"),
            ("12.3", '".metadata" in files and', '".metadata" in files or'),
-           ("12.3", "int(name) > newest", "name > str(newest)"), ("12.3", "newest = int(name)", "newest = name")]
+           ("12.3", "int(name) > newest", "name > str(newest)"), ("12.3", "newest = int(name)", "newest = name"),
+           ("12.4", "start <= w[0]", "start < w[0]"), ("12.4", "w[1] <= end", "w[1] < end"),
+           ("12.4", "inside[-1][1]", "inside[0][1]"), ("12.4", '(barrier["ts"] + barrier["dur"])', 'barrier["ts"]'),
+           ("12.4", 'if s.get("cat") != "user_annotation"', 'if s.get("cat") is None'),
+           ("12.4", "last - first - compute - waiting", "last - first - compute"),
+           ("12.4", "computing + waits)", "computing)"), ("12.4", "sorted(when(s)", "list(when(s)")]
 
 CONTRACT = Contract("12_checkpoints_offload_traces", planted=planted(PRELUDE, WRONG),
-                    right=rights(PRELUDE, RIGHT) + rights(PRELUDE, {"12.2": OTHER["12.2"]}, "any tie of traffic"),
-                    mutants=mutants(PRELUDE, MUTANTS, RIGHT), thinking=("12.1", "12.2", "12.3"))
+                    right=rights(PRELUDE, RIGHT) + rights(PRELUDE, {"12.2": OTHER["12.2"]}, "any tie of traffic")
+                    + rights(PRELUDE, {"12.4": OTHER["12.4"]}, "in microseconds until the end, a regular expression"),
+                    mutants=mutants(PRELUDE, MUTANTS, RIGHT), thinking=("12.1", "12.2", "12.3", "12.4"))
 
 
 def test_every_exercise_of_the_notebook_is_planted_and_makes_the_learner_think():
     ids = [ex.id for ex in NOTEBOOKS["12_checkpoints_offload_traces"]]
-    assert ids == ["12.1", "12.2", "12.3"] and {e for e, *_ in WRONG} == set(ids) == set(RIGHT)
-    assert [EXERCISES[i].category for i in ids] == ["build", "design", "debug"]
-    assert [EXERCISES[i].points for i in ids] == [3, 3, 2]
+    assert ids == ["12.1", "12.2", "12.3", "12.4"] and {e for e, *_ in WRONG} == set(ids) == set(RIGHT)
+    assert [EXERCISES[i].category for i in ids] == ["build", "design", "debug", "build"]
+    assert [EXERCISES[i].points for i in ids] == [3, 3, 2, 3]
 
 
 def test_the_expected_reads_are_resharding_plans():
@@ -296,3 +397,56 @@ def test_the_newest_complete_checkpoint_is_what_latest_finds_in_real_folders(tmp
         found = latest(folder)
         assert case.expected() == (None if found is None else int(found.name)), case.label
     assert DONE[0] == ".metadata"
+
+
+def _seconds(numbers: list[dict[str, float]]) -> list[list[float]]:
+    return [[round(n[key] * 1e6, 6) for key in ("compute", "waiting", "other")] for n in numbers]
+
+
+def test_the_breakdown_is_the_timeline_notebook_12_reads():
+    """12.4's expected side is spans_timeline's Timeline, read as notebook 12 prints it; the plain-Python breakdown
+    (the feedback's) agrees with it on every shown, hidden and drawn trace; the numbers the text states hold."""
+    import random
+
+    from gpipe_ref.distributed.profiled_step import READY_SPAN
+    from gpipe_ref.distributed.rank_step import WAIT_SPAN
+
+    assert (READY, WAIT) == (READY_SPAN, WAIT_SPAN)
+    cases = STEP_BREAKDOWN.cases() + STEP_BREAKDOWN.hidden() + [
+        case for seed in range(20) for case in STEP_BREAKDOWN.drawn(random.Random(seed))]
+    for case in cases:
+        per_rank = case.run(lambda spans: spans)
+        wanted = case.expected()
+        assert case.compare(breakdown(per_rank), wanted) is None, case.label
+        assert case.compare([{k: float(v) for k, v in n.items()} for n in wanted], wanted) is None
+    assert _seconds(expected_breakdown(GPIPE_2X2)) == [[6000, 3330, 210], [6000, 1180, 2360]]
+    assert _seconds(expected_breakdown(TEXT_EXAMPLE)) == [[1000, 0, 980], [400, 1580, 0]]
+    assert _seconds(expected_breakdown(EDGES)) == [[900, 200, 890], [270, 730, 990]]
+
+
+def test_every_slip_changes_a_synthetic_trace_s_breakdown_and_check_names_it():
+    """On every generated trace each slip of SLIPS gives other numbers, and the feedback names that slip; the
+    traces hold what the exercise's text says: one barrier a rank, waits inside actions, a decoy on one rank."""
+    import random
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        schedule, p, m = rng.choice(["gpipe", "1f1b"]), rng.choice([2, 3]), rng.randrange(2, 7)
+        per_rank = synthetic_trace(rng, schedule, p, m)
+        wanted = expected_breakdown(per_rank)
+        for flags, why in SLIPS:
+            slipped = breakdown(per_rank, **flags)
+            assert not all(abs(a[k] - b[k]) <= 1e-9 for a, b in zip(slipped, wanted) for k in a), (seed, flags)
+        assert sum(s["cat"] == "cpu_op" and re.fullmatch(r"[0-9]+[FBW][0-9]+", s["name"]) is not None
+                   for spans in per_rank for s in spans) == 1
+        for spans in per_rank:
+            assert sum(s["name"] == READY for s in spans) == 1
+            actions = [s for s in spans if s["cat"] == "user_annotation" and re.fullmatch(r"[0-9]+[FBW][0-9]+",
+                                                                                            s["name"])]
+            assert len(actions) == 2 * m
+            for wait in (s for s in spans if s["name"] == WAIT):
+                assert sum(a["ts"] < wait["ts"] and wait["ts"] + wait["dur"] < a["ts"] + a["dur"]
+                           for a in actions) == 1
+    first = STEP_BREAKDOWN.cases()[0]
+    for flags, why in SLIPS:
+        assert first.compare(breakdown(first.run(lambda spans: spans), **flags), first.expected()) == why, flags
