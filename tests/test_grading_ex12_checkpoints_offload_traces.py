@@ -20,20 +20,22 @@ from gpipe_ref.grading.exercises.ex12_checkpoints_offload_traces import (
     BROKEN_NEWEST,
     CHOOSE_OFFLOAD,
     DONE,
-    EDGES,
     FIX_NEWEST,
-    GPIPE_2X2,
     READS_FOR,
+    best_choice,
+    choices,
+    expected_reads,
+)
+from gpipe_ref.grading.exercises.ex12_step_breakdown import (
+    EDGES,
+    GPIPE_2X2,
     READY,
     SLIPS,
     STEP_BREAKDOWN,
     TEXT_EXAMPLE,
     WAIT,
-    best_choice,
     breakdown,
-    choices,
     expected_breakdown,
-    expected_reads,
     synthetic_trace,
 )
 from gpipe_ref.memory_model import MemorySetup

@@ -213,6 +213,7 @@ TESTED_IN: dict[str, tuple[str, str]] = {
     "grading.commands": ("test_workspace.py", "exercises start, build and check"),
     "grading.exercises.catalog": ("test_grading.py", "every exercise listed once, with its notebook"),
     "grading.exercises.common": ("test_grading.py", "the shared judges and the refused generators"),
+    "grading.exercises.ex12_step_breakdown": ("test_grading_ex12_checkpoints_offload_traces.py", "exercise 12.4"),
     "grading.grader_side.classroom": ("test_grader.py", "a class graded end to end"),
     "grading.grader_side.kernel": ("test_grading.py", "the kernel a submission runs in"),
     "grading.grader_side.processes": ("test_grading_confinement.py", "no process of a submission outlives it"),
