@@ -24,6 +24,7 @@ from ..timeline import Event, Timeline
 from .messages import DTYPES, HEADER_BYTES, NO_TENSOR, TUPLE_CODE, header_fields, pack_tuple, unpack_tuple
 
 WAIT_SPAN = "wait for a message"  # the profiler span of a rank waiting for its input (profiled_step.py)
+
 if TYPE_CHECKING:
     from ..pipeline import GPipe
 
