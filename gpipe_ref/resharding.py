@@ -11,6 +11,7 @@ resharding explorer runs it in the reader's browser; ``distributed.checkpointing
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .checks import non_negative, one_of, positive_int
@@ -31,10 +32,7 @@ class Piece:
 
     @property
     def elements(self) -> int:
-        count = 1
-        for size in self.sizes:
-            count *= size
-        return count
+        return math.prod(self.sizes)
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class Read:
 
     @property
     def elements(self) -> int:
-        return Piece(self.saved_rank, self.offsets, self.sizes).elements
+        return math.prod(self.sizes)
 
 
 def split_ranges(length: int, world: int) -> list[tuple[int, int]]:

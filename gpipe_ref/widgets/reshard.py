@@ -9,6 +9,7 @@ it in the reader's browser).
 from __future__ import annotations
 
 import html
+import math
 
 from ..resharding import LAYOUTS, block_shapes, elements_read, pieces, reshard_plan, saved_pieces, split_dims
 from ..svg import svg_root
@@ -37,9 +38,7 @@ def reads_table(hidden: int, saved: tuple[str, int], loaded: tuple[str, int], te
             f"{axis} {_span(o, n)}" for axis, o, n in zip(("rows", "columns"), r.offsets, r.sizes)) for r in reads)
         rows.append(f"<tr><td>{rank}</td><td>{html.escape(what) or 'nothing (an empty piece)'}</td>"
                     f"<td>{len(reads)}</td><td>{sum(r.elements for r in reads)}</td></tr>")
-    total = 1
-    for n in shape:
-        total *= n
+    total = math.prod(shape)
     every = elements_read(plan)
     head = "<tr><th>loading rank</th><th>reads</th><th>files</th><th>elements</th></tr>"
     return (f"<b>{tensor} ({' x '.join(map(str, shape))} = {total} elements), saved as {saved[0]} x {saved[1]}, "
