@@ -5,7 +5,7 @@ simulator, calibrated on the trace, within a stated factor of the traced step.
 Stated tolerance: the simulated makespan within a factor of 2 of the traced one. The simulator prices every F
 (and B) alike and sends messages for free; the trace holds the first micro-batch's allocations, Python between
 actions and the messages' latency (lesson 12 names each). The ranks' traces are lined up at a barrier they leave
-together, to about a millisecond on this shared machine, so no test holds a receive after its peer's send."""
+together, to a millisecond or two on this shared machine, so no test holds a receive after its peer's send."""
 
 from __future__ import annotations
 
